@@ -1,0 +1,186 @@
+"""The launch topology and the environment each rank sees (torchrun's contract).
+
+Pure functions: no processes, no torch import.  ``LaunchConfig`` is validated
+here so every caller (the magic, the config form, tests) gets the same rules
+and the same messages, before anything is launched.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_MULTINODE_PORT = 29500
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
+
+
+class ConfigError(ValueError):
+    """A launch option that cannot work; the message says what to do."""
+
+
+@dataclass
+class LaunchConfig:
+    num_processes: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None     # None: a fresh free port per run
+    max_restarts: int = 0
+    mixed_precision: Optional[str] = None
+    timeout: Optional[float] = None
+    extra_env: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.num_processes + local_rank
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.num_processes)
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool = False) -> None:
+    """Raise ConfigError for a configuration that cannot run here.
+
+    Checks are cheap and local: nothing is bound except when a port is given
+    explicitly for a single-node run (then it must be free now).
+    """
+    if cfg.num_processes < 1:
+        raise ConfigError(f"--num_processes must be at least 1 (got {cfg.num_processes}).")
+    if not allow_oversubscribe:
+        if gpu_count:
+            if cfg.num_processes > gpu_count:
+                raise ConfigError(
+                    f"--num_processes {cfg.num_processes} is more than the {gpu_count} GPU(s) on this "
+                    "machine; use at most one process per GPU, or pass --oversubscribe to allow it."
+                )
+        else:
+            cap = 4 * cpu_count()
+            if cfg.num_processes > cap:
+                raise ConfigError(
+                    f"--num_processes {cfg.num_processes} is more than 4x the {cpu_count()} CPU core(s) "
+                    f"of this machine (at most {cap}); use fewer, or pass --oversubscribe to allow it."
+                )
+    if cfg.num_nodes < 1:
+        raise ConfigError(f"--num_nodes must be at least 1 (got {cfg.num_nodes}).")
+    if not 0 <= cfg.node_rank < cfg.num_nodes:
+        raise ConfigError(
+            f"--node_rank must be between 0 and --num_nodes - 1 = {cfg.num_nodes - 1} (got {cfg.node_rank})."
+        )
+    if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
+        raise ConfigError(f"--master_port must be between 1 and 65535 (got {cfg.master_port}).")
+    if cfg.max_restarts < 0:
+        raise ConfigError(f"--max_restarts must be 0 or more (got {cfg.max_restarts}).")
+    if cfg.timeout is not None and cfg.timeout <= 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds (got {cfg.timeout}).")
+    if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:
+        raise ConfigError(
+            f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)} (got {cfg.mixed_precision!r})."
+        )
+    resolve_host(cfg.master_addr)
+    if cfg.num_nodes > 1 and cfg.max_restarts:
+        raise ConfigError(
+            "--max_restarts is not supported for multi-node runs yet: restarts are not coordinated "
+            "across nodes. Use --max_restarts 0 and re-run the cell on every node."
+        )
+    if cfg.num_nodes == 1 and cfg.master_port is not None and cfg.node_rank == 0:
+        if not port_is_free(cfg.master_addr, cfg.master_port):
+            raise ConfigError(
+                f"--master_port {cfg.master_port} is already in use on {cfg.master_addr}; "
+                "leave --master_port out to get a fresh free port per run, or choose another."
+            )
+
+
+def resolve_host(host: str) -> str:
+    """The address ``host`` resolves to, or ConfigError naming it."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"--master_addr {host!r} does not resolve ({exc}); give node 0's IP address or a host name "
+            "that every node can resolve."
+        ) from None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in resolve_host(host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((resolve_host(host), port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` now (the OS picks it).
+
+    The socket is closed before torch's store binds the port; the OS does not
+    hand the same ephemeral port out again at once, and every run asks anew,
+    so a stale store of an earlier run can never be reused.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_environment(
+    cfg: LaunchConfig,
+    local_rank: int,
+    master_port: int,
+    *,
+    run_id: str,
+    attempt: int,
+    gpu_count: int,
+) -> dict[str, str]:
+    """The variables torchrun would set for this rank, plus Accelerate's.
+
+    ``OMP_NUM_THREADS`` is divided between the local ranks on CPU (as torchrun
+    does when it is unset), so N ranks do not each start a thread per core.
+    ``ACCELERATE_USE_CPU`` makes ``Accelerator()`` really run MULTI_CPU when
+    there is no GPU, instead of N independent copies.
+    """
+    env = {
+        "RANK": str(cfg.global_rank(local_rank)),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(cfg.world_size),
+        "LOCAL_WORLD_SIZE": str(cfg.num_processes),
+        "GROUP_RANK": str(cfg.node_rank),
+        "NODE_RANK": str(cfg.node_rank),
+        "ROLE_RANK": str(cfg.global_rank(local_rank)),
+        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        "ROLE_NAME": "default",
+        "GROUP_WORLD_SIZE": str(cfg.num_nodes),
+        "MASTER_ADDR": cfg.master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if not gpu_count:
+        env["ACCELERATE_USE_CPU"] = "true"
+        if "OMP_NUM_THREADS" not in cfg.extra_env and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
+    if cfg.mixed_precision:
+        env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
+    env.update({k: str(v) for k, v in cfg.extra_env.items()})
+    return env

@@ -1,0 +1,111 @@
+"""Root-cause reporting for a run, and the exceptions a run raises.
+
+When one rank fails, the ranks waiting for it in a collective fail too, with
+errors such as gloo's "Connection closed by peer".  Those are consequences.
+The root cause is the earliest failure that is not such a consequence (each
+rank stamps its failure with the time it happened), as torchrun's
+``ChildFailedError`` reports the first failure.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .events import RankFailure
+
+
+def root_cause(failures: list[RankFailure]) -> Optional[RankFailure]:
+    if not failures:
+        return None
+    primary = [f for f in failures if not f.secondary]
+    return min(primary or failures, key=lambda f: (f.timestamp, f.rank))
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "".join(prefix + line for line in text.rstrip("\n").splitlines(True)) + "\n"
+
+
+class DistributedRunError(RuntimeError):
+    """A run in which a rank failed; the message is the failing rank's own story."""
+
+    def __init__(self, root: RankFailure, failures: list[RankFailure], others: dict[int, str],
+                 attempts: int = 1, stacks: Optional[dict[int, str]] = None) -> None:
+        self.root = root
+        self.failures = failures
+        self.others = others          # rank -> what happened to it ("stopped", ...)
+        self.attempts = attempts
+        self.stacks = stacks or {}
+        failing = sorted({f.rank for f in failures if not f.secondary} or {root.rank})
+        head = f"rank {root.rank} failed: {root.summary}"
+        if len(failing) > 1:
+            head += f" (ranks that failed on their own: {', '.join(map(str, failing))}; rank {root.rank} first)"
+        if attempts > 1:
+            head += f" [after {attempts} attempts]"
+        super().__init__(head)
+
+    def report(self) -> str:
+        """The full text: root cause traceback first, then the other ranks."""
+        parts = [f"DistributedRunError: {self}\n"]
+        if self.root.traceback:
+            parts.append(f"\n--- rank {self.root.rank} traceback (root cause) ---\n")
+            parts.append(self.root.traceback.rstrip("\n") + "\n")
+        others = [f for f in self.failures if f is not self.root]
+        if others or self.others:
+            parts.append("\n--- other ranks ---\n")
+            for f in sorted(others, key=lambda f: f.rank):
+                note = " (a consequence of the failure above)" if f.secondary else ""
+                parts.append(f"rank {f.rank}: {f.summary}{note}\n")
+            for rank, what in sorted(self.others.items()):
+                parts.append(f"rank {rank}: {what}\n")
+        if self.stacks:
+            parts.append(format_stacks(self.stacks))
+        return "".join(parts)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the kernel-side traceback of the magic."""
+        return self.report().splitlines()
+
+
+def format_stacks(stacks: dict[int, str]) -> str:
+    parts = ["\n--- where each unfinished rank was (most recent call first) ---\n"]
+    for rank, text in sorted(stacks.items()):
+        parts.append(f"rank {rank}:\n{_indent(text)}")
+    return "".join(parts)
+
+
+class DistributedTimeoutError(TimeoutError):
+    """The run exceeded --timeout; carries where each unfinished rank was."""
+
+    def __init__(self, timeout: float, stacks: dict[int, str], unfinished: list[int]) -> None:
+        self.stacks = stacks
+        self.unfinished = unfinished
+        super().__init__(
+            f"the run exceeded --timeout {timeout:g}s; rank(s) {', '.join(map(str, unfinished)) or '-'} "
+            "had not finished and were stopped"
+        )
+
+    def report(self) -> str:
+        return f"DistributedTimeoutError: {self}\n" + (format_stacks(self.stacks) if self.stacks else "")
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was stopped by the kernel's interrupt; every rank was stopped."""
+
+    def __init__(self, stacks: dict[int, str], unfinished: list[int]) -> None:
+        self.stacks = stacks
+        self.unfinished = unfinished
+        super().__init__(
+            f"interrupted: rank(s) {', '.join(map(str, unfinished)) or '-'} were stopped"
+        )
+
+    def report(self) -> str:
+        return f"KeyboardInterrupt: {self}\n" + (format_stacks(self.stacks) if self.stacks else "")
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
+
+
+class LauncherError(RuntimeError):
+    """The launcher process or a supervisor died or could not start."""

@@ -1,0 +1,89 @@
+"""Plain events a run emits: the seam between the engine and its views.
+
+The engine never prints or displays anything.  It hands these objects, in
+order, to whatever consumer the caller gives it: the text view, the progress
+widget, a test, a benchmark.  They hold only builtins so that any consumer can
+use them without importing torch or IPython.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RunStarted:
+    run_id: str
+    attempt: int            # 0 for the first attempt, +1 per restart
+    max_restarts: int
+    world_size: int
+    num_nodes: int
+    node_rank: int
+    ranks: list[int]        # global ranks that run on this node
+    master_addr: str
+    master_port: int
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+
+
+@dataclass
+class Output:
+    """Complete lines a rank wrote to stdout/stderr (fd level), in order."""
+    rank: int
+    lines: list[str]
+
+
+@dataclass
+class ProgressLine:
+    """The current state of a carriage-return line (tqdm and friends).
+
+    Only the latest state is sent; the line becomes an :class:`Output` line
+    once the rank ends it with a newline.
+    """
+    rank: int
+    text: str
+
+
+@dataclass
+class Progress:
+    """Structured progress from :func:`accel_magics.progress` or tqdm."""
+    rank: int
+    n: float
+    total: Optional[float]
+    desc: str = ""
+
+
+@dataclass
+class RankFailure:
+    """Why one rank failed, as seen from inside that rank where possible."""
+    rank: int
+    kind: str               # "exception", "exit", "signal", "lost"
+    summary: str            # one line: "ValueError: boom", "killed by SIGSEGV"
+    traceback: str = ""     # the rank's own formatted traceback, if any
+    timestamp: float = 0.0  # time.time() when the failure happened in the rank
+    secondary: bool = False  # looks like a consequence of another rank failing
+
+
+@dataclass
+class RankExited:
+    rank: int
+    exitcode: Optional[int]      # None when killed by a signal
+    signal: Optional[str]        # "SIGKILL", ...
+    stopped: bool                # ended by the supervisor's stop, not by itself
+    failure: Optional[RankFailure] = None
+
+
+@dataclass
+class RankStacks:
+    """Where a rank was (all Python threads) when the run was stopped."""
+    rank: int
+    text: str
+
+
+@dataclass
+class RunFinished:
+    run_id: str
+    status: str                  # "ok", "failed", "interrupted", "timeout"
+    elapsed: float
+    root_cause: Optional[RankFailure] = None
+    failures: list[RankFailure] = field(default_factory=list)
+    stacks: dict[int, str] = field(default_factory=dict)

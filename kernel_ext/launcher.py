@@ -1,0 +1,326 @@
+"""Kernel side of the launcher: start/stop the launcher process, open runs.
+
+:class:`Launcher` owns, for the life of the kernel, the launcher process
+(zygote), a private 0700 directory and the ZMQ PULL socket bound to an
+``ipc://`` path in it.  :meth:`Launcher.launch` hands the zygote a run spec;
+the returned :class:`RunHandle` yields the run's verified messages and can
+interrupt or kill the run.  Nothing here imports IPython.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from typing import Iterator, Optional
+
+import zmq
+
+from . import wire
+from .environment import LaunchConfig, free_port, rank_environment
+from .errors import LauncherError
+from .payload import Payload
+
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for launcher in list(_live_launchers):
+        launcher.close()
+
+
+class Launcher:
+    """The kernel's handle on its launcher process."""
+
+    def __init__(self, preload: Optional[list[str]] = None, python: str = sys.executable) -> None:
+        self.preload = preload
+        self.python = python
+        self.proc: Optional[subprocess.Popen] = None
+        self.info: dict = {}
+        self.dropped = 0          # messages that failed verification (forged, stale)
+        self._lock = threading.Lock()
+        self._preloaded: set[str] = set()
+
+    # -- life cycle -------------------------------------------------------
+    def start(self) -> None:
+        """Start the launcher process; returns at once (torch loads meanwhile)."""
+        if self.proc is not None:
+            return
+        self.dir = tempfile.mkdtemp(prefix="accel_magics-")
+        os.chmod(self.dir, 0o700)
+        self.events_addr = f"ipc://{self.dir}/events"
+        self.ctx = zmq.Context.instance()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(self.events_addr)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        self.log_path = os.path.join(self.dir, "launcher.log")
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", "kernel_ext.zygote"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                env=env, start_new_session=True, close_fds=True,
+            )
+        finally:
+            log.close()
+        init = {"private_dir": self.dir, "kernel_pid": os.getpid()}
+        if self.preload is not None:
+            init["preload"] = self.preload
+        self._send(init)
+        self.info = {}
+        _live_launchers.add(self)
+
+    def wait_ready(self, timeout: float = 120.0) -> dict:
+        """Block until the launcher has loaded torch; its ready message."""
+        if self.proc is None:
+            self.start()
+        if not self.info:
+            self.info = self._reply("ready", timeout)
+        return self.info
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        """Stop the launcher and every run; remove the private directory."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()   # EOF: the zygote stops its runs and exits
+        except OSError:
+            pass
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        proc.stdout.close()
+        self.pull.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.info = {}
+        _live_launchers.discard(self)
+
+    def ensure_running(self) -> dict:
+        if self.proc is not None and not self.alive:
+            self.close()
+        if self.proc is None:
+            self.start()
+        return self.wait_ready()
+
+    def launch_log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    # -- control pipe -------------------------------------------------------
+    def _send(self, obj) -> None:
+        try:
+            wire.write_frame(self.proc.stdin.fileno(), obj)
+        except (BrokenPipeError, OSError) as exc:
+            raise LauncherError(f"the launcher process is gone ({exc}).\n{self.launch_log_tail()}") from None
+
+    def _reply(self, kind: str, timeout: float) -> dict:
+        fd = self.proc.stdout.fileno()
+        poller = zmq.Poller()
+        poller.register(fd, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LauncherError(f"the launcher process did not answer within {timeout:g}s.\n"
+                                    + self.launch_log_tail())
+            if poller.poll(left * 1000):
+                msg = wire.read_frame(fd)
+                if msg is None:
+                    code = self.proc.wait()
+                    raise LauncherError(
+                        f"the launcher process exited (code {code}) before it was ready:\n"
+                        + self.launch_log_tail()
+                    )
+                if msg.get("kind") == kind:
+                    return msg
+
+    def learn_modules(self, modules: list[str]) -> None:
+        """Ask the launcher to preload modules payloads use, for the next runs."""
+        new = [m for m in modules if m not in self._preloaded and m not in ("__main__", "builtins")]
+        if not new or not self.alive:
+            return
+        self._preloaded.update(new)
+        self._send({"op": "preload", "modules": new})
+        reply = self._reply("preloaded", 120)
+        if reply.get("taint"):
+            # Forking from it is no longer safe: start a fresh one without them.
+            self._preloaded.difference_update(new)
+            self.close()
+
+    # -- runs -------------------------------------------------------------
+    def launch(self, cfg: LaunchConfig, payload: Payload, *, attempt: int = 0,
+               grace: float = 3.0) -> "RunHandle":
+        info = self.ensure_running()
+        gpus = info.get("gpu_count", 0)
+        run_id = uuid.uuid4().hex[:12]
+        port = cfg.master_port or free_port(cfg.master_addr if cfg.num_nodes == 1 else "0.0.0.0")
+        key = wire.new_key()
+        spec = {
+            "run_id": run_id,
+            "key": key,
+            "events_addr": self.events_addr,
+            "num_processes": cfg.num_processes,
+            "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
+            "env": dict(os.environ),
+            "rank_env": [
+                rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus)
+                for i in cfg.local_ranks
+            ],
+            "payload": payload,
+            "gpu_count": gpus,
+            "timeout": cfg.timeout,
+            "grace": grace,
+        }
+        with self._lock:
+            self._send({"op": "run", "spec": spec})
+            try:
+                reply = self._reply("run_started", 30)
+            except KeyboardInterrupt:  # the run exists now: stop it before giving up
+                reply = self._reply("run_started", 30)
+                RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout).kill()
+                raise
+        return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout)
+
+
+class RunHandle:
+    """One run: verified messages in order, and the means to stop it."""
+
+    def __init__(self, launcher: Launcher, run_id: str, key: bytes, supervisor_pid: int,
+                 master_port: int, timeout: Optional[float]) -> None:
+        self.launcher = launcher
+        self.run_id = run_id
+        self.session = wire.signed_session(key)
+        self.supervisor_pid = supervisor_pid
+        self.master_port = master_port
+        self.finished = False
+        self.interrupted = 0
+        self.backstop = time.monotonic() + timeout + 30 if timeout else None
+        try:
+            self._pidfd = os.pidfd_open(supervisor_pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def messages(self) -> Iterator[dict]:
+        """Yield the run's messages (content dicts) until it finishes.
+
+        Raises LauncherError if the supervisor dies without finishing.
+        KeyboardInterrupt propagates to the caller, who decides to
+        :meth:`interrupt` and keep reading.
+        """
+        poller = zmq.Poller()
+        pull = self.launcher.pull
+        poller.register(pull, zmq.POLLIN)
+        if self._pidfd is not None:
+            poller.register(self._pidfd, zmq.POLLIN)
+        gone_deadline = None  # set once the supervisor has exited: drain, then give up
+        try:
+            while not self.finished:
+                deadlines = [d for d in (self.backstop, gone_deadline) if d is not None]
+                timeout_ms = None if self._pidfd is not None else 500
+                if deadlines:
+                    left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
+                    timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
+                ready = dict(poller.poll(timeout_ms))
+                if pull in ready:
+                    while True:
+                        msg = self._recv()
+                        if msg is None:
+                            break
+                        if msg.get("kind") == "finished":
+                            self.finished = True
+                        yield msg
+                        if self.finished:
+                            return
+                    continue
+                now = time.monotonic()
+                if gone_deadline is None and self._supervisor_gone():
+                    # Its last messages may still be in flight: drain briefly.
+                    gone_deadline = now + 2.0
+                    if self._pidfd is not None:
+                        poller.unregister(self._pidfd)
+                        self._pidfd_close()
+                elif gone_deadline is not None and now >= gone_deadline:
+                    raise LauncherError(
+                        "the run's supervisor process exited without finishing the run.\n"
+                        + self.launcher.launch_log_tail()
+                    )
+                if self.backstop is not None and now >= self.backstop:
+                    self.kill()
+                    self.backstop = None
+        finally:
+            self._pidfd_close()
+
+    def _recv(self) -> Optional[dict]:
+        pull = self.launcher.pull
+        while True:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                _, frames = self.session.feed_identities(frames)
+                msg = self.session.deserialize(frames)
+            except Exception:
+                # Wrong or missing signature, replay, or a stale run: never unpickled.
+                self.launcher.dropped += 1
+                continue
+            content = msg["content"]
+            if content.get("run_id") != self.run_id:
+                self.launcher.dropped += 1
+                continue
+            return content
+
+    def _supervisor_gone(self) -> bool:
+        try:
+            os.kill(self.supervisor_pid, 0)
+        except ProcessLookupError:
+            return True
+        if self._pidfd is not None:
+            return bool(zmq.select([self._pidfd], [], [], 0)[0])
+        return False
+
+    def _pidfd_close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def interrupt(self) -> None:
+        """First press: stacks, then SIGTERM, then SIGKILL. Later presses: kill now."""
+        self.interrupted += 1
+        self._signal(signal.SIGUSR1 if self.interrupted == 1 else signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig: int) -> None:
+        if self.finished:
+            return
+        try:
+            os.kill(self.supervisor_pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,208 @@
+"""Turn a cell's source and the kernel's namespace into a payload for the ranks.
+
+The payload is the source (compiled on each rank) plus the kernel globals the
+source references, cloudpickled once: functions and classes defined in the
+notebook travel by value, modules by reference.  Everything that can be
+checked before launch is checked here, so a mistake costs no processes:
+syntax errors, names defined nowhere, values that cannot be shipped.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import sys
+from dataclasses import dataclass, field
+
+import cloudpickle
+
+
+class PayloadError(Exception):
+    """The cell cannot be shipped; the message says which name and what to do."""
+
+
+@dataclass
+class Payload:
+    source: str                  # the cell as the ranks compile it
+    filename: str                # shown in the ranks' tracebacks
+    globals_blob: bytes          # cloudpickled {name: value}
+    shipped_names: list[str]
+    return_names: list[str] = field(default_factory=list)
+    sys_path: list[str] = field(default_factory=list)
+    cwd: str = ""
+    modules: list[str] = field(default_factory=list)  # top-level modules the cell uses
+
+
+def parse(source: str, filename: str) -> ast.Module:
+    """Parse the cell, raising SyntaxError with the cell's own line numbers."""
+    return ast.parse(source, filename=filename, mode="exec")
+
+
+class _NameCollector(ast.NodeVisitor):
+    """Names the cell reads, names it binds, and modules it imports."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.top_level_loaded: set[str] = set()
+        self.bound: set[str] = set()
+        self.modules: set[str] = set()
+        self.star_import = False
+        self._depth = 0  # > 0 inside function bodies (executed later, maybe never)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load):
+            self.loaded.add(node.id)
+            if self._depth == 0:
+                self.top_level_loaded.add(node.id)
+        else:
+            self.bound.add(node.id)
+
+    def _function(self, node) -> None:
+        self.bound.add(node.name)
+        for deco in node.decorator_list:
+            self.visit(deco)
+        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            self.visit(default)
+        for arg in ast.walk(node.args):
+            if isinstance(arg, ast.arg):
+                self.bound.add(arg.arg)
+                if arg.annotation is not None:
+                    self.visit(arg.annotation)
+        if node.returns is not None:
+            self.visit(node.returns)
+        self._depth += 1
+        for stmt in node.body:
+            self.visit(stmt)
+        self._depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _function
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        for arg in ast.walk(node.args):
+            if isinstance(arg, ast.arg):
+                self.bound.add(arg.arg)
+        self._depth += 1
+        self.visit(node.body)
+        self._depth -= 1
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.bound.add(node.name)
+        self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.bound.add((alias.asname or alias.name).split(".")[0])
+            self.modules.add(alias.name.split(".")[0])
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.module and not node.level:
+            self.modules.add(node.module.split(".")[0])
+        for alias in node.names:
+            if alias.name == "*":
+                self.star_import = True
+            else:
+                self.bound.add(alias.asname or alias.name)
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.name:
+            self.bound.add(node.name)
+        self.generic_visit(node)
+
+    def visit_Global(self, node: ast.Global) -> None:
+        self.loaded.update(node.names)
+
+    def visit_MatchAs(self, node) -> None:  # pragma: no cover - 3.10+ syntax
+        if node.name:
+            self.bound.add(node.name)
+        self.generic_visit(node)
+
+    def visit_MatchStar(self, node) -> None:  # pragma: no cover
+        if node.name:
+            self.bound.add(node.name)
+
+    def visit_MatchMapping(self, node) -> None:  # pragma: no cover
+        if node.rest:
+            self.bound.add(node.rest)
+        self.generic_visit(node)
+
+
+def _describe(value) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
+
+
+def build_payload(
+    source: str,
+    namespace: dict,
+    *,
+    filename: str = "<distributed cell>",
+    exclude: set | frozenset = frozenset(),
+    return_names: list[str] | None = None,
+) -> Payload:
+    """Check the cell and ship the globals it references.
+
+    ``exclude`` holds names that belong to the frontend (IPython's ``In``,
+    ``Out``, ``get_ipython``...) and must never travel.
+    """
+    tree = parse(source, filename)
+    names = _NameCollector()
+    names.visit(tree)
+
+    builtin_names = set(dir(builtins))
+    wanted = sorted(n for n in names.loaded if n in namespace and n not in exclude)
+    if not names.star_import:
+        undefined = sorted(
+            n
+            for n in names.top_level_loaded
+            if n not in namespace and n not in names.bound and n not in builtin_names
+        )
+        if undefined:
+            listed = ", ".join(f"'{n}'" for n in undefined)
+            raise PayloadError(
+                f"name {listed} is not defined: not in this cell and not in the notebook. "
+                "Define it in an earlier cell (run that cell first) or inside this %%distributed cell."
+            )
+
+    shipped = {n: namespace[n] for n in wanted}
+    try:
+        blob = cloudpickle.dumps(shipped, protocol=5)
+    except Exception:
+        _raise_for_unpicklable(shipped)
+        raise
+    modules = set(names.modules)
+    for value in shipped.values():
+        mod = getattr(value, "__name__", None) if isinstance(value, type(sys)) else None
+        if mod:
+            modules.add(mod.split(".")[0])
+    return Payload(
+        source=source,
+        filename=filename,
+        globals_blob=blob,
+        shipped_names=wanted,
+        return_names=list(return_names or []),
+        sys_path=list(sys.path),
+        cwd=os.getcwd(),
+        modules=sorted(modules),
+    )
+
+
+def _raise_for_unpicklable(shipped: dict) -> None:
+    """Find which variable(s) cannot be pickled and raise PayloadError naming them."""
+    bad = []
+    for name, value in shipped.items():
+        try:
+            cloudpickle.dumps(value, protocol=5)
+        except Exception as exc:  # any pickling failure, whatever its type
+            bad.append((name, value, exc))
+    if not bad:
+        return
+    lines = [
+        f"cannot send variable '{name}' ({_describe(value)}) to the ranks: {type(exc).__name__}: {exc}"
+        for name, value, exc in bad
+    ]
+    first = bad[0][0]
+    raise PayloadError(
+        "\n".join(lines)
+        + f"\nCreate '{first}' inside the %%distributed cell instead (each rank then makes its own), "
+        "or pass what it is built from (a path, a config) rather than the object itself."
+    )

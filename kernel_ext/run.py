@@ -1,0 +1,184 @@
+"""Run a payload to the end: attempts, events, root cause, results.
+
+:func:`execute` is the engine's one entry point for a cell: it launches the
+run (again, up to ``max_restarts`` times, each on a fresh rendezvous port),
+turns the supervisor's messages into :mod:`events` for the caller's
+``on_event`` consumer, and returns rank 0's result or raises the error that
+names the root cause.  The kernel's interrupt (``KeyboardInterrupt`` in the
+caller's thread) stops every rank and is re-raised as :class:`RunInterrupted`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import events as ev
+from .environment import LaunchConfig
+from .errors import DistributedRunError, DistributedTimeoutError, LauncherError, RunInterrupted, root_cause
+from .launcher import Launcher, RunHandle
+from .payload import Payload
+from .worker import loads_value
+
+EventSink = Callable[[object], None]
+
+
+@dataclass
+class RunResult:
+    value: Any = None                  # rank 0's last expression (None if none)
+    has_value: bool = False
+    returns: dict = field(default_factory=dict)
+    missing: list = field(default_factory=list)  # --return names rank 0 did not define
+    attempts: int = 1
+    elapsed: float = 0.0
+    finished: Optional[ev.RunFinished] = None
+
+
+@dataclass
+class _Outcome:
+    finished: ev.RunFinished
+    result: Optional[dict]
+    others: dict
+    unfinished: list
+
+
+def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
+    summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+    return ev.RankFailure(rank=rank, kind="exception", summary=summary, traceback=event.get("traceback", ""),
+                          timestamp=event.get("timestamp", time.time()), secondary=event.get("secondary", False))
+
+
+def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink) -> _Outcome:
+    """Drive one run to its end, emitting events; interrupts stop the run."""
+    started = time.time()
+    failures: dict[int, ev.RankFailure] = {}
+    stacks: dict[int, str] = {}
+    others: dict[int, str] = {}
+    unfinished: list[int] = []
+    result = None
+    reason = None
+    interrupted = False
+    ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
+    messages = handle.messages()
+    while True:
+        try:
+            try:
+                msg = next(messages)
+            except StopIteration:
+                break
+            kind = msg["kind"]
+            if kind == "started":
+                emit(ev.RunStarted(
+                    run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
+                    world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
+                    ranks=ranks, master_addr=cfg.master_addr, master_port=handle.master_port,
+                    pids=msg["pids"],
+                ))
+            elif kind == "output":
+                if msg["lines"]:
+                    emit(ev.Output(msg["rank"], msg["lines"]))
+                if msg.get("progress") is not None:
+                    emit(ev.ProgressLine(msg["rank"], msg["progress"]))
+            elif kind == "rank_event":
+                event, rank = msg["event"], msg["rank"]
+                if event["kind"] == "failed":
+                    failures[rank] = _failure_from_event(rank, event)
+                elif event["kind"] == "result":
+                    if "value" in event or "returns" in event:
+                        result = event
+                elif event["kind"] == "progress":
+                    emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
+            elif kind == "stacks":
+                stacks[msg["rank"]] = msg["text"]
+                emit(ev.RankStacks(msg["rank"], msg["text"]))
+            elif kind == "exit":
+                rank = msg["rank"]
+                failure = failures.get(rank)
+                if msg["stopped"] and failure is None:
+                    others[rank] = f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})"
+                    unfinished.append(rank)
+                elif failure is None and (msg["exitcode"] or msg["signal"]):
+                    if msg["signal"]:
+                        failure = ev.RankFailure(rank, "signal", f"killed by {msg['signal']}",
+                                                 timestamp=msg["timestamp"])
+                    else:
+                        failure = ev.RankFailure(
+                            rank, "exit", f"exited with code {msg['exitcode']} without an exception "
+                            "(os._exit() or a crash in native code)", timestamp=msg["timestamp"])
+                    failures[rank] = failure
+                emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
+            elif kind == "supervisor_error":
+                raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
+            elif kind == "finished":
+                reason = msg["reason"]
+        except KeyboardInterrupt:
+            # The stop button: stop every rank (stacks first), keep reading
+            # until the supervisor reports them all gone.
+            interrupted = True
+            handle.interrupt()
+            messages = handle.messages()
+    if interrupted:
+        reason = "interrupt"
+    failure_list = sorted(failures.values(), key=lambda f: f.rank)
+    cause = root_cause(failure_list)
+    if reason == "interrupt":
+        status = "interrupted"
+    elif reason == "timeout":
+        status = "timeout"
+    elif cause is not None:
+        status = "failed"
+    else:
+        status = "ok"
+    finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
+    emit(finished)
+    return _Outcome(finished, result, others, sorted(unfinished))
+
+
+def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
+            on_event: Optional[EventSink] = None) -> RunResult:
+    """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc."""
+    emit = on_event or (lambda event: None)
+    started = time.time()
+    for attempt in range(cfg.max_restarts + 1):
+        try:
+            handle = launcher.launch(cfg, payload, attempt=attempt)
+        except KeyboardInterrupt:
+            raise RunInterrupted({}, []) from None
+        outcome = _collect(handle, cfg, attempt, emit)
+        finished = outcome.finished
+        if finished.status == "interrupted":
+            raise RunInterrupted(finished.stacks, outcome.unfinished) from None
+        if finished.status == "timeout":
+            raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished)
+        if finished.status == "failed":
+            if attempt < cfg.max_restarts:
+                continue
+            raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
+                                      attempts=attempt + 1)
+        res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
+        event = outcome.result or {}
+        packed = event.get("value")
+        if packed is not None:
+            res.has_value = True
+            res.value = _unpack(packed)
+        res.returns = {name: _unpack(p) for name, p in event.get("returns", {}).items()}
+        res.missing = list(event.get("missing", []))
+        return res
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RemoteRepr:
+    """Stands in for a rank's value that could not travel: shows its repr."""
+
+    def __init__(self, text: str, error: str) -> None:
+        self.text, self.error = text, error
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _unpack(packed: dict):
+    try:
+        return loads_value(packed)
+    except Exception as exc:
+        return RemoteRepr(packed.get("repr", f"<value that could not be loaded: {exc}>"), str(exc))

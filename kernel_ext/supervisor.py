@@ -1,0 +1,372 @@
+"""The per-run supervisor: forks the ranks, streams them, stops them, reports.
+
+One supervisor process exists per run, forked from the launcher process
+(zygote).  It forks one worker per local rank *before* it creates any thread
+(ZMQ's I/O thread), so workers are forked from a single-threaded process.  It
+is the only sender on the run channel, which gives a single order per rank:
+a rank's exit is reported only after everything the rank wrote was read.
+
+Its event loop (one thread, ``selectors``) watches, per rank, the merged
+stdout/stderr pipe, the event pipe and the stack pipe, plus a signal wake-up
+pipe (SIGCHLD for exits, SIGUSR1 = interrupt, SIGTERM = stop now).
+
+Stopping follows torchrun: stacks first (SIGUSR1 -> faulthandler, which works
+inside a blocked collective), then SIGTERM to each rank's process group, then
+SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import pickle
+import selectors
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import NoReturn, Optional
+
+from . import wire, worker
+
+FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
+MAX_BATCH_BYTES = 256 * 1024
+MAX_LINE_BYTES = 64 * 1024  # a longer line is cut into pieces, memory stays bounded
+STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
+STACK_QUIET = 0.1
+DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
+
+
+@dataclass
+class _Rank:
+    local: int
+    rank: int
+    pid: int
+    fds: dict = field(default_factory=dict)   # "out"/"ev"/"st" -> read fd
+    pending: bytearray = field(default_factory=bytearray)
+    progress_sent: bytes = b""
+    lines: list = field(default_factory=list)
+    batch_bytes: int = 0
+    frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
+    stack: bytearray = field(default_factory=bytearray)
+    stack_time: float = 0.0
+    status: Optional[int] = None       # waitpid status once exited
+    exit_time: float = 0.0
+    signalled: bool = False            # the supervisor sent it a stopping signal
+    failed: bool = False               # it reported a failure of its own
+    reported: bool = False
+
+
+def _nonblocking(fd: int) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+
+
+class Supervisor:
+    def __init__(self, spec: dict, inherited_fds: list[int]) -> None:
+        self.spec = spec
+        self.inherited_fds = inherited_fds
+        self.ranks: list[_Rank] = []
+        self.sel = selectors.DefaultSelector()
+        self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
+        self.stack_deadline: Optional[float] = None
+        self.kill_deadline: Optional[float] = None
+        self.started = time.time()
+        timeout = spec.get("timeout")
+        self.timeout_deadline = time.monotonic() + timeout if timeout else None
+        self.flush_due: Optional[float] = None
+        self.grace = spec.get("grace", 3.0)
+
+    # -- life cycle -------------------------------------------------------
+    def run(self) -> NoReturn:
+        code = 0
+        try:
+            self._install_signals()
+            self._fork_ranks()
+            self._connect()
+            self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
+                        "supervisor": os.getpid()})
+            self._loop()
+            self._send({"kind": "finished", "reason": self.stopping,
+                        "elapsed": time.time() - self.started})
+        except BaseException as exc:  # report, never leave ranks behind
+            code = 1
+            self._kill_all(signal.SIGKILL)
+            try:
+                import traceback
+                self._send({"kind": "supervisor_error", "traceback": traceback.format_exc(),
+                            "message": f"{type(exc).__name__}: {exc}"})
+            except BaseException:
+                pass
+        finally:
+            try:
+                self.sock.close(linger=2000)
+                self.ctx.term()
+            except BaseException:
+                pass
+            os._exit(code)
+
+    def _install_signals(self) -> None:
+        worker.set_parent_death_signal(signal.SIGKILL)
+        r, w = os.pipe()
+        _nonblocking(r)
+        _nonblocking(w)
+        self.wakeup_r, self.wakeup_w = r, w
+        signal.set_wakeup_fd(w)
+        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+
+    def _fork_ranks(self) -> None:
+        spec = self.spec
+        parent_fds = list(self.inherited_fds) + [self.wakeup_r, self.wakeup_w]
+        for local in range(spec["num_processes"]):
+            out_r, out_w = os.pipe()
+            ev_r, ev_w = os.pipe()
+            st_r, st_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the rank
+                for fd in parent_fds + [out_r, ev_r, st_r]:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                worker.run_rank(spec, local, out_w, ev_w, st_w)
+            for fd in (out_w, ev_w, st_w):
+                os.close(fd)
+            rank = _Rank(local=local, rank=spec["ranks"][local], pid=pid,
+                         fds={"out": out_r, "ev": ev_r, "st": st_r})
+            for kind, fd in rank.fds.items():
+                _nonblocking(fd)
+                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
+                parent_fds.append(fd)
+            self.ranks.append(rank)
+
+    def _connect(self) -> None:
+        import zmq  # only now: the ranks were forked from a single-threaded process
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(self.spec["events_addr"])
+        self.session = wire.signed_session(self.spec["key"])
+
+    def _send(self, content: dict) -> None:
+        content["run_id"] = self.spec["run_id"]
+        self.session.send(self.sock, "run_event", content)
+
+    # -- event loop -------------------------------------------------------
+    def _loop(self) -> None:
+        while not all(r.reported for r in self.ranks):
+            for key, _ in self.sel.select(self._next_timeout()):
+                kind, rank = key.data
+                if kind == "signal":
+                    self._on_signals()
+                else:
+                    self._on_readable(kind, rank, key.fd)
+            self._on_time()
+
+    def _next_timeout(self) -> Optional[float]:
+        now = time.monotonic()
+        due = [d for d in (self.flush_due, self.stack_deadline, self.kill_deadline,
+                           self.timeout_deadline) if d is not None]
+        due += [r.exit_time + DRAIN_WAIT for r in self.ranks if r.status is not None and not r.reported]
+        if self.stack_deadline is not None:
+            due.append(now + STACK_QUIET)
+        return max(0.0, min(due) - now) if due else None
+
+    def _on_time(self) -> None:
+        now = time.monotonic()
+        if self.timeout_deadline is not None and now >= self.timeout_deadline:
+            self.timeout_deadline = None
+            self._stop("timeout", stacks=True)
+        if self.stack_deadline is not None:
+            live = [r for r in self.ranks if r.status is None]
+            dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
+            if dumped or now >= self.stack_deadline:
+                self.stack_deadline = None
+                self._terminate()
+        if self.kill_deadline is not None and now >= self.kill_deadline:
+            self.kill_deadline = None
+            self._kill_all(signal.SIGKILL)
+        for r in self.ranks:
+            if r.status is not None and not r.reported and (
+                not r.fds or now >= r.exit_time + DRAIN_WAIT
+            ):
+                self._report_exit(r)
+        if self.flush_due is not None and now >= self.flush_due:
+            self._flush()
+
+    def _on_signals(self) -> None:
+        try:
+            data = os.read(self.wakeup_r, 512)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum == signal.SIGCHLD:
+                self._reap()
+            elif signum == signal.SIGUSR1:
+                self._stop("interrupt", stacks=True)
+            elif signum == signal.SIGTERM:
+                if self.stopping is None:
+                    self.stopping = "interrupt"
+                self.stack_deadline = None
+                self._kill_all(signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            for r in self.ranks:
+                if r.pid == pid:
+                    r.status = status
+                    r.exit_time = time.monotonic()
+                    # Anything the rank started dies with it: no orphans.
+                    self._signal_group(r, signal.SIGKILL)
+                    code = os.waitstatus_to_exitcode(status)
+                    if code != 0 and self.stopping is None:
+                        self._stop("failed", stacks=False)
+
+    def _on_readable(self, kind: str, r: _Rank, fd: int) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            data = b""
+        if not data:
+            self.sel.unregister(fd)
+            os.close(fd)
+            del r.fds[kind]
+            if kind == "out" and r.pending:
+                self._add_line(r, bytes(r.pending))
+                r.pending.clear()
+            return
+        if kind == "out":
+            self._on_output(r, data)
+        elif kind == "ev":
+            for frame in r.frames.feed(data):
+                self._on_rank_event(r, pickle.loads(frame))
+        else:
+            r.stack += data
+            r.stack_time = time.monotonic()
+
+    # -- output -------------------------------------------------------------
+    def _on_output(self, r: _Rank, data: bytes) -> None:
+        r.pending += data
+        if b"\n" in data:
+            *lines, rest = bytes(r.pending).split(b"\n")
+            r.pending = bytearray(rest)
+            for line in lines:
+                self._add_line(r, line)
+        while len(r.pending) > MAX_LINE_BYTES:
+            self._add_line(r, bytes(r.pending[:MAX_LINE_BYTES]))
+            del r.pending[:MAX_LINE_BYTES]
+        if self.flush_due is None:
+            self.flush_due = time.monotonic() + FLUSH_INTERVAL
+        if r.batch_bytes > MAX_BATCH_BYTES:
+            self._flush()
+
+    def _add_line(self, r: _Rank, line: bytes) -> None:
+        # A terminal shows only what follows the last carriage return.
+        line = line.rstrip(b"\r")
+        if b"\r" in line:
+            line = line.rsplit(b"\r", 1)[1]
+        r.lines.append(line.decode("utf-8", "replace"))
+        r.batch_bytes += len(line)
+        r.progress_sent = b""
+
+    def _flush(self) -> None:
+        self.flush_due = None
+        for r in self.ranks:
+            state = bytes(r.pending).rstrip(b"\r")
+            if b"\r" in state:
+                state = state.rsplit(b"\r", 1)[1]
+            progress = None
+            if state and state != r.progress_sent:
+                progress = state.decode("utf-8", "replace")
+                r.progress_sent = state
+            if r.lines or progress is not None:
+                self._send({"kind": "output", "rank": r.rank, "lines": r.lines, "progress": progress})
+                r.lines, r.batch_bytes = [], 0
+
+    # -- rank events, stopping, exits ----------------------------------------
+    def _on_rank_event(self, r: _Rank, event: dict) -> None:
+        self._flush()
+        if event.get("kind") == "failed":
+            r.failed = True
+        self._send({"kind": "rank_event", "rank": r.rank, "event": event})
+        if event.get("kind") == "failed" and self.stopping is None:
+            self._stop("failed", stacks=False)
+
+    def _stop(self, reason: str, stacks: bool) -> None:
+        if self.stopping is not None:
+            return
+        self.stopping = reason
+        live = [r for r in self.ranks if r.status is None]
+        if stacks and live:
+            for r in live:
+                self._signal_pid(r, signal.SIGUSR1)
+            self.stack_deadline = time.monotonic() + STACK_WAIT
+        else:
+            self._terminate()
+
+    def _terminate(self) -> None:
+        for r in self.ranks:
+            if r.status is None:
+                self._signal_group(r, signal.SIGTERM)
+        self.kill_deadline = time.monotonic() + self.grace
+
+    def _kill_all(self, sig: int) -> None:
+        for r in self.ranks:
+            if r.status is None:
+                self._signal_group(r, sig)
+
+    def _signal_pid(self, r: _Rank, sig: int) -> None:
+        r.signalled = True
+        try:
+            os.kill(r.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _signal_group(self, r: _Rank, sig: int) -> None:
+        if r.status is None:
+            r.signalled = True
+        try:
+            os.killpg(r.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _report_exit(self, r: _Rank) -> None:
+        for kind, fd in list(r.fds.items()):  # give up on pipes a stray process holds
+            self.sel.unregister(fd)
+            os.close(fd)
+        r.fds.clear()
+        if r.pending:
+            self._add_line(r, bytes(r.pending))
+            r.pending.clear()
+        self._flush()
+        if r.stack:
+            self._send({"kind": "stacks", "rank": r.rank, "text": r.stack.decode("utf-8", "replace")})
+        status = r.status
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        self._send({
+            "kind": "exit",
+            "rank": r.rank,
+            "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": signal.Signals(sig).name if sig else None,
+            "stopped": r.signalled and not r.failed,
+            "timestamp": time.time() - (time.monotonic() - r.exit_time),
+        })
+        r.reported = True
+
+
+def supervise(spec: dict, inherited_fds: list[int]) -> NoReturn:
+    """Entry point in the forked supervisor process. Never returns."""
+    Supervisor(spec, inherited_fds).run()

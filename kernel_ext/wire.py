@@ -1,0 +1,99 @@
+"""The wire formats between the kernel, the launcher process and the workers.
+
+Two channels, each with one job:
+
+* Pipes (kernel -> launcher control, worker -> supervisor events) carry
+  length-prefixed frames.  A pipe is private to the two processes at its ends,
+  so its frames need no signature.
+* The run channel (supervisor -> kernel) is a ZMQ PUSH/PULL pair over an
+  ``ipc://`` path inside a private (0700) directory.  It carries pickles, which
+  is code execution, so every message is HMAC-signed with a per-run random key
+  by jupyter_client's :class:`~jupyter_client.session.Session`, which checks the
+  signature with ``compare_digest`` *before* unpickling and refuses replayed
+  signatures.  Messages of an earlier run, signed with that run's key, fail the
+  check of the current run and are dropped.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import struct
+
+from jupyter_client.session import Session
+
+_LEN = struct.Struct("<Q")
+
+
+def new_key() -> bytes:
+    """A fresh random HMAC key (hex, as Jupyter's connection files use)."""
+    return secrets.token_hex(32).encode()
+
+
+def signed_session(key: bytes) -> Session:
+    """A Session that signs with ``key`` and packs content with pickle.
+
+    Pickle (not JSON) because rank results and tracebacks are Python objects;
+    safe only because Session verifies the HMAC over header and content before
+    it calls the unpacker.
+    """
+    return Session(key=key, packer="pickle", unpacker="pickle", username="accel_magics")
+
+
+def write_frame(fd: int, obj) -> None:
+    """Write one pickled, length-prefixed frame to a blocking pipe fd."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    write_all(fd, _LEN.pack(len(data)) + data)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_exact(fd: int, n: int) -> bytes | None:
+    """Read exactly ``n`` bytes from a blocking fd; None on EOF."""
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int):
+    """Read one frame written by :func:`write_frame`; None on EOF."""
+    head = read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    body = read_exact(fd, _LEN.unpack(head)[0])
+    if body is None:
+        return None
+    return pickle.loads(body)
+
+
+class FrameBuffer:
+    """Reassembles length-prefixed frames from a non-blocking pipe.
+
+    The supervisor reads worker event pipes with non-blocking reads inside its
+    event loop, so frames arrive in arbitrary pieces.  Frames are returned as
+    raw bytes: the supervisor forwards them without unpickling.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        frames = []
+        while len(self._buf) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < _LEN.size + size:
+                break
+            frames.append(bytes(self._buf[_LEN.size : _LEN.size + size]))
+            del self._buf[: _LEN.size + size]
+        return frames

@@ -1,0 +1,272 @@
+"""One rank: the code a freshly forked worker process runs, then exits.
+
+The supervisor forks this process and calls :func:`run_rank`, which never
+returns.  It makes the process look like a rank that torchrun started (its
+own process group, the torchrun environment, fd-level stdout/stderr into the
+supervisor's pipe, stdin from /dev/null), runs the cell, and reports the
+outcome as one frame on its event pipe: the result (rank 0's last expression
+and ``--return`` values) or the failure with the rank's own traceback and the
+time it happened, which is how the root cause is told from the secondary
+errors of ranks that were waiting for it.
+"""
+from __future__ import annotations
+
+import ast
+import ctypes
+import faulthandler
+import io
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import types
+from typing import NoReturn, Optional
+
+import cloudpickle
+
+from . import wire
+
+#: The event pipe of this rank while a rank runs in this process (None elsewhere).
+_event_fd: Optional[int] = None
+_local_rank: Optional[int] = None
+
+PR_SET_PDEATHSIG = 1
+
+# Errors a rank sees because *another* rank died: never the root cause.
+_SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
+_SECONDARY_TEXT = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+    "Socket Timeout",
+    "failed to recv, got 0 bytes",
+    "Connection refused",
+)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass
+
+
+def emit(event: dict) -> bool:
+    """Send an event frame from inside a rank; False outside a rank."""
+    if _event_fd is None:
+        return False
+    wire.write_frame(_event_fd, event)
+    return True
+
+
+def in_rank() -> bool:
+    return _event_fd is not None
+
+
+def is_secondary(exc_type: str, message: str) -> bool:
+    return exc_type in _SECONDARY_TYPES or any(text in message for text in _SECONDARY_TEXT)
+
+
+class _CpuPickler(cloudpickle.Pickler):
+    """Pickles results with tensors moved to the CPU (and detached if needed)."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu" or (obj.requires_grad and not obj.is_leaf):
+                return _identity, (obj.detach().cpu(),)
+        return super().reducer_override(obj)
+
+
+def _identity(x):
+    return x
+
+
+def dumps_result(value) -> bytes:
+    buf = io.BytesIO()
+    _CpuPickler(buf, protocol=5).dump(value)
+    return buf.getvalue()
+
+
+def _setup_stdio(out_fd: int) -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+    sys.stdin = open(0, "r", closefd=False)
+    # Line-buffered text streams straight onto the fds, so every print reaches
+    # the notebook as soon as the line ends, as on a terminal.
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        line_buffering=True, write_through=True,
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        line_buffering=True, write_through=True,
+    )
+    sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+    try:  # C stdio: line-buffered too, so native printf output is live.
+        libc = ctypes.CDLL(None)
+        for name in ("stdout", "stderr"):
+            stream = ctypes.c_void_p.in_dll(libc, name)
+            libc.setvbuf(stream, None, 1, 0)  # _IOLBF
+    except (OSError, ValueError, AttributeError):  # pragma: no cover
+        pass
+
+
+def _reset_signals(stack_fd: int) -> None:
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR2, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python does at start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A stop asks for stacks first: faulthandler writes them from its C
+    # handler, so it works even while the rank is blocked in a collective.
+    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
+
+
+def _prepare_torch(env: dict, local_rank: int, gpu_count: int) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    if gpu_count and local_rank < gpu_count:
+        torch.cuda.set_device(local_rank)
+
+
+def _compile_cell(source: str, filename: str):
+    """Compile the cell; split off a trailing expression so its value can return."""
+    tree = ast.parse(source, filename=filename, mode="exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec")
+    return body, (compile(last, filename, "eval") if last is not None else None)
+
+
+def run_rank(spec: dict, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:
+    """Run the cell as one rank, report, and exit. Never returns."""
+    global _event_fd, _local_rank
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        set_parent_death_signal(signal.SIGKILL)
+        _reset_signals(stack_fd)
+        _setup_stdio(out_fd)
+        _event_fd, _local_rank = event_fd, local_rank
+        code = _execute(spec, local_rank)
+    except BaseException as exc:  # the harness itself failed: say so, never hang
+        try:
+            emit(_failure(exc, exc.__traceback__, harness=True))
+        except BaseException:
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
+    exc_type = type(exc).__name__
+    message = str(exc)
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    if harness:
+        text = "accel_magics could not start the rank:\n" + text
+    return {
+        "kind": "failed",
+        "exc_type": exc_type,
+        "message": message,
+        "traceback": text,
+        "timestamp": time.time(),
+        "secondary": is_secondary(exc_type, message),
+    }
+
+
+def _execute(spec: dict, local_rank: int) -> int:
+    env = dict(spec["env"])
+    env.update(spec["rank_env"][local_rank])
+    os.environ.clear()
+    os.environ.update(env)
+    payload = spec["payload"]
+    if payload.cwd:
+        try:
+            os.chdir(payload.cwd)
+        except OSError:
+            pass
+    sys.path[:] = payload.sys_path or sys.path
+    sys.argv = [""]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    _prepare_torch(env, local_rank, spec.get("gpu_count", 0))
+
+    linecache.cache[payload.filename] = (
+        len(payload.source), None, payload.source.splitlines(True), payload.filename,
+    )
+    body, last = _compile_cell(payload.source, payload.filename)
+    ns = main.__dict__
+    ns.update(cloudpickle.loads(payload.globals_blob))
+    reports_values = local_rank == 0
+
+    try:
+        exec(body, ns)
+        value = eval(last, ns) if last is not None else None
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            emit({"kind": "result", "exited": True})
+            return 0
+        emit({
+            "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+            "timestamp": time.time(), "secondary": False,
+        })
+        return exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
+    except BaseException as exc:
+        emit(_failure(exc, exc.__traceback__.tb_next))
+        return 1
+
+    result: dict = {"kind": "result"}
+    if reports_values:
+        result["value"] = _pack_value(value) if value is not None else None
+        returns, missing = {}, []
+        for name in payload.return_names:
+            if name in ns:
+                returns[name] = _pack_value(ns[name])
+            else:
+                missing.append(name)
+        result["returns"] = returns
+        result["missing"] = missing
+    emit(result)
+    return 0
+
+
+def _pack_value(value) -> dict:
+    """The value pickled for the kernel, or its repr if it cannot travel."""
+    try:
+        return {"blob": dumps_result(value)}
+    except Exception as exc:
+        try:
+            text = repr(value)
+        except Exception:
+            text = f"<{type(value).__name__}>"
+        return {"repr": text, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def loads_value(packed: dict):
+    """Inverse of _pack_value, in the kernel."""
+    if "blob" in packed:
+        return pickle.loads(packed["blob"])
+    raise ValueError(packed.get("error", "value could not be pickled"))

@@ -1,0 +1,218 @@
+"""The launcher process: a clean interpreter that forks one supervisor per run.
+
+Started once per kernel (``python -m kernel_ext.zygote``) in its own session,
+so the kernel's interrupt (SIGINT to its process group) never reaches it.  It
+imports torch and the modules payloads use, freezes the heap (``gc.freeze``,
+so forked ranks do not copy it on their first collection) and then only
+forks; it never touches a GPU and never starts a thread.
+
+Control comes from the kernel on stdin as frames; replies go back on a private
+copy of the original stdout (fd 1 itself is pointed at the log, so a module
+that prints cannot corrupt the replies).  It ends, and takes every run with
+it, when stdin reaches EOF or the kernel process exits (kill -9 included).
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import selectors
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from . import wire
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
+
+
+def gpu_count() -> int:
+    """GPUs visible to the ranks, counted without initialising CUDA.
+
+    ``torch.cuda.device_count()`` initialises the CUDA driver, after which a
+    fork cannot use CUDA; NVML (or AMD SMI) answers without it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled():
+        return 0
+    for probe in ("_device_count_nvml", "_device_count_amdsmi"):
+        fn = getattr(torch.cuda, probe, None)
+        if fn is not None:
+            try:
+                n = fn()
+            except Exception:
+                continue
+            if n >= 0:
+                return n
+    return 0
+
+
+def taint() -> str | None:
+    """Why forking from this process would be unsafe, or None."""
+    from .preflight import initialised_runtimes
+
+    runtimes = initialised_runtimes()
+    if runtimes:
+        return f"{'/'.join(runtimes)} was initialised by a preloaded module"
+    if threading.active_count() > 1:
+        return "a preloaded module started a thread"
+    return None
+
+
+class Zygote:
+    def __init__(self, control_fd: int, reply_fd: int) -> None:
+        self.control_fd = control_fd
+        self.reply_fd = reply_fd
+        self.supervisors: dict[int, str] = {}   # pid -> run_id
+        self.sel = selectors.DefaultSelector()
+        self.preloaded: list[str] = []
+        self.failed_preload: dict[str, str] = {}
+
+    def preload(self, modules) -> None:
+        for name in modules:
+            if name in sys.modules or name in self.failed_preload:
+                continue
+            try:
+                importlib.import_module(name)
+                self.preloaded.append(name)
+            except BaseException as exc:  # a module that fails here may work in a rank
+                self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
+        gc.collect()
+        gc.freeze()
+
+    def serve(self, init: dict) -> None:
+        self.private_dir = init["private_dir"]
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self.wakeup_r = r
+        self._wakeup_w = w
+        signal.set_wakeup_fd(w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.sel.register(self.control_fd, selectors.EVENT_READ, "control")
+        self.sel.register(r, selectors.EVENT_READ, "signal")
+        try:
+            kernel = os.pidfd_open(init["kernel_pid"])
+            self.sel.register(kernel, selectors.EVENT_READ, "kernel")
+        except (AttributeError, OSError):
+            kernel = None
+        self.preload(init.get("preload", DEFAULT_PRELOAD))
+        self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
+                    "preloaded": self.preloaded, "taint": taint(), "python": sys.version})
+        try:
+            while True:
+                for key, _ in self.sel.select():
+                    if key.data == "kernel":
+                        return
+                    if key.data == "signal":
+                        data = os.read(r, 512)
+                        if signal.SIGTERM in data:
+                            return
+                        self.reap()
+                    elif not self.on_control():
+                        return
+        finally:
+            self.shutdown()
+
+    def reply(self, obj) -> None:
+        wire.write_frame(self.reply_fd, obj)
+
+    def on_control(self) -> bool:
+        msg = wire.read_frame(self.control_fd)
+        if msg is None or msg.get("op") == "shutdown":
+            return False
+        op = msg["op"]
+        if op == "run":
+            self.reply({"kind": "run_started", "run_id": msg["spec"]["run_id"],
+                        "pid": self.fork_supervisor(msg["spec"])})
+        elif op == "preload":
+            self.preload(msg["modules"])
+            self.reply({"kind": "preloaded", "preloaded": self.preloaded,
+                        "failed": self.failed_preload, "taint": taint()})
+        elif op == "ping":
+            self.reply({"kind": "pong"})
+        return True
+
+    def fork_supervisor(self, spec: dict) -> int:
+        from .supervisor import supervise
+
+        inherited = [self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w]
+        inherited += [key.fd for key in self.sel.get_map().values()]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setpgid(0, 0)
+                signal.set_wakeup_fd(-1)
+                self.sel.close()
+                supervise(spec, sorted(set(inherited)))
+            finally:
+                os._exit(70)
+        self.supervisors[pid] = spec["run_id"]
+        return pid
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.supervisors.pop(pid, None)
+
+    def shutdown(self) -> None:
+        """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""
+        for pid in list(self.supervisors):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        waiter = selectors.DefaultSelector()  # only SIGCHLD's wake-up byte
+        waiter.register(self.wakeup_r, selectors.EVENT_READ)
+        deadline = time.monotonic() + 3.0
+        while self.supervisors and time.monotonic() < deadline:
+            self.reap()
+            if self.supervisors and waiter.select(deadline - time.monotonic()):
+                try:
+                    os.read(self.wakeup_r, 512)
+                except BlockingIOError:
+                    pass
+        waiter.close()
+        for pid in list(self.supervisors):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.reap()
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def main() -> None:
+    # Replies get their own fd; fd 1 becomes the log (stderr), so stray prints
+    # from imported modules cannot corrupt the reply stream.
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    control_fd = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.set_inheritable(reply_fd, False)
+    os.set_inheritable(control_fd, False)
+    init = wire.read_frame(control_fd)
+    if init is None:
+        return
+    zygote = Zygote(control_fd, reply_fd)
+    try:
+        zygote.serve(init)
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+if __name__ == "__main__":
+    main()
