@@ -1,0 +1,61 @@
+"""accel_magics: run distributed PyTorch from a Jupyter cell.
+
+In a notebook::
+
+    %load_ext accel_magics
+
+    %%distributed --num_processes 2
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    ...
+
+Loading the extension registers the magics, starts the launcher process in
+the background (it imports torch while you work) and starts recording where
+CUDA/XPU get initialised in the kernel, so the pre-flight check can point at
+the cell that did it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__version__ = "0.1.0"
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "progress"]
+
+_magics = None
+
+
+def load_ipython_extension(ip) -> None:
+    global _magics
+    from .magics import DistributedMagics
+
+    if _magics is not None:
+        return
+    magics = DistributedMagics(ip)
+    ip.register_magics(magics)
+    ip.events.register("post_run_cell", magics.post_run_cell)
+    magics.tracker.install()
+    magics.launcher.start()   # torch loads in the background meanwhile
+    _magics = magics
+
+
+def unload_ipython_extension(ip) -> None:
+    global _magics
+    if _magics is None:
+        return
+    try:
+        ip.events.unregister("post_run_cell", _magics.post_run_cell)
+    except ValueError:
+        pass
+    _magics.close()
+    _magics = None
+
+
+def progress(n: float, total: Optional[float] = None, desc: str = "") -> None:
+    """Report progress from inside a rank (for loops without tqdm).
+
+    Outside a ``%%distributed`` cell it does nothing, so code that calls it
+    runs unchanged anywhere.
+    """
+    from kernel_ext import worker
+
+    worker.emit({"kind": "progress", "n": n, "total": total, "desc": desc})

@@ -49,6 +49,8 @@ class Launcher:
         self.dropped = 0          # messages that failed verification (forged, stale)
         self._lock = threading.Lock()
         self._preloaded: set[str] = set()
+        self._denied: set[str] = set()
+        self._pending_preload: list[str] = []
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -115,9 +117,12 @@ class Launcher:
         self.pull.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         self.info = {}
+        self._pending_preload = []
         _live_launchers.discard(self)
 
     def ensure_running(self) -> dict:
+        if self._pending_preload:
+            self._settle_preload()
         if self.proc is not None and not self.alive:
             self.close()
         if self.proc is None:
@@ -160,16 +165,29 @@ class Launcher:
                     return msg
 
     def learn_modules(self, modules: list[str]) -> None:
-        """Ask the launcher to preload modules payloads use, for the next runs."""
-        new = [m for m in modules if m not in self._preloaded and m not in ("__main__", "builtins")]
-        if not new or not self.alive:
+        """Ask the launcher to preload modules payloads use, for the next runs.
+
+        Asynchronous: the import happens while the user reads the output; the
+        reply is read at the next launch.  A module whose import makes forking
+        unsafe (starts a thread, initialises CUDA) taints the launcher, which
+        is then replaced by a fresh one that never preloads that module.
+        """
+        new = [m for m in modules if m not in self._preloaded and m not in self._denied
+               and m not in ("__main__", "builtins")]
+        if not new or not self.alive or self._pending_preload:
             return
         self._preloaded.update(new)
         self._send({"op": "preload", "modules": new})
+        self._pending_preload = new
+
+    def _settle_preload(self) -> None:
+        pending, self._pending_preload = self._pending_preload, []
+        if not pending or not self.alive:
+            return
         reply = self._reply("preloaded", 120)
         if reply.get("taint"):
-            # Forking from it is no longer safe: start a fresh one without them.
-            self._preloaded.difference_update(new)
+            self._denied.update(pending)
+            self._preloaded.difference_update(pending)
             self.close()
 
     # -- runs -------------------------------------------------------------

@@ -353,7 +353,7 @@ class Supervisor:
             r.pending.clear()
         self._flush()
         if r.stack:
-            self._send({"kind": "stacks", "rank": r.rank, "text": r.stack.decode("utf-8", "replace")})
+            self._send({"kind": "stacks", "rank": r.rank, "text": user_stack(r.stack.decode("utf-8", "replace"))})
         status = r.status
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         self._send({
@@ -365,6 +365,14 @@ class Supervisor:
             "timestamp": time.time() - (time.monotonic() - r.exit_time),
         })
         r.reported = True
+
+
+_OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')
+
+
+def user_stack(text: str) -> str:
+    """A faulthandler dump without the launcher's own frames below the cell."""
+    return "".join(line for line in text.splitlines(True) if not line.strip().startswith(_OWN_FRAMES))
 
 
 def supervise(spec: dict, inherited_fds: list[int]) -> NoReturn:

@@ -1,0 +1,192 @@
+"""Drive a real IPython kernel over the Jupyter protocol, as a frontend does.
+
+Also: what a kernel leaves behind (processes, listening ports, temp files), read
+from /proc and the temp directory, so tests can assert nothing leaks.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class CellResult:
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    error: Optional[dict] = None      # ename, evalue, traceback
+    result: Optional[str] = None      # text/plain of execute_result
+    messages: list = field(default_factory=list)
+    reply: dict = field(default_factory=dict)
+    execution_count: Optional[int] = None
+
+    @property
+    def error_text(self) -> str:
+        if not self.error:
+            return ""
+        return "\n".join([self.error["ename"], self.error["evalue"], *self.error["traceback"]])
+
+
+class KernelSession:
+    def __init__(self, extra_env: Optional[dict] = None) -> None:
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def run(self, code: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
+            ) -> CellResult:
+        """Execute ``code``; ``on_output(text)`` is called with each stream chunk."""
+        msg_id = self.kc.execute(code, store_history=True)
+        res = CellResult(status="")
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell did not finish within {timeout}s; stdout so far:\n{res.stdout}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            res.messages.append(msg)
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    res.stdout += content["text"]
+                else:
+                    res.stderr += content["text"]
+                if on_output is not None:
+                    on_output(content["text"])
+            elif kind == "error":
+                res.error = content
+            elif kind == "execute_result":
+                res.result = content["data"].get("text/plain")
+            elif kind == "status" and content["execution_state"] == "idle":
+                idle = True
+        reply = self.kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))
+        res.reply = reply["content"]
+        res.status = res.reply["status"]
+        res.execution_count = res.reply.get("execution_count")
+        if res.status == "error" and res.error is None:
+            # UsageError is printed on stderr, not published as an error message.
+            res.error = {k: res.reply.get(k) for k in ("ename", "evalue", "traceback")}
+        return res
+
+    def ok(self, code: str, timeout: float = 60) -> CellResult:
+        res = self.run(code, timeout)
+        assert res.status == "ok", f"cell failed:\n{res.error_text}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+        return res
+
+    def interrupt(self) -> None:
+        self.km.interrupt_kernel()
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+# -- what a process tree leaves behind ------------------------------------------
+
+def _ppid_map() -> dict[int, int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":  # zombies are gone for our purposes once reaped
+            pass
+        parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    parents = _ppid_map()
+    found, frontier = set(), {pid}
+    while frontier:
+        children = {p for p, pp in parents.items() if pp in frontier}
+        frontier = children - found
+        found |= children
+    return found
+
+
+def session_members(sid_leader: int) -> set[int]:
+    """Processes whose session id is ``sid_leader`` (the launcher starts its own session)."""
+    members = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid_leader:
+            members.add(int(entry))
+    return members
+
+
+def listening_ports(pids: set[int]) -> set[int]:
+    """TCP ports in LISTEN state held by any of ``pids``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and parts[9] in inodes:
+                        ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+        except OSError:
+            continue
+    return ports
+
+
+# Caches that torch itself keeps in the temp directory for the user (created
+# the first time something imports torch._inductor, with or without us).
+_TORCH_CACHES = ("torchinductor_",)
+
+
+def temp_entries() -> set[str]:
+    return {e for e in os.listdir(tempfile.gettempdir()) if not e.startswith(_TORCH_CACHES)}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll a condition about the outside world (process exit) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+        time.sleep(0.05)
