@@ -145,7 +145,6 @@ class DistributedMagics(Magics):
 
         view = TextView()
         result = execute(self.launcher, cfg, payload, on_event=view)
-        self._learn(payload)
 
         user_ns = self.shell.user_ns
         user_ns.update(result.returns)
@@ -213,12 +212,6 @@ class DistributedMagics(Magics):
             # line numbers are the notebook cell's (line 1 is the magic).
             text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
             raise UsageError(f"the cell has a syntax error:\n{text}\nNothing was launched.") from None
-
-    def _learn(self, payload) -> None:
-        try:
-            self.launcher.learn_modules(payload.modules)
-        except Exception:  # preloading is an optimisation only
-            pass
 
     def close(self) -> None:
         self.tracker.uninstall()

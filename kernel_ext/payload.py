@@ -30,7 +30,6 @@ class Payload:
     return_names: list[str] = field(default_factory=list)
     sys_path: list[str] = field(default_factory=list)
     cwd: str = ""
-    modules: list[str] = field(default_factory=list)  # top-level modules the cell uses
 
 
 def parse(source: str, filename: str) -> ast.Module:
@@ -39,13 +38,12 @@ def parse(source: str, filename: str) -> ast.Module:
 
 
 class _NameCollector(ast.NodeVisitor):
-    """Names the cell reads, names it binds, and modules it imports."""
+    """Names the cell reads and names it binds."""
 
     def __init__(self) -> None:
         self.loaded: set[str] = set()
         self.top_level_loaded: set[str] = set()
         self.bound: set[str] = set()
-        self.modules: set[str] = set()
         self.star_import = False
         self._depth = 0  # > 0 inside function bodies (executed later, maybe never)
 
@@ -92,11 +90,8 @@ class _NameCollector(ast.NodeVisitor):
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             self.bound.add((alias.asname or alias.name).split(".")[0])
-            self.modules.add(alias.name.split(".")[0])
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        if node.module and not node.level:
-            self.modules.add(node.module.split(".")[0])
         for alias in node.names:
             if alias.name == "*":
                 self.star_import = True
@@ -169,11 +164,6 @@ def build_payload(
     except Exception:
         _raise_for_unpicklable(shipped)
         raise
-    modules = set(names.modules)
-    for value in shipped.values():
-        mod = getattr(value, "__name__", None) if isinstance(value, type(sys)) else None
-        if mod:
-            modules.add(mod.split(".")[0])
     return Payload(
         source=source,
         filename=filename,
@@ -182,7 +172,6 @@ def build_payload(
         return_names=list(return_names or []),
         sys_path=list(sys.path),
         cwd=os.getcwd(),
-        modules=sorted(modules),
     )
 
 

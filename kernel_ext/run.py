@@ -29,6 +29,7 @@ class RunResult:
     has_value: bool = False
     returns: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)  # --return names rank 0 did not define
+    new_modules: list = field(default_factory=list)  # imported by rank 0, not preloaded
     attempts: int = 1
     elapsed: float = 0.0
     finished: Optional[ev.RunFinished] = None
@@ -163,6 +164,8 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
             res.value = _unpack(packed)
         res.returns = {name: _unpack(p) for name, p in event.get("returns", {}).items()}
         res.missing = list(event.get("missing", []))
+        res.new_modules = list(event.get("new_modules", []))
+        launcher.learn_modules(res.new_modules)
         return res
     raise AssertionError("unreachable")  # pragma: no cover
 

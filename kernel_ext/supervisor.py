@@ -285,9 +285,11 @@ class Supervisor:
     def _flush(self) -> None:
         self.flush_due = None
         for r in self.ranks:
-            state = bytes(r.pending).rstrip(b"\r")
-            if b"\r" in state:
-                state = state.rsplit(b"\r", 1)[1]
+            # A carriage return (tqdm) makes the unfinished line a progress
+            # state; other unfinished text waits for its newline, as on a terminal.
+            state = b""
+            if b"\r" in r.pending:
+                state = bytes(r.pending).rstrip(b"\r").rsplit(b"\r", 1)[-1]
             progress = None
             if state and state != r.progress_sent:
                 progress = state.decode("utf-8", "replace")

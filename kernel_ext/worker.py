@@ -103,15 +103,13 @@ def _setup_stdio(out_fd: int) -> None:
     os.dup2(out_fd, 2)
     os.close(out_fd)
     sys.stdin = open(0, "r", closefd=False)
-    # Line-buffered text streams straight onto the fds, so every print reaches
-    # the notebook as soon as the line ends, as on a terminal.
+    # Line-buffered text streams onto the fds, so every print reaches the
+    # notebook as soon as its line ends (one write per line), as on a terminal.
     sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-        line_buffering=True, write_through=True,
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
     )
     sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-        line_buffering=True, write_through=True,
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
     )
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
     try:  # C stdio: line-buffered too, so native printf output is live.
@@ -195,7 +193,14 @@ def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
     }
 
 
+def _new_modules(before: set) -> list[str]:
+    """Modules this rank imported that the launcher did not have: worth preloading."""
+    return sorted(m for m in set(sys.modules) - before
+                  if not m.startswith(("__main__", "_distutils_hack")) and sys.modules.get(m) is not None)
+
+
 def _execute(spec: dict, local_rank: int) -> int:
+    before = set(sys.modules)
     env = dict(spec["env"])
     env.update(spec["rank_env"][local_rank])
     os.environ.clear()
@@ -249,6 +254,7 @@ def _execute(spec: dict, local_rank: int) -> int:
                 missing.append(name)
         result["returns"] = returns
         result["missing"] = missing
+        result["new_modules"] = _new_modules(before)
     emit(result)
     return 0
 

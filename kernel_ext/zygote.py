@@ -50,14 +50,32 @@ def gpu_count() -> int:
     return 0
 
 
-def taint() -> str | None:
+def os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - non-Linux
+        return threading.active_count()
+
+
+def cuda_driver_loaded() -> bool:
+    """True once libcuda is mapped: the CUDA driver was touched, forks can't use CUDA."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libcuda.so" in f.read()
+    except OSError:  # pragma: no cover
+        return False
+
+
+def taint(baseline_threads: int = 1) -> str | None:
     """Why forking from this process would be unsafe, or None."""
     from .preflight import initialised_runtimes
 
     runtimes = initialised_runtimes()
     if runtimes:
         return f"{'/'.join(runtimes)} was initialised by a preloaded module"
-    if threading.active_count() > 1:
+    if cuda_driver_loaded():
+        return "the CUDA driver was loaded by a preloaded module"
+    if threading.active_count() > 1 or os_threads() > baseline_threads:
         return "a preloaded module started a thread"
     return None
 
@@ -102,8 +120,10 @@ class Zygote:
         except (AttributeError, OSError):
             kernel = None
         self.preload(init.get("preload", DEFAULT_PRELOAD))
+        self.baseline_threads = os_threads()
         self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
-                    "preloaded": self.preloaded, "taint": taint(), "python": sys.version})
+                    "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
+                    "python": sys.version})
         try:
             while True:
                 for key, _ in self.sel.select():
@@ -133,7 +153,7 @@ class Zygote:
         elif op == "preload":
             self.preload(msg["modules"])
             self.reply({"kind": "preloaded", "preloaded": self.preloaded,
-                        "failed": self.failed_preload, "taint": taint()})
+                        "failed": self.failed_preload, "taint": taint(self.baseline_threads)})
         elif op == "ping":
             self.reply({"kind": "pong"})
         return True
@@ -193,6 +213,9 @@ class Zygote:
 
 
 def main() -> None:
+    # Libraries that call torch.cuda.is_available() at import time must not
+    # initialise the CUDA driver here: NVML answers instead (torch >= 2.1).
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     # Replies get their own fd; fd 1 becomes the log (stderr), so stray prints
     # from imported modules cannot corrupt the reply stream.
     reply_fd = os.dup(1)

@@ -1,0 +1,208 @@
+"""The engine on its own, with no IPython: launcher, supervisor, ranks, channel."""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+
+import pytest
+import zmq
+
+from kernel_ext import events as ev
+from kernel_ext import wire
+from kernel_ext.environment import LaunchConfig
+from kernel_ext.errors import DistributedRunError, root_cause
+from kernel_ext.launcher import Launcher
+from kernel_ext.payload import build_payload
+from kernel_ext.run import execute
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    lau = Launcher()
+    lau.start()
+    lau.wait_ready()
+    yield lau
+    lau.close()
+    assert not os.path.exists(lau.dir), "the private directory was left behind"
+
+
+def run(launcher, src, ns=None, n=2, **kw):
+    events = []
+    result = execute(launcher, LaunchConfig(num_processes=n, **kw), build_payload(src, ns or {}),
+                     on_event=events.append)
+    return result, events
+
+
+def test_engine_imports_neither_ipython_nor_widgets():
+    import subprocess
+    code = ("import sys, kernel_ext.run, kernel_ext.launcher, kernel_ext.zygote, kernel_ext.supervisor\n"
+            "bad = [m for m in ('IPython', 'ipywidgets', 'ipykernel', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_engine_runs_a_cell(launcher):
+    result, events = run(launcher, "import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'])\n41 + 1")
+    lines = {e.rank: e.lines for e in events if isinstance(e, ev.Output)}
+    assert lines == {0: ["0 2"], 1: ["1 2"]}
+    assert result.value == 42
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
+    assert events[-1].status == "ok"
+
+
+def test_environment_seen_by_ranks(launcher):
+    result, events = run(
+        launcher,
+        "import os, torch\n"
+        "keys = ['RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','NODE_RANK','GROUP_RANK','MASTER_ADDR',"
+        "'MASTER_PORT','ACCELERATE_USE_CPU','ACCELERATE_MIXED_PRECISION','OMP_NUM_THREADS']\n"
+        "env = {k: os.environ.get(k) for k in keys}\n"
+        "env['threads'] = torch.get_num_threads()\n"
+        "env",
+        mixed_precision="bf16",
+    )
+    env = result.value
+    assert env["RANK"] == "0" and env["LOCAL_RANK"] == "0" and env["WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+    assert env["ACCELERATE_USE_CPU"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert env["threads"] == int(env["OMP_NUM_THREADS"])
+
+
+def test_each_run_gets_a_fresh_port(launcher):
+    ports = {run(launcher, "import os\nos.environ['MASTER_PORT']")[0].value for _ in range(3)}
+    assert len(ports) == 3
+
+
+def test_progress_lines_become_states_not_floods(launcher):
+    _, events = run(
+        launcher,
+        "import sys, time\n"
+        "for i in range(2000):\n"
+        "    sys.stdout.write(f'\\rstep {i}'); sys.stdout.flush()\n"
+        "sys.stdout.write('\\rstep done\\n')\n",
+    )
+    for rank in (0, 1):
+        lines = [l for e in events if isinstance(e, ev.Output) and e.rank == rank for l in e.lines]
+        assert lines == ["step done"]
+        states = [e for e in events if isinstance(e, ev.ProgressLine) and e.rank == rank]
+        assert len(states) < 200   # batched per flush interval, not one per write
+
+
+def test_root_cause_prefers_earliest_primary_failure():
+    secondary = ev.RankFailure(0, "exception", "DistBackendError: Connection closed by peer", timestamp=1.0,
+                               secondary=True)
+    primary = ev.RankFailure(1, "exception", "ValueError: boom", timestamp=2.0)
+    later = ev.RankFailure(2, "exception", "KeyError: x", timestamp=3.0)
+    assert root_cause([secondary, later, primary]) is primary
+    assert root_cause([secondary]) is secondary
+    assert root_cause([]) is None
+
+
+def test_secondary_errors_are_not_the_root_cause(launcher):
+    # Rank 0 dies in its own code; rank 1, waiting in a collective, sees gloo's error.
+    with pytest.raises(DistributedRunError) as info:
+        run(launcher,
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 0:\n"
+            "    raise KeyError('the real problem')\n"
+            "t = torch.ones(1); dist.all_reduce(t)\n")
+    assert info.value.root.rank == 0
+    assert "KeyError: 'the real problem'" in str(info.value)
+
+
+def test_restarts_rerun_the_group_on_a_fresh_port(launcher, tmp_path):
+    counter = tmp_path / "attempts"
+    src = (
+        "import os\n"
+        "with open(path, 'a') as f:\n"
+        "    f.write(os.environ['TORCHELASTIC_RESTART_COUNT'] + ':' + os.environ['MASTER_PORT'] + '\\n')\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] != '2' and os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('flaky')\n"
+    )
+    result, events = run(launcher, src, {"path": str(counter)}, max_restarts=2)
+    assert result.attempts == 3
+    seen = counter.read_text().split()
+    assert sorted({s.split(":")[0] for s in seen}) == ["0", "1", "2"]
+    assert len({s.split(":")[1] for s in seen}) == 3
+    assert [e.attempt for e in events if isinstance(e, ev.RunStarted)] == [0, 1, 2]
+
+
+def test_forged_and_replayed_messages_are_dropped_unpickled(launcher, tmp_path):
+    """Messages on the live channel without the run's key are never unpickled."""
+    canary = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(launcher.events_addr)
+    forger = wire.signed_session(wire.new_key())
+    evil = {"kind": "rank_event", "rank": 0, "event": Exploit()}
+    src = (
+        "import os, time\n"
+        "deadline = time.time() + 30\n"
+        "while not os.path.exists(go) and time.time() < deadline:\n"
+        "    time.sleep(0.01)\n"
+    )
+    go = tmp_path / "go"
+    before = launcher.dropped
+
+    def on_event(event):
+        if isinstance(event, ev.RunStarted) and not go.exists():
+            run_id = event.run_id
+            forger.send(sock, "run_event", dict(evil, run_id=run_id))            # wrong key
+            sock.send_multipart([b"<IDS|MSG>", b"", pickle.dumps(evil), b"{}", b"{}", pickle.dumps(evil)])
+            sock.send_multipart([b"<IDS|MSG>", b"deadbeef", pickle.dumps(evil), b"{}", b"{}", pickle.dumps(evil)])
+            go.touch()
+
+    events = []
+    result = execute(launcher, LaunchConfig(num_processes=2), build_payload(src, {"go": str(go)}),
+                     on_event=lambda e: (events.append(e), on_event(e)))
+    sock.close(linger=1000)
+    ctx.term()
+    assert result.finished.status == "ok"
+    assert not canary.exists(), "a forged message was unpickled"
+    assert launcher.dropped - before == 3
+
+
+def test_replayed_message_is_dropped():
+    key = wire.new_key()
+    sender, receiver = wire.signed_session(key), wire.signed_session(key)
+    msg = sender.serialize(sender.msg("run_event", {"kind": "output"}))
+    _, frames = receiver.feed_identities(msg)
+    receiver.deserialize(frames)
+    with pytest.raises(ValueError, match="Duplicate Signature"):
+        receiver.deserialize(frames)
+
+
+def test_channel_is_a_private_ipc_path(launcher):
+    assert launcher.events_addr.startswith("ipc://")
+    assert os.stat(launcher.dir).st_mode & 0o777 == 0o700
+    assert launcher.dir.startswith(tempfile.gettempdir())
+
+
+def test_key_is_not_on_any_command_line_or_environment(launcher, tmp_path):
+    from kernel_harness import descendants
+    go = tmp_path / "go"
+    payload = build_payload("import os, time\nwhile not os.path.exists(go):\n    time.sleep(0.01)\n",
+                            {"go": str(go)})
+    handle = launcher.launch(LaunchConfig(num_processes=2), payload)
+    key = handle.session.key
+    messages = handle.messages()
+    assert next(messages)["kind"] == "started"
+    procs = {launcher.proc.pid} | descendants(launcher.proc.pid)
+    assert len(procs) == 4
+    for pid in procs:
+        for what in ("cmdline", "environ"):
+            with open(f"/proc/{pid}/{what}", "rb") as f:
+                assert key not in f.read()
+    go.touch()
+    assert [m["kind"] for m in messages][-1] == "finished"

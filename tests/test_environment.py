@@ -1,0 +1,74 @@
+"""Launch topology: validation messages and the torchrun environment."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_torchrun_variables_for_a_multi_node_rank():
+    cfg = LaunchConfig(num_processes=2, num_nodes=3, node_rank=1, master_addr="10.0.0.5",
+                       master_port=29500, mixed_precision="bf16")
+    env = rank_environment(cfg, 1, 29500, run_id="r", attempt=2, gpu_count=0)
+    assert env["RANK"] == "3"
+    assert env["LOCAL_RANK"] == "1"
+    assert env["WORLD_SIZE"] == "6"
+    assert env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["NODE_RANK"] == env["GROUP_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "10.0.0.5" and env["MASTER_PORT"] == "29500"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert env["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_cpu_threads_are_divided_between_local_ranks(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=0)
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
+
+
+def test_gpu_machine_does_not_force_cpu():
+    env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=2)
+    assert "ACCELERATE_USE_CPU" not in env
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_processes": 0}, "--num_processes must be at least 1"),
+    ({"num_processes": 10_000}, "more than 4x"),
+    ({"num_processes": 1, "num_nodes": 0}, "--num_nodes must be at least 1"),
+    ({"num_processes": 1, "num_nodes": 2, "node_rank": 2}, "--node_rank must be between 0 and"),
+    ({"num_processes": 1, "master_port": 70000}, "between 1 and 65535"),
+    ({"num_processes": 1, "max_restarts": -1}, "--max_restarts must be 0 or more"),
+    ({"num_processes": 1, "timeout": 0}, "--timeout must be a positive"),
+    ({"num_processes": 1, "master_addr": "no-such-host.invalid"}, "does not resolve"),
+    ({"num_processes": 1, "num_nodes": 2, "max_restarts": 1, "master_port": 29500},
+     "not supported for multi-node"),
+])
+def test_invalid_configs_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(LaunchConfig(**kwargs))
+
+
+def test_more_processes_than_gpus_needs_oversubscribe():
+    with pytest.raises(ConfigError, match="more than the 2 GPU"):
+        validate(LaunchConfig(num_processes=3), gpu_count=2)
+    validate(LaunchConfig(num_processes=3), gpu_count=2, allow_oversubscribe=True)
+
+
+def test_explicit_port_in_use_is_refused():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--master_port {port} is already in use"):
+            validate(LaunchConfig(num_processes=1, master_port=port))
+
+
+def test_free_port_is_bindable():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

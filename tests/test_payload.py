@@ -1,0 +1,74 @@
+"""Payload building: which globals travel, and the errors before launch."""
+from __future__ import annotations
+
+import pickle
+import threading
+
+import cloudpickle
+import pytest
+
+from kernel_ext.payload import PayloadError, build_payload
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_ships_only_referenced_globals_and_functions_by_value():
+    def helper(x):
+        return x * FACTOR  # noqa: F821 - resolved from the namespace below
+
+    ns = {"FACTOR": 3, "helper": helper, "unused": object(), "np_like": pickle}
+    p = build_payload("y = helper(2)\nimport math\nprint(np_like.HIGHEST_PROTOCOL)", ns)
+    assert p.shipped_names == ["helper", "np_like"]
+    shipped = cloudpickle.loads(p.globals_blob)
+    assert shipped["np_like"] is pickle            # modules by reference
+
+
+def test_names_bound_in_the_cell_are_not_undefined():
+    src = (
+        "import os\nfrom math import sqrt as root\n"
+        "def f(a, *args, b=1, **kw):\n    return a + missing_inside_function\n"
+        "class C:\n    attr = 1\n    other = attr + 1\n"
+        "for i in range(3):\n    pass\n"
+        "try:\n    pass\nexcept Exception as err:\n    print(err)\n"
+        "with open(os.devnull) as fh:\n    pass\n"
+        "total = sum(j for j in range(3))\n"
+        "if (n := 3):\n    print(n, i, root, C, f, fh, total)\n"
+    )
+    build_payload(src, {})   # no error: every top-level name is bound somewhere
+
+
+def test_undefined_name_is_refused_with_advice():
+    with pytest.raises(PayloadError, match="'nowhere' is not defined") as info:
+        build_payload("print(nowhere)", {})
+    assert "earlier cell" in str(info.value)
+
+
+def test_star_import_disables_the_undefined_check():
+    build_payload("from math import *\nprint(pi)", {})
+
+
+def test_unpicklable_global_is_named_with_advice():
+    ns = {"lock": threading.Lock(), "ok": 1}
+    with pytest.raises(PayloadError) as info:
+        build_payload("print(lock, ok)", ns)
+    msg = str(info.value)
+    assert "cannot send variable 'lock' (_thread.lock)" in msg
+    assert "Create 'lock' inside the %%distributed cell" in msg
+    assert "'ok'" not in msg
+
+
+def test_excluded_frontend_names_never_travel():
+    p = build_payload("print(In, x)", {"In": ["history"], "x": 1}, exclude={"In"})
+    assert p.shipped_names == ["x"]
+
+
+def test_syntax_error_has_cell_line_numbers():
+    with pytest.raises(SyntaxError) as info:
+        build_payload("# magic line\nx = 1\ny = = 2\n", {})
+    assert info.value.lineno == 3
+
+
+def test_annotations_and_defaults_are_shipped():
+    p = build_payload("def f(x: MyType = DEFAULT) -> Out:\n    return x\n",
+                      {"MyType": int, "DEFAULT": 4, "Out": str})
+    assert p.shipped_names == ["DEFAULT", "MyType", "Out"]
