@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -77,7 +78,7 @@ class Launcher:
             )
         finally:
             log.close()
-        init = {"private_dir": self.dir, "kernel_pid": os.getpid()}
+        init = {"private_dir": self.dir, "events_addr": self.events_addr, "kernel_pid": os.getpid()}
         if self.preload is not None:
             init["preload"] = self.preload
         self._send(init)
@@ -215,7 +216,8 @@ class Launcher:
             "grace": grace,
         }
         with self._lock:
-            self._send({"op": "run", "spec": spec})
+            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes,
+                        "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)})
             try:
                 reply = self._reply("run_started", 30)
             except KeyboardInterrupt:  # the run exists now: stop it before giving up

@@ -62,35 +62,49 @@ def _nonblocking(fd: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, spec: dict, inherited_fds: list[int]) -> None:
-        self.spec = spec
+    """One run's supervisor; forked ahead of time as the zygote's spare.
+
+    Life cycle: :meth:`prefork` forks idle ranks (each waits on its own "go"
+    pipe) while there is no run yet, then the run channel is connected (ZMQ
+    starts its I/O thread only after the last fork).  :meth:`serve` waits for
+    the run spec on the control pipe, drops ranks the run does not need, hands
+    every rank the spec and supervises to the end.  Forking ahead takes the
+    fork cost off the critical path of the next cell.
+    """
+
+    def __init__(self, control_fd: int, inherited_fds: list[int]) -> None:
+        self.control_fd = control_fd
         self.inherited_fds = inherited_fds
+        self.idle: list[tuple] = []        # (pid, go_w, out_r, ev_r, st_r) forked ahead
         self.ranks: list[_Rank] = []
         self.sel = selectors.DefaultSelector()
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
         self.stack_deadline: Optional[float] = None
         self.kill_deadline: Optional[float] = None
-        self.started = time.time()
-        timeout = spec.get("timeout")
-        self.timeout_deadline = time.monotonic() + timeout if timeout else None
+        self.timeout_deadline: Optional[float] = None
         self.flush_due: Optional[float] = None
-        self.grace = spec.get("grace", 3.0)
+        self._fds: list[int] = []          # every fd a rank must not inherit
+        self._discarded: set[int] = set()
 
     # -- life cycle -------------------------------------------------------
-    def run(self) -> NoReturn:
+    def serve(self, prefork: int, events_addr: str) -> NoReturn:
         code = 0
         try:
             self._install_signals()
-            self._fork_ranks()
-            self._connect()
-            self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
-                        "supervisor": os.getpid()})
+            self.prefork(prefork)
+            self._connect(events_addr)   # after the last fork: ZMQ starts a thread
+            spec_bytes = self._wait_for_spec()
+            if spec_bytes is None:         # the zygote is gone or dropped the spare
+                self._discard_idle(len(self.idle))
+                os._exit(0)
+            self._start(spec_bytes)
             self._loop()
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
         except BaseException as exc:  # report, never leave ranks behind
             code = 1
             self._kill_all(signal.SIGKILL)
+            self._discard_idle(len(self.idle))
             try:
                 import traceback
                 self._send({"kind": "supervisor_error", "traceback": traceback.format_exc(),
@@ -116,40 +130,79 @@ class Supervisor:
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+        self._fds = list(self.inherited_fds) + [self.control_fd, r, w]
 
-    def _fork_ranks(self) -> None:
-        spec = self.spec
-        parent_fds = list(self.inherited_fds) + [self.wakeup_r, self.wakeup_w]
-        for local in range(spec["num_processes"]):
+    def prefork(self, n: int) -> None:
+        """Fork ``n`` idle ranks; each blocks until it is given the spec."""
+        for _ in range(n):
+            go_r, go_w = os.pipe()
             out_r, out_w = os.pipe()
             ev_r, ev_w = os.pipe()
             st_r, st_w = os.pipe()
+            local = len(self.idle)
             pid = os.fork()
             if pid == 0:  # the rank
-                for fd in parent_fds + [out_r, ev_r, st_r]:
+                for fd in self._fds + [go_w, out_r, ev_r, st_r]:
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-                worker.run_rank(spec, local, out_w, ev_w, st_w)
-            for fd in (out_w, ev_w, st_w):
+                worker.wait_and_run(go_r, local, out_w, ev_w, st_w)
+            for fd in (go_r, out_w, ev_w, st_w):
                 os.close(fd)
+            self._fds += [go_w, out_r, ev_r, st_r]
+            self.idle.append((pid, go_w, out_r, ev_r, st_r))
+
+    def _wait_for_spec(self) -> Optional[bytes]:
+        """Block until the zygote hands over a run (None: it dropped this spare)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # idle: a stop just ends it
+        try:
+            return wire.read_frame(self.control_fd)
+        finally:
+            signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def _discard_idle(self, n: int) -> None:
+        """Drop the last ``n`` idle ranks (the run needs fewer)."""
+        for _ in range(n):
+            pid, *fds = self.idle.pop()
+            for fd in fds:
+                os.close(fd)   # EOF on the go pipe: the idle rank exits by itself
+            self._discarded.add(pid)
+
+    def _start(self, spec_bytes: bytes) -> None:
+        spec = pickle.loads(spec_bytes)
+        self.spec = spec
+        self.started = time.time()
+        self.grace = spec.get("grace", 3.0)
+        if spec.get("timeout"):
+            self.timeout_deadline = time.monotonic() + spec["timeout"]
+        self.session.key = spec["key"]
+        need = spec["num_processes"]
+        if len(self.idle) < need:  # the zygote forks a big enough spare: never here
+            raise RuntimeError(f"spare supervisor has {len(self.idle)} ranks, the run needs {need}")
+        self._discard_idle(len(self.idle) - need)
+        for local, (pid, go_w, out_r, ev_r, st_r) in enumerate(self.idle):
+            wire.write_frame(go_w, spec_bytes)
+            os.close(go_w)
             rank = _Rank(local=local, rank=spec["ranks"][local], pid=pid,
                          fds={"out": out_r, "ev": ev_r, "st": st_r})
             for kind, fd in rank.fds.items():
                 _nonblocking(fd)
                 self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
-                parent_fds.append(fd)
             self.ranks.append(rank)
+        self.idle = []
+        self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
+                    "supervisor": os.getpid()})
 
-    def _connect(self) -> None:
+    def _connect(self, events_addr: str) -> None:
         import zmq  # only now: the ranks were forked from a single-threaded process
 
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.connect(self.spec["events_addr"])
-        self.session = wire.signed_session(self.spec["key"])
+        self.sock.connect(events_addr)
+        # The run's key arrives with the spec; until then a throwaway one.
+        self.session = wire.signed_session(wire.new_key())
 
     def _send(self, content: dict) -> None:
         content["run_id"] = self.spec["run_id"]
@@ -377,6 +430,6 @@ def user_stack(text: str) -> str:
     return "".join(line for line in text.splitlines(True) if not line.strip().startswith(_OWN_FRAMES))
 
 
-def supervise(spec: dict, inherited_fds: list[int]) -> NoReturn:
-    """Entry point in the forked supervisor process. Never returns."""
-    Supervisor(spec, inherited_fds).run()
+def serve_spare(control_fd: int, inherited_fds: list[int], prefork: int, events_addr: str) -> NoReturn:
+    """Entry point in a supervisor forked ahead by the zygote. Never returns."""
+    Supervisor(control_fd, inherited_fds).serve(prefork, events_addr)

@@ -153,14 +153,30 @@ def _compile_cell(source: str, filename: str):
     return body, (compile(last, filename, "eval") if last is not None else None)
 
 
+def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:
+    """A rank forked ahead of its run: wait for the spec, then run. Never returns.
+
+    Until the spec arrives nothing of the run exists here: the environment,
+    the payload and the rank's number all come with it.
+    """
+    try:
+        os.setpgid(0, 0)
+        set_parent_death_signal(signal.SIGKILL)
+        _reset_signals(stack_fd)
+        spec_bytes = wire.read_frame(go_fd)
+        os.close(go_fd)
+    except BaseException:
+        os._exit(1)
+    if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
+        os._exit(0)
+    run_rank(pickle.loads(spec_bytes), local_rank, out_fd, event_fd, stack_fd)
+
+
 def run_rank(spec: dict, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:
     """Run the cell as one rank, report, and exit. Never returns."""
     global _event_fd, _local_rank
     code = 1
     try:
-        os.setpgid(0, 0)
-        set_parent_death_signal(signal.SIGKILL)
-        _reset_signals(stack_fd)
         _setup_stdio(out_fd)
         _event_fd, _local_rank = event_fd, local_rank
         code = _execute(spec, local_rank)

@@ -23,8 +23,11 @@ import sys
 import threading
 import time
 import traceback
+from typing import Optional
 
-from . import wire
+# Everything a supervisor and a rank need, imported once here rather than after
+# every fork (an import after the fork costs each run milliseconds).
+from . import payload, supervisor, wire, worker  # noqa: F401
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
@@ -84,7 +87,9 @@ class Zygote:
     def __init__(self, control_fd: int, reply_fd: int) -> None:
         self.control_fd = control_fd
         self.reply_fd = reply_fd
-        self.supervisors: dict[int, str] = {}   # pid -> run_id
+        self.supervisors: dict[int, str] = {}   # pid -> run_id, runs in progress
+        self.spare: Optional[tuple[int, int, int]] = None  # (pid, control fd, ranks) forked ahead
+        self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
         self.preloaded: list[str] = []
         self.failed_preload: dict[str, str] = {}
@@ -103,6 +108,7 @@ class Zygote:
 
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
+        self.events_addr = init["events_addr"]
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)
@@ -126,6 +132,8 @@ class Zygote:
                     "python": sys.version})
         try:
             while True:
+                if self.spare is None and not self.supervisors:
+                    self.fork_spare()   # idle time: the next run's fork is done now
                 for key, _ in self.sel.select():
                     if key.data == "kernel":
                         return
@@ -148,9 +156,10 @@ class Zygote:
             return False
         op = msg["op"]
         if op == "run":
-            self.reply({"kind": "run_started", "run_id": msg["spec"]["run_id"],
-                        "pid": self.fork_supervisor(msg["spec"])})
+            pid = self.dispatch(msg)
+            self.reply({"kind": "run_started", "run_id": msg["run_id"], "pid": pid})
         elif op == "preload":
+            self.drop_spare()   # it lacks the new modules
             self.preload(msg["modules"])
             self.reply({"kind": "preloaded", "preloaded": self.preloaded,
                         "failed": self.failed_preload, "taint": taint(self.baseline_threads)})
@@ -158,10 +167,26 @@ class Zygote:
             self.reply({"kind": "pong"})
         return True
 
-    def fork_supervisor(self, spec: dict) -> int:
-        from .supervisor import supervise
+    def dispatch(self, msg: dict) -> int:
+        """Hand the run to the spare supervisor (forking one now if none is ready)."""
+        if self.spare is not None and self.spare[2] < msg["num_processes"]:
+            self.drop_spare()
+        if self.spare is None:
+            self.fork_spare(msg["num_processes"])
+        pid, control, _ = self.spare
+        self.spare = None
+        wire.write_frame(control, msg["spec"])
+        os.close(control)
+        self.supervisors[pid] = msg["run_id"]
+        self.expected_ranks = msg["num_processes"]
+        return pid
 
-        inherited = [self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w]
+    def fork_spare(self, ranks: Optional[int] = None) -> None:
+        from .supervisor import serve_spare
+
+        ranks = ranks or self.expected_ranks
+        control_r, control_w = os.pipe()
+        inherited = [self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w]
         inherited += [key.fd for key in self.sel.get_map().values()]
         pid = os.fork()
         if pid == 0:
@@ -169,11 +194,18 @@ class Zygote:
                 os.setpgid(0, 0)
                 signal.set_wakeup_fd(-1)
                 self.sel.close()
-                supervise(spec, sorted(set(inherited)))
+                serve_spare(control_r, sorted(set(inherited)), ranks, self.events_addr)
             finally:
                 os._exit(70)
-        self.supervisors[pid] = spec["run_id"]
-        return pid
+        os.close(control_r)
+        self.spare = (pid, control_w, ranks)
+
+    def drop_spare(self) -> None:
+        if self.spare is not None:
+            pid, control, _ = self.spare
+            self.spare = None
+            os.close(control)    # EOF: the spare and its idle ranks exit
+            self.supervisors[pid] = "spare"   # reaped like any supervisor
 
     def reap(self) -> None:
         while True:
@@ -184,9 +216,13 @@ class Zygote:
             if pid == 0:
                 return
             self.supervisors.pop(pid, None)
+            if self.spare is not None and self.spare[0] == pid:
+                os.close(self.spare[1])
+                self.spare = None
 
     def shutdown(self) -> None:
         """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""
+        self.drop_spare()
         for pid in list(self.supervisors):
             try:
                 os.kill(pid, signal.SIGTERM)

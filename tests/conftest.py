@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from kernel_harness import (  # noqa: E402
-    KernelSession, descendants, listening_ports, temp_entries, wait_until,
+    KernelSession, children, descendants, listening_ports, temp_entries, wait_until,
 )
 
 
@@ -22,22 +22,33 @@ class LoadedKernel(KernelSession):
         # The first run also waits for the launcher to import torch.
         self.ok("%%distributed -n 2 --output text\npass", timeout=120)
         self.wait_quiet()
-        self.launcher_pids = descendants(self.pid)
-        assert len(self.launcher_pids) == 1, self.launcher_pids
-        self.base_ports = listening_ports({self.pid} | self.launcher_pids)
+        self.zygote = self.launcher_pid()
+        self.base_ports = listening_ports({self.pid} | descendants(self.pid))
         self.base_temp = temp_entries()
 
+    def launcher_pid(self) -> int:
+        kids = children(self.pid)
+        assert len(kids) == 1, f"the kernel should have one child, the launcher: {kids}"
+        return kids.pop()
+
+    def idle_tree(self) -> bool:
+        """Only the launcher and its spare (a supervisor and idle ranks forked
+        ahead for the next run) are alive: every process of past runs is gone."""
+        zygote = self.launcher_pid()
+        spares = children(zygote)
+        if len(spares) != 1:
+            return False
+        idle_ranks = children(next(iter(spares)))
+        return all(not children(p) for p in idle_ranks) and \
+            descendants(self.pid) == {zygote} | spares | idle_ranks
+
     def wait_quiet(self, timeout: float = 10) -> None:
-        """Wait until the launcher has no children left (every run fully gone)."""
-        def quiet():
-            kids = descendants(self.pid)
-            return len(kids) <= 1
-        wait_until(quiet, timeout, "worker and supervisor processes to exit")
+        wait_until(self.idle_tree, timeout, "every process of finished runs to exit")
 
     def assert_no_leaks(self) -> None:
         self.wait_quiet()
-        assert descendants(self.pid) == self.launcher_pids, "a process outlived its run"
-        assert listening_ports({self.pid} | self.launcher_pids) == self.base_ports, "a port was left listening"
+        assert self.launcher_pid() == self.zygote, "the launcher was restarted"
+        assert listening_ports({self.pid} | descendants(self.pid)) == self.base_ports, "a port was left listening"
         assert temp_entries() == self.base_temp, "a temp file was left behind"
 
 

@@ -120,6 +120,10 @@ def _ppid_map() -> dict[int, int]:
     return parents
 
 
+def children(pid: int) -> set[int]:
+    return {p for p, pp in _ppid_map().items() if pp == pid}
+
+
 def descendants(pid: int) -> set[int]:
     parents = _ppid_map()
     found, frontier = set(), {pid}
