@@ -9,6 +9,7 @@ engine (``kernel_ext.run.execute``); this module only adapts it to IPython.
 from __future__ import annotations
 
 import re
+import sys
 import traceback
 from typing import Optional
 
@@ -22,7 +23,8 @@ from kernel_ext.launcher import Launcher
 from kernel_ext.payload import PayloadError, build_payload
 from kernel_ext.run import execute
 
-from .text_view import TextView
+from .record import RunRecord
+from .text_view import DisplayLive, StreamLive, TextView
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # IPython's history variables (_, __, _5, _i5, _ih, ...): the frontend's, never shipped.
@@ -143,8 +145,20 @@ class DistributedMagics(Magics):
         source = self._source(line, cell)
         payload = self._payload(source, return_names)
 
-        view = TextView()
-        result = execute(self.launcher, cfg, payload, on_event=view)
+        live = DisplayLive() if getattr(self.shell, "kernel", None) is not None else StreamLive()
+        view, record = TextView(live), RunRecord()
+
+        def on_event(event) -> None:
+            record(event)
+            view(event)
+
+        try:
+            result = execute(self.launcher, cfg, payload, on_event=on_event, heartbeat=0.25)
+        finally:
+            live.close()
+            if live.keeps_record:
+                sys.stdout.write(record.render())
+                sys.stdout.flush()
 
         user_ns = self.shell.user_ns
         user_ns.update(result.returns)

@@ -1,30 +1,88 @@
-"""The text view of a run: rank-tagged lines on the cell's stdout.
+"""The text view of a run: rank-tagged lines, live.
 
 A consumer of engine events (``kernel_ext.events``), used for
 ``--output text``, in terminals and wherever widgets are unavailable.  Lines
-appear as ``[rank N] ...``; carriage-return progress (tqdm) is throttled to
-one state per rank per ``progress_interval`` seconds, so a progress bar does
-not become thousands of lines; its final state arrives as a normal line.
+read ``[rank N] ...``; carriage-return progress (tqdm) is throttled to one
+state per rank per ``progress_interval`` seconds, so a progress bar does not
+become thousands of lines; its final state arrives as a normal line.
+
+Where the lines go is the ``live`` sink's business:
+
+* :class:`StreamLive` prints them (terminal IPython, scripts).
+* :class:`DisplayLive` (a Jupyter kernel) shows the latest lines in one
+  display that it updates a few times per second, and empties when the run
+  ends, because the magic then prints the run's grouped record
+  (:mod:`accel_magics.record`).  The notebook shows the output once, and what
+  it keeps is deterministic text (nbval ignores display updates).
 """
 from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from typing import Optional, TextIO
 
 from kernel_ext import events as ev
 
 
-class TextView:
-    def __init__(self, stream: Optional[TextIO] = None, progress_interval: float = 1.0) -> None:
+class StreamLive:
+    """Lines straight onto a text stream."""
+
+    keeps_record = False
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
         self.stream = stream
+
+    def write(self, lines: list[str]) -> None:
+        out = self.stream or sys.stdout
+        out.write("".join(line + "\n" for line in lines))
+
+    def refresh(self) -> None:
+        try:
+            (self.stream or sys.stdout).flush()
+        except (AttributeError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self.refresh()
+
+
+class DisplayLive:
+    """The latest lines in one updatable display (Jupyter), throttled."""
+
+    keeps_record = True
+
+    def __init__(self, max_lines: int = 40, interval: float = 0.2) -> None:
+        from IPython.display import display
+
+        self.tail: deque = deque(maxlen=max_lines)
+        self.interval = interval
+        self.dirty = False
+        self.last = 0.0
+        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+
+    def write(self, lines: list[str]) -> None:
+        self.tail.extend(lines)
+        self.dirty = True
+        if time.monotonic() - self.last >= self.interval:
+            self.refresh()
+
+    def refresh(self) -> None:
+        if self.dirty:
+            self.dirty = False
+            self.last = time.monotonic()
+            self.handle.update({"text/plain": "\n".join(self.tail)}, raw=True)
+
+    def close(self) -> None:
+        self.handle.update({"text/plain": ""}, raw=True)
+
+
+class TextView:
+    def __init__(self, live=None, progress_interval: float = 1.0) -> None:
+        self.live = live or StreamLive()
         self.progress_interval = progress_interval
         self._progress_at: dict[int, float] = {}
-        self.world_size = 0
-
-    @property
-    def out(self) -> TextIO:
-        return self.stream or sys.stdout
+        self._last_cause = None
 
     def __call__(self, event) -> None:
         handler = getattr(self, "on_" + type(event).__name__, None)
@@ -32,43 +90,43 @@ class TextView:
             handler(event)
 
     def on_RunStarted(self, e: ev.RunStarted) -> None:
-        self.world_size = e.world_size
         if e.attempt:
-            cause = getattr(self, "_last_cause", None)
+            cause = self._last_cause
             why = f"rank {cause.rank} failed: {cause.summary}; " if cause is not None else ""
-            self.out.write(
-                f"[accel_magics] {why}restarting the whole group: attempt {e.attempt + 1} of {e.max_restarts + 1}\n"
-            )
+            self.live.write([
+                f"[accel_magics] {why}restarting the whole group: attempt {e.attempt + 1} of {e.max_restarts + 1}"
+            ])
 
     def on_Output(self, e: ev.Output) -> None:
         prefix = f"[rank {e.rank}] "
-        self.out.write("".join(prefix + line + "\n" for line in e.lines))
+        self.live.write([prefix + line for line in e.lines])
         self._progress_at.pop(e.rank, None)
 
-    def on_ProgressLine(self, e: ev.ProgressLine) -> None:
+    def _throttled(self, rank: int, force: bool = False) -> bool:
         now = time.monotonic()
-        last = self._progress_at.get(e.rank)
-        if last is None or now - last >= self.progress_interval:
-            self._progress_at[e.rank] = now
-            self.out.write(f"[rank {e.rank}] {e.text.strip()}\n")
+        last = self._progress_at.get(rank)
+        if force or last is None or now - last >= self.progress_interval:
+            self._progress_at[rank] = now
+            return True
+        return False
+
+    def on_ProgressLine(self, e: ev.ProgressLine) -> None:
+        if self._throttled(e.rank):
+            self.live.write([f"[rank {e.rank}] {e.text.strip()}"])
 
     def on_Progress(self, e: ev.Progress) -> None:
-        now = time.monotonic()
-        last = self._progress_at.get(e.rank)
-        done = e.total is not None and e.n >= e.total
-        if done or last is None or now - last >= self.progress_interval:
-            self._progress_at[e.rank] = now
+        if self._throttled(e.rank, force=e.total is not None and e.n >= e.total):
             total = f"/{e.total:g}" if e.total is not None else ""
             desc = f"{e.desc}: " if e.desc else ""
-            self.out.write(f"[rank {e.rank}] {desc}{e.n:g}{total}\n")
+            self.live.write([f"[rank {e.rank}] {desc}{e.n:g}{total}"])
 
     def on_RankExited(self, e: ev.RankExited) -> None:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):
-            self.out.write(f"[rank {e.rank}] {e.failure.summary}\n")
+            self.live.write([f"[rank {e.rank}] {e.failure.summary}"])
+
+    def on_Heartbeat(self, e: ev.Heartbeat) -> None:
+        self.live.refresh()
 
     def on_RunFinished(self, e: ev.RunFinished) -> None:
         self._last_cause = e.root_cause
-        try:
-            self.out.flush()
-        except (AttributeError, ValueError):
-            pass
+        self.live.refresh()

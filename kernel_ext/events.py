@@ -87,3 +87,8 @@ class RunFinished:
     root_cause: Optional[RankFailure] = None
     failures: list[RankFailure] = field(default_factory=list)
     stacks: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Heartbeat:
+    """Nothing arrived for a while; views may refresh what they throttled."""

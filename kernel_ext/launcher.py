@@ -245,9 +245,11 @@ class RunHandle:
         except (AttributeError, OSError):
             self._pidfd = None
 
-    def messages(self) -> Iterator[dict]:
+    def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         """Yield the run's messages (content dicts) until it finishes.
 
+        With ``heartbeat`` (seconds), a ``{"kind": "heartbeat"}`` message is
+        yielded whenever nothing arrived for that long, so views can refresh.
         Raises LauncherError if the supervisor dies without finishing.
         KeyboardInterrupt propagates to the caller, who decides to
         :meth:`interrupt` and keep reading.
@@ -262,6 +264,9 @@ class RunHandle:
             while not self.finished:
                 deadlines = [d for d in (self.backstop, gone_deadline) if d is not None]
                 timeout_ms = None if self._pidfd is not None else 500
+                if heartbeat is not None:
+                    beat = int(heartbeat * 1000)
+                    timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
                 if deadlines:
                     left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
                     timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
@@ -278,6 +283,8 @@ class RunHandle:
                             return
                     continue
                 now = time.monotonic()
+                if heartbeat is not None and not ready:
+                    yield {"kind": "heartbeat"}
                 if gone_deadline is None and self._supervisor_gone():
                     # Its last messages may still be in flight: drain briefly.
                     gone_deadline = now + 2.0

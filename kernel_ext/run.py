@@ -49,7 +49,8 @@ def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
                           timestamp=event.get("timestamp", time.time()), secondary=event.get("secondary", False))
 
 
-def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink) -> _Outcome:
+def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink,
+             heartbeat: Optional[float]) -> _Outcome:
     """Drive one run to its end, emitting events; interrupts stop the run."""
     started = time.time()
     failures: dict[int, ev.RankFailure] = {}
@@ -60,7 +61,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     reason = None
     interrupted = False
     ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
-    messages = handle.messages()
+    messages = handle.messages(heartbeat)
     while True:
         try:
             try:
@@ -68,7 +69,9 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
             except StopIteration:
                 break
             kind = msg["kind"]
-            if kind == "started":
+            if kind == "heartbeat":
+                emit(ev.Heartbeat())
+            elif kind == "started":
                 emit(ev.RunStarted(
                     run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
                     world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
@@ -117,7 +120,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
             # until the supervisor reports them all gone.
             interrupted = True
             handle.interrupt()
-            messages = handle.messages()
+            messages = handle.messages(heartbeat)
     if interrupted:
         reason = "interrupt"
     failure_list = sorted(failures.values(), key=lambda f: f.rank)
@@ -136,8 +139,11 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
-            on_event: Optional[EventSink] = None) -> RunResult:
-    """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc."""
+            on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None) -> RunResult:
+    """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc.
+
+    ``heartbeat``: emit :class:`events.Heartbeat` after that many idle seconds.
+    """
     emit = on_event or (lambda event: None)
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
@@ -145,7 +151,7 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
             handle = launcher.launch(cfg, payload, attempt=attempt)
         except KeyboardInterrupt:
             raise RunInterrupted({}, []) from None
-        outcome = _collect(handle, cfg, attempt, emit)
+        outcome = _collect(handle, cfg, attempt, emit, heartbeat)
         finished = outcome.finished
         if finished.status == "interrupted":
             raise RunInterrupted(finished.stacks, outcome.unfinished) from None

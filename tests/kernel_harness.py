@@ -24,6 +24,7 @@ class CellResult:
     result: Optional[str] = None      # text/plain of execute_result
     messages: list = field(default_factory=list)
     reply: dict = field(default_factory=dict)
+    live: list = field(default_factory=list)   # texts of the live display's updates
     execution_count: Optional[int] = None
 
     @property
@@ -73,6 +74,11 @@ class KernelSession:
                     res.stderr += content["text"]
                 if on_output is not None:
                     on_output(content["text"])
+            elif kind in ("display_data", "update_display_data"):
+                text = content["data"].get("text/plain", "")
+                res.live.append(text)
+                if on_output is not None:
+                    on_output(text)
             elif kind == "error":
                 res.error = content
             elif kind == "execute_result":

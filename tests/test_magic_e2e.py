@@ -66,6 +66,28 @@ def test_output_is_tagged_live_and_in_order_per_rank(clean_kernel):
                 expected.append(f"err {i} of rank {rank}")
         expected.append(f"native fd write from rank {rank}")
         assert seen == expected
+    # The record is grouped by rank (deterministic) and shown once: the live
+    # display that showed the lines during the run is emptied at the end.
+    tags = [ln.split("]")[0] for ln in res.stdout.splitlines()]
+    assert tags == sorted(tags)
+    assert res.live[0] == "" and res.live[-1] == ""
+    assert any("[rank 1] line" in text for text in res.live)
+
+
+def test_tqdm_becomes_throttled_progress_not_a_flood(clean_kernel):
+    res = clean_kernel.ok(
+        "%%distributed -n 2 --output text\n"
+        "from tqdm import tqdm\n"
+        "import time\n"
+        "for i in tqdm(range(300), desc='train', mininterval=0, ascii=True):\n"
+        "    time.sleep(0.002)\n"
+    )
+    for rank in (0, 1):
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(f"[rank {rank}]")]
+        assert len(lines) == 1, lines                    # only the final state stays in the record
+        assert "train: 100%" in lines[0] and "300/300" in lines[0]
+    live_states = [t for t in res.live if "train:" in t]
+    assert 0 < len(live_states) < 60                      # throttled, not 600 updates
 
 
 def test_live_output_arrives_before_the_cell_ends(clean_kernel):
@@ -301,7 +323,8 @@ def test_workers_die_with_the_kernel():
         seen = []
         while not seen:
             msg = k.kc.get_iopub_msg(timeout=120)
-            if msg["msg_type"] == "stream" and "[rank 1] up" in msg["content"]["text"]:
+            if msg["msg_type"] in ("display_data", "update_display_data") and \
+                    "[rank 1] up" in msg["content"]["data"].get("text/plain", ""):
                 seen.append(msg)
         del msg_id
         tree = descendants(k.pid)
@@ -312,3 +335,23 @@ def test_workers_die_with_the_kernel():
     finally:
         k.kc.stop_channels()
         k.km.cleanup_resources()
+
+
+@pytest.mark.parametrize("code,summary", [
+    ("import sys\nsys.exit(3)", "rank 1 failed: SystemExit: sys.exit(3)"),
+    ("import os\nos._exit(4)", "rank 1 failed: exited with code 4 without an exception"),
+])
+def test_exit_on_one_rank_is_a_clear_failure(clean_kernel, code, summary):
+    body = "\n".join("    " + line for line in code.splitlines())
+    res = clean_kernel.run(
+        "%%distributed -n 2 --output text\nimport os, time\nif os.environ['RANK'] == '1':\n"
+        f"{body}\ntime.sleep(30)\n", timeout=60)
+    assert res.error["ename"] == "DistributedRunError"
+    assert res.error["evalue"].startswith(summary), res.error["evalue"]
+
+
+def test_return_of_an_undefined_name_keeps_the_output(clean_kernel):
+    res = clean_kernel.run("%%distributed -n 2 --output text --return never_set\nprint('ran')\n")
+    assert res.error["ename"] == "ReturnNameError"
+    assert "'never_set'" in res.error["evalue"]
+    assert "[rank 0] ran" in res.stdout and "[rank 1] ran" in res.stdout

@@ -1,0 +1,71 @@
+"""The plain-text record of a run: what stays in the notebook afterwards.
+
+A consumer of engine events.  It keeps, per rank, the first and the last lines
+(bounded memory however much a rank prints) and renders them grouped by rank,
+``[rank N] ...``, so the text is the same from run to run (live output
+interleaves ranks in arrival order; the record does not).  Saved, reopened,
+nbconvert-, papermill- and nbval-executed notebooks all show this text.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kernel_ext import events as ev
+
+HEAD_LINES = 200
+TAIL_LINES = 800
+
+
+@dataclass
+class _RankLog:
+    head: list = field(default_factory=list)
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    count: int = 0
+
+    def add(self, line: str) -> None:
+        self.count += 1
+        if len(self.head) < HEAD_LINES:
+            self.head.append(line)
+        else:
+            self.tail.append(line)
+
+    def lines(self) -> tuple[list, int]:
+        omitted = self.count - len(self.head) - len(self.tail)
+        return self.head + list(self.tail), omitted
+
+
+class RunRecord:
+    def __init__(self, log_path: str = "") -> None:
+        self.logs: dict[int, _RankLog] = {}
+        self.notes: list[str] = []
+        self.log_path = log_path
+
+    def __call__(self, event) -> None:
+        if isinstance(event, ev.Output):
+            log = self.logs.setdefault(event.rank, _RankLog())
+            for line in event.lines:
+                log.add(line)
+        elif isinstance(event, ev.RunStarted):
+            for rank in event.ranks:
+                self.logs.setdefault(rank, _RankLog())
+            if event.attempt:
+                self.logs = {rank: _RankLog() for rank in event.ranks}
+                self.notes.append(f"[accel_magics] attempt {event.attempt + 1} of {event.max_restarts + 1}: "
+                                  "the output below is this attempt's")
+        elif isinstance(event, ev.RankExited) and event.failure is not None:
+            if event.failure.kind in ("signal", "exit"):
+                self.logs.setdefault(event.rank, _RankLog()).add(event.failure.summary)
+
+    def render(self) -> str:
+        out = list(self.notes)
+        for rank in sorted(self.logs):
+            lines, omitted = self.logs[rank].lines()
+            prefix = f"[rank {rank}] "
+            head = lines[:HEAD_LINES]
+            out.extend(prefix + line for line in head)
+            if omitted:
+                where = f"; the full log is in {self.log_path}" if self.log_path else ""
+                out.append(f"{prefix}... {omitted} lines omitted{where} ...")
+            out.extend(prefix + line for line in lines[HEAD_LINES:])
+        return "\n".join(out) + ("\n" if out else "")
