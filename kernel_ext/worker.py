@@ -95,6 +95,24 @@ def dumps_result(value) -> bytes:
     return buf.getvalue()
 
 
+class _NoStdin(io.TextIOBase):
+    """stdin of a rank: reading it is an error that says why, not a hang."""
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 0  # /dev/null underneath, for code that reads the fd directly
+
+    def read(self, size: int = -1) -> str:
+        raise EOFError(
+            "a rank has no standard input: input() and sys.stdin cannot be used inside %%distributed. "
+            "Set the value in an ordinary cell and use the variable in this one."
+        )
+
+    readline = read
+
+
 def _setup_stdio(out_fd: int) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -102,7 +120,7 @@ def _setup_stdio(out_fd: int) -> None:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
-    sys.stdin = open(0, "r", closefd=False)
+    sys.stdin = _NoStdin()
     # Line-buffered text streams onto the fds, so every print reaches the
     # notebook as soon as its line ends (one write per line), as on a terminal.
     sys.stdout = io.TextIOWrapper(

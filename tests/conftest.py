@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -17,14 +19,17 @@ class LoadedKernel(KernelSession):
     """A kernel with ``%load_ext accel_magics`` done and its launcher ready."""
 
     def __init__(self) -> None:
-        super().__init__(extra_env={"PYTHONUNBUFFERED": "1"})
+        # A temp directory of its own: the kernel, launcher and ranks all use it,
+        # so "no temp file left" is checked exactly, whatever else runs here.
+        self.tmpdir = tempfile.mkdtemp(prefix="accel-test-tmp-")
+        super().__init__(extra_env={"PYTHONUNBUFFERED": "1", "TMPDIR": self.tmpdir})
         self.ok("%load_ext accel_magics")
         # The first run also waits for the launcher to import torch.
         self.ok("%%distributed -n 2 --output text\npass", timeout=120)
         self.wait_quiet()
         self.zygote = self.launcher_pid()
         self.base_ports = listening_ports({self.pid} | descendants(self.pid))
-        self.base_temp = temp_entries()
+        self.base_temp = temp_entries(self.tmpdir)
 
     def launcher_pid(self) -> int:
         kids = children(self.pid)
@@ -49,7 +54,11 @@ class LoadedKernel(KernelSession):
         self.wait_quiet()
         assert self.launcher_pid() == self.zygote, "the launcher was restarted"
         assert listening_ports({self.pid} | descendants(self.pid)) == self.base_ports, "a port was left listening"
-        assert temp_entries() == self.base_temp, "a temp file was left behind"
+        assert temp_entries(self.tmpdir) == self.base_temp, "a temp file was left behind"
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -189,8 +189,9 @@ def listening_ports(pids: set[int]) -> set[int]:
 _TORCH_CACHES = ("torchinductor_",)
 
 
-def temp_entries() -> set[str]:
-    return {e for e in os.listdir(tempfile.gettempdir()) if not e.startswith(_TORCH_CACHES)}
+def temp_entries(directory: Optional[str] = None) -> set[str]:
+    directory = directory or tempfile.gettempdir()
+    return {e for e in os.listdir(directory) if not e.startswith(_TORCH_CACHES)}
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
