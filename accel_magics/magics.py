@@ -9,12 +9,11 @@ engine (``kernel_ext.run.execute``); this module only adapts it to IPython.
 from __future__ import annotations
 
 import re
-import sys
 import traceback
 from typing import Optional
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from kernel_ext import preflight
@@ -23,8 +22,7 @@ from kernel_ext.launcher import Launcher
 from kernel_ext.payload import PayloadError, build_payload
 from kernel_ext.run import execute
 
-from .record import RunRecord
-from .text_view import DisplayLive, StreamLive, TextView
+from .presenter import Presenter
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # IPython's history variables (_, __, _5, _i5, _ih, ...): the frontend's, never shipped.
@@ -44,6 +42,66 @@ class PreflightError(_PlainReport, UsageError):
 
 class ReturnNameError(_PlainReport, NameError):
     """A ``--return`` name that rank 0 did not define; the run itself succeeded."""
+
+
+LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
+                       "max_restarts", "mixed_precision", "output", "timeout")
+
+
+def launch_options(func):
+    """The launch options shared by %%distributed and %distributed_config."""
+    decorators = [
+        argument("-n", "--num_processes", type=int, default=None,
+                 help="Processes (ranks) on this node. Default: one per local GPU, or 2 on a CPU-only machine."),
+        argument("--num_nodes", type=int, default=None, help="Nodes taking part (default 1)."),
+        argument("--node_rank", type=int, default=None, help="This node's rank, 0 .. num_nodes-1 (default 0)."),
+        argument("--master_addr", default=None,
+                 help="Address of node 0, where the rendezvous runs (default 127.0.0.1)."),
+        argument("--master_port", type=int, default=None,
+                 help="Rendezvous port. Default: a fresh free port per run (29500 for multi-node)."),
+        argument("--max_restarts", type=int, default=None,
+                 help="Re-run the whole group up to this many times after a rank fails (default 0)."),
+        argument("--mixed_precision", default=None, choices=MIXED_PRECISION_CHOICES,
+                 help="Passed to Accelerate as ACCELERATE_MIXED_PRECISION."),
+        argument("--output", default=None, choices=("auto", "widget", "text"),
+                 help="How the run is shown: a live widget, or [rank N] text lines (default auto: "
+                      "the widget in a notebook)."),
+        argument("--timeout", type=float, default=None,
+                 help="Stop the run after this many seconds and show where each rank was."),
+    ]
+    for decorate in reversed(decorators):
+        func = decorate(func)
+    return func
+
+
+def _launch_config(values: dict) -> LaunchConfig:
+    num_nodes = values.get("num_nodes") or 1
+    port = values.get("master_port")
+    return LaunchConfig(
+        num_processes=values["num_processes"],
+        num_nodes=num_nodes,
+        node_rank=values.get("node_rank") or 0,
+        master_addr=values.get("master_addr") or "127.0.0.1",
+        master_port=port if port is not None else (29500 if num_nodes > 1 else None),
+        max_restarts=values.get("max_restarts") or 0,
+        mixed_precision=values.get("mixed_precision"),
+        timeout=values.get("timeout"),
+    )
+
+
+def config_summary(values: dict) -> str:
+    """The defaults as the equivalent command line."""
+    return "defaults for %%distributed: " + command_line(values)
+
+
+def command_line(values: dict) -> str:
+    parts = ["%%distributed"]
+    for name in LAUNCH_OPTION_NAMES:
+        value = values.get(name)
+        if value is None or (name == "output" and value == "auto"):
+            continue
+        parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
+    return " ".join(parts)
 
 
 def _return_names(values: Optional[list[str]]) -> list[str]:
@@ -96,24 +154,9 @@ class DistributedMagics(Magics):
                 + "\n\nNothing was launched."
             )
 
-    # -- the magic --------------------------------------------------------
+    # -- the magics -------------------------------------------------------
     @magic_arguments()
-    @argument("-n", "--num_processes", type=int, default=None,
-              help="Processes (ranks) on this node. Default: one per local GPU, or 2 on a CPU-only machine.")
-    @argument("--num_nodes", type=int, default=None, help="Nodes taking part (default 1).")
-    @argument("--node_rank", type=int, default=None, help="This node's rank, 0 .. num_nodes-1 (default 0).")
-    @argument("--master_addr", default=None,
-              help="Address of node 0, where the rendezvous runs (default 127.0.0.1).")
-    @argument("--master_port", type=int, default=None,
-              help="Rendezvous port. Default: a fresh free port per run (29500 for multi-node).")
-    @argument("--max_restarts", type=int, default=None,
-              help="Re-run the whole group up to this many times after a rank fails (default 0).")
-    @argument("--mixed_precision", default=None, choices=MIXED_PRECISION_CHOICES,
-              help="Passed to Accelerate as ACCELERATE_MIXED_PRECISION.")
-    @argument("--output", default=None, choices=("auto", "widget", "text"),
-              help="How the run is shown: a live widget, or [rank N] text lines (default auto).")
-    @argument("--timeout", type=float, default=None,
-              help="Stop the run after this many seconds and show where each rank was.")
+    @launch_options
     @argument("--return", dest="return_names", nargs="+", default=None, metavar="NAMES",
               help="Variables whose values on rank 0 are assigned in the notebook after the run "
                    "(tensors moved to the CPU). Space or comma separated.")
@@ -128,7 +171,8 @@ class DistributedMagics(Magics):
         ``torch.distributed.init_process_group()`` and DDP work unchanged.
         Functions, classes and values the cell uses from the notebook are sent
         along; nothing the ranks create comes back except rank 0's last
-        expression and the ``--return`` variables.
+        expression and the ``--return`` variables.  Options not given come
+        from ``%distributed_config``.
 
         Example::
 
@@ -145,20 +189,13 @@ class DistributedMagics(Magics):
         source = self._source(line, cell)
         payload = self._payload(source, return_names)
 
-        live = DisplayLive() if getattr(self.shell, "kernel", None) is not None else StreamLive()
-        view, record = TextView(live), RunRecord()
-
-        def on_event(event) -> None:
-            record(event)
-            view(event)
-
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        mode = args.output or self.defaults.get("output", "auto")
+        presenter = Presenter(mode, in_kernel, label=f"In{self.shell.execution_count}")
         try:
-            result = execute(self.launcher, cfg, payload, on_event=on_event, heartbeat=0.25)
+            result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25)
         finally:
-            live.close()
-            if live.keeps_record:
-                sys.stdout.write(record.render())
-                sys.stdout.flush()
+            presenter.finish()
 
         user_ns = self.shell.user_ns
         user_ns.update(result.returns)
@@ -171,30 +208,81 @@ class DistributedMagics(Magics):
             return result.value
         return None
 
+    @magic_arguments()
+    @launch_options
+    @argument("--reset", action="store_true", help="Forget every default set before.")
+    @line_magic
+    def distributed_config(self, line: str):
+        """Set the defaults of later ``%%distributed`` cells.
+
+        With no arguments (in a notebook), shows a form for them, validated as
+        you type, with the equivalent command line.  With arguments, sets those
+        defaults (scriptable) and prints them.  Flags in a cell still win.
+
+        Example, on node 1 of 2::
+
+            %distributed_config --num_nodes 2 --node_rank 1 --master_addr 10.0.0.5 --master_port 29500
+        """
+        args = parse_argstring(self.distributed_config, line)
+        if args.reset:
+            self.defaults.clear()
+        given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
+        if not given and not args.reset:
+            if getattr(self.shell, "kernel", None) is not None:
+                from IPython.display import display
+                from widgets.config_form import ConfigForm
+
+                self.ensure_defaults_known()
+                form = ConfigForm(self.effective_defaults(), check=self._check_defaults, apply=self._apply_defaults,
+                                  describe=command_line)
+                display(form.widget)
+                return None
+        candidate = {**self.defaults, **given}
+        problem = self._check_defaults(candidate)
+        if problem:
+            raise UsageError(f"{problem}\nThe defaults were not changed.")
+        self.defaults = candidate
+        print(config_summary(self.effective_defaults()))
+        return None
+
+    # -- defaults -----------------------------------------------------------
+    def ensure_defaults_known(self) -> None:
+        """Wait for the launcher (it counts the GPUs) so defaults are right."""
+        try:
+            self.launcher.ensure_running()
+        except Exception:  # reported by the next run; the form still works
+            pass
+
+    def effective_defaults(self) -> dict:
+        gpus = (self.launcher.info or {}).get("gpu_count", 0)
+        values = {"num_processes": gpus or 2, "num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1",
+                  "master_port": None, "max_restarts": 0, "mixed_precision": None, "timeout": None,
+                  "output": "auto"}
+        values.update(self.defaults)
+        return values
+
+    def _check_defaults(self, values: dict) -> str:
+        """'' if these defaults can launch, else what is wrong with them."""
+        merged = {**self.effective_defaults(), **values}
+        cfg = _launch_config(merged)
+        try:
+            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    def _apply_defaults(self, values: dict) -> None:
+        self.defaults = {k: v for k, v in values.items() if v is not None}
+
     # -- steps ------------------------------------------------------------
     def _config(self, args) -> LaunchConfig:
-        launcher_info = self.launcher.info or {}
-        gpus = launcher_info.get("gpu_count", 0)
-
-        def pick(name, fallback):
-            value = getattr(args, name)
-            if value is None:
-                value = self.defaults.get(name, fallback)
-            return value
-
-        num_nodes = pick("num_nodes", 1)
-        cfg = LaunchConfig(
-            num_processes=pick("num_processes", gpus or 2),
-            num_nodes=num_nodes,
-            node_rank=pick("node_rank", 0),
-            master_addr=pick("master_addr", "127.0.0.1"),
-            master_port=pick("master_port", 29500 if num_nodes > 1 else None),
-            max_restarts=pick("max_restarts", 0),
-            mixed_precision=pick("mixed_precision", None),
-            timeout=pick("timeout", None),
-        )
+        self.ensure_defaults_known()
+        values = self.effective_defaults()
+        values.update({name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None})
+        cfg = _launch_config(values)
         try:
-            validate(cfg, gpu_count=gpus, allow_oversubscribe=args.oversubscribe)
+            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0),
+                     allow_oversubscribe=args.oversubscribe)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
         return cfg

@@ -51,7 +51,8 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool = False) -> None:
+def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool = False,
+             check_port: bool = True) -> None:
     """Raise ConfigError for a configuration that cannot run here.
 
     Checks are cheap and local: nothing is bound except when a port is given
@@ -95,7 +96,7 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
             "--max_restarts is not supported for multi-node runs yet: restarts are not coordinated "
             "across nodes. Use --max_restarts 0 and re-run the cell on every node."
         )
-    if cfg.num_nodes == 1 and cfg.master_port is not None and cfg.node_rank == 0:
+    if check_port and cfg.num_nodes == 1 and cfg.master_port is not None and cfg.node_rank == 0:
         if not port_is_free(cfg.master_addr, cfg.master_port):
             raise ConfigError(
                 f"--master_port {cfg.master_port} is already in use on {cfg.master_addr}; "

@@ -1,0 +1,81 @@
+"""How one run is shown in the notebook: the live view, then the record.
+
+``Presenter`` feeds the same engine events to every consumer of a run (the
+live view, the plain-text record, the full log files) and, when the run ends,
+replaces the live view with what the notebook keeps:
+
+* widget mode: the live :class:`widgets.progress_view.RunView` is replaced by
+  one output holding its final state as static HTML plus the plain-text record
+  (``text/plain``), so nothing depends on widget state once the run is over;
+* text mode in a Jupyter kernel: the live display of the latest lines is
+  emptied and the record is printed (grouped by rank: deterministic);
+* a terminal: lines are printed live and nothing more.
+
+Either way the output is shown once, and a saved, nbconvert-, papermill- or
+nbval-executed notebook holds the record.
+"""
+from __future__ import annotations
+
+import sys
+
+from .record import RunRecord
+from .run_logs import RunLogs
+from .text_view import DisplayLive, StreamLive, TextView
+
+
+def widgets_available() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Presenter:
+    def __init__(self, mode: str, in_kernel: bool, label: str) -> None:
+        if mode == "auto":
+            mode = "widget" if in_kernel and widgets_available() else "text"
+        if mode == "widget" and not in_kernel:
+            mode = "text"
+        self.mode = mode
+        self.logs = RunLogs()
+        try:
+            log_dir = self.logs.open(label)
+        except OSError:       # an unwritable cache must not stop the run
+            log_dir = ""
+        self.record = RunRecord(log_dir)
+        self.view = None
+        self.text = None
+        if mode == "widget":
+            from IPython.display import display
+            from widgets.progress_view import RunView
+
+            self.view = RunView(log_dir=log_dir)
+            self.handle = display(self.view.widget, display_id=True)
+        else:
+            self.live = DisplayLive() if in_kernel else StreamLive()
+            self.text = TextView(self.live)
+
+    def __call__(self, event) -> None:
+        self.record(event)
+        self.logs(event)
+        if self.view is not None:
+            self.view(event)
+        else:
+            self.text(event)
+
+    def finish(self) -> None:
+        """The run is over (whatever its outcome): leave the record behind."""
+        self.logs.close()
+        if self.view is not None:
+            from IPython.display import display
+
+            self.view.refresh(force=True)
+            self.handle.update({"text/plain": ""}, raw=True)
+            display({"text/html": self.view.summary_html(), "text/plain": self.record.render()}, raw=True)
+            self.view.close()
+        else:
+            self.live.close()
+            if self.live.keeps_record:
+                sys.stdout.write(self.record.render())
+                sys.stdout.flush()

@@ -1,0 +1,144 @@
+"""The widget views in a real kernel: comm traffic, progress, record, config form."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _widget_models(res) -> dict:
+    """comm_id -> latest known state of every widget model the cell created."""
+    models = {}
+    for msg in res.messages:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "comm_open" and content.get("target_name") == "jupyter.widget":
+            models[content["comm_id"]] = dict(content["data"]["state"])
+        elif kind == "comm_msg" and content["comm_id"] in models:
+            data = content["data"]
+            if data.get("method") in ("update", "echo_update"):
+                models[content["comm_id"]].update(data.get("state", {}))
+    return models
+
+
+def _updates(res, comm_id: str) -> list:
+    return [m["content"]["data"]["state"] for m in res.messages
+            if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == comm_id
+            and m["content"]["data"].get("method") == "update"]
+
+
+def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
+    res = clean_kernel.ok(
+        "%%distributed -n 2\n"
+        "import os, time\n"
+        "from tqdm.auto import tqdm\n"
+        "print('hello from', os.environ['RANK'])\n"
+        "for i in tqdm(range(400), desc='epoch', mininterval=0):\n"
+        "    time.sleep(0.002)\n"
+        "print('bye from', os.environ['RANK'])\n"
+    )
+    models = _widget_models(res)
+    bars = {cid: s for cid, s in models.items() if s.get("_model_name") == "FloatProgressModel"}
+    assert len(bars) == 2                                   # one bar per rank
+    for cid, state in bars.items():
+        values = [u["value"] for u in _updates(res, cid) if "value" in u]
+        assert values and values[-1] == 1.0                  # reached 100%
+        assert len(values) < 60                              # throttled, not 400 updates
+    tabs = [s for s in models.values() if s.get("_model_name") == "TabModel"]
+    assert tabs and tabs[0]["titles"][:3] == ["all ranks", "rank 0", "rank 1"]
+    # every frontend message of the run: bounded, whatever the ranks print
+    assert sum(1 for m in res.messages if m["msg_type"] == "comm_msg") < 400
+    # The live view is replaced by the record (static HTML + plain text).
+    displays = [m for m in res.messages if m["msg_type"] == "display_data"]
+    first, final = displays[0]["content"]["data"], displays[-1]["content"]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in first
+    record = final["text/plain"]
+    assert "[rank 0] hello from 0" in record and "[rank 1] bye from 1" in record
+    assert "epoch: 100%" in record
+    assert "rank 1" in final["text/html"] and "done" in final["text/html"]
+    emptied = [m for m in res.messages if m["msg_type"] == "update_display_data"]
+    assert emptied[-1]["content"]["data"] == {"text/plain": ""}
+    assert "full logs:" in final["text/html"]
+
+
+def test_widget_view_marks_the_failed_rank(clean_kernel):
+    res = clean_kernel.run("%%distributed -n 2\nimport os\nif os.environ['RANK'] == '1':\n    raise ValueError('bad')\n")
+    assert res.error["ename"] == "DistributedRunError"
+    final = [m for m in res.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
+    assert "rank 1 failed: ValueError: bad" in final["text/html"]
+
+
+def test_config_magic_sets_defaults_for_flagless_cells(clean_kernel):
+    k = clean_kernel
+    shown = k.ok("%distributed_config --num_processes 3 --output text")
+    assert "%%distributed --num_processes 3" in shown.stdout
+    res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
+    assert "[rank 2] world 3" in res.stdout
+    res = k.ok("%%distributed -n 2\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
+    assert "[rank 1] world 2" in res.stdout and "[rank 2]" not in res.stdout   # flags win
+    k.ok("%distributed_config --reset")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ("--num_nodes 2 --node_rank 2", "--node_rank must be between 0 and"),
+    ("--num_processes 0", "--num_processes must be at least 1"),
+    ("--master_addr no-such-host.invalid", "does not resolve"),
+    ("--num_processes x", "invalid int value"),
+])
+def test_bad_config_values_are_refused(clean_kernel, flags, needle):
+    res = clean_kernel.run(f"%distributed_config {flags}")
+    assert res.error["ename"] == "UsageError"
+    assert needle in res.error["evalue"]
+    shown = clean_kernel.ok("%distributed_config --output text")   # defaults unchanged
+    assert "--num_processes 2 " in shown.stdout + " "
+    clean_kernel.ok("%distributed_config --reset")
+
+
+def test_config_form_validates_and_changes_the_next_run(clean_kernel):
+    k = clean_kernel
+    res = k.ok("%distributed_config")
+    models = _widget_models(res)
+    by_desc = {s.get("description"): cid for cid, s in models.items() if "description" in s}
+    status = next(cid for cid, s in models.items() if "applied" in str(s.get("value", "")))
+
+    def set_value(cid, value) -> str:
+        # A selection widget syncs its index, as the browser sends it.
+        state = {"index": models[cid]["_options_labels"].index(value)} if "_options_labels" in models[cid] \
+            else {"value": value}
+        msg = k.kc.session.msg("comm_msg", {"comm_id": cid, "data": {
+            "method": "update", "state": state, "buffer_paths": []}})
+        k.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
+
+    current = {"status": models[status]["value"]}
+
+    def status_after(cid, value) -> str:
+        """Send a change as the frontend does; the form's status text after it."""
+        msg_id = set_value(cid, value)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = k.kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "comm_msg" and content["comm_id"] == status:
+                current["status"] = content["data"].get("state", {}).get("value", current["status"])
+            if msg["msg_type"] == "status" and content["execution_state"] == "idle":
+                return current["status"]
+        raise AssertionError("the kernel did not handle the change")
+
+    # An invalid combination is refused as you type...
+    assert "applied" in status_after(by_desc["nodes"], 2)
+    refused = status_after(by_desc["this node's rank"], 5)
+    assert "--node_rank must be between 0 and" in refused and "not applied" in refused
+    assert "applied" in status_after(by_desc["this node's rank"], 0)
+    assert "applied" in status_after(by_desc["nodes"], 1)
+    # ...a valid one becomes the default of the next cell.
+    assert "not applied" not in status_after(by_desc["processes / node"], 3)
+    assert "not applied" not in status_after(by_desc["output"], "text")
+    check = k.ok("print(get_ipython().find_magic('distributed_config').__self__.defaults)")
+    assert "'num_processes': 3" in check.stdout
+    res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
+    assert "[rank 2] world 3" in res.stdout
+    k.ok("%distributed_config --reset")
