@@ -9,6 +9,7 @@ interrupt or kill the run.  Nothing here imports IPython.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import shutil
@@ -19,6 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from typing import Iterator, Optional
 
@@ -28,6 +30,19 @@ from . import wire
 from .environment import LaunchConfig, free_port, rank_environment
 from .errors import LauncherError
 from .payload import Payload
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold SIGINT (the kernel's interrupt) back for a short critical section."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
@@ -125,6 +140,8 @@ class Launcher:
         if self._pending_preload:
             self._settle_preload()
         if self.proc is not None and not self.alive:
+            warnings.warn(f"the launcher process had exited (code {self.proc.returncode}); starting a new one. "
+                          f"Its log:\n{self.launch_log_tail()}", RuntimeWarning, stacklevel=2)
             self.close()
         if self.proc is None:
             self.start()
@@ -139,10 +156,20 @@ class Launcher:
 
     # -- control pipe -------------------------------------------------------
     def _send(self, obj) -> None:
-        try:
-            wire.write_frame(self.proc.stdin.fileno(), obj)
-        except (BrokenPipeError, OSError) as exc:
-            raise LauncherError(f"the launcher process is gone ({exc}).\n{self.launch_log_tail()}") from None
+        """Write one control frame, whole: an interrupt waits until it is written.
+
+        A frame cut in half by KeyboardInterrupt would desynchronise the
+        pipe for good, so SIGINT is blocked while writing (it is delivered
+        right after).  A frame that fails midway retires the launcher; the
+        next run starts a fresh one.
+        """
+        with _sigint_deferred():
+            try:
+                wire.write_frame(self.proc.stdin.fileno(), obj)
+            except (BrokenPipeError, OSError) as exc:
+                tail = self.launch_log_tail()
+                self.close()
+                raise LauncherError(f"the launcher process is gone ({exc}).\n{tail}") from None
 
     def _reply(self, kind: str, timeout: float) -> dict:
         fd = self.proc.stdout.fileno()
@@ -201,7 +228,6 @@ class Launcher:
         key = wire.new_key()
         spec = {
             "run_id": run_id,
-            "key": key,
             "events_addr": self.events_addr,
             "num_processes": cfg.num_processes,
             "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
@@ -216,13 +242,15 @@ class Launcher:
             "grace": grace,
         }
         with self._lock:
-            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes,
+            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes, "key": key,
                         "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)})
             try:
                 reply = self._reply("run_started", 30)
             except KeyboardInterrupt:  # the run exists now: stop it before giving up
                 reply = self._reply("run_started", 30)
-                RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout).kill()
+                handle = RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout)
+                handle.kill()
+                handle.close()
                 raise
         return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout)
 
@@ -290,7 +318,6 @@ class RunHandle:
                     gone_deadline = now + 2.0
                     if self._pidfd is not None:
                         poller.unregister(self._pidfd)
-                        self._pidfd_close()
                 elif gone_deadline is not None and now >= gone_deadline:
                     raise LauncherError(
                         "the run's supervisor process exited without finishing the run.\n"
@@ -300,19 +327,30 @@ class RunHandle:
                     self.kill()
                     self.backstop = None
         finally:
-            self._pidfd_close()
+            poller.unregister(pull)
+
+    def close(self) -> None:
+        self._pidfd_close()
+
+    def __del__(self) -> None:
+        self._pidfd_close()
 
     def _recv(self) -> Optional[dict]:
         pull = self.launcher.pull
         while True:
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            try:
-                _, frames = self.session.feed_identities(frames)
-                msg = self.session.deserialize(frames)
-            except Exception:
+            # A message taken off the socket is processed whole (an interrupt
+            # waits): losing "finished" would turn a clean stop into an error.
+            with _sigint_deferred():
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return None
+                try:
+                    _, frames = self.session.feed_identities(frames)
+                    msg = self.session.deserialize(frames)
+                except Exception:
+                    msg = None
+            if msg is None:
                 # Wrong or missing signature, replay, or a stale run: never unpickled.
                 self.launcher.dropped += 1
                 continue

@@ -62,65 +62,70 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     interrupted = False
     ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
     messages = handle.messages(heartbeat)
-    while True:
-        try:
+    try:
+        while True:
             try:
-                msg = next(messages)
-            except StopIteration:
-                break
-            kind = msg["kind"]
-            if kind == "heartbeat":
-                emit(ev.Heartbeat())
-            elif kind == "started":
-                emit(ev.RunStarted(
-                    run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
-                    world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
-                    ranks=ranks, master_addr=cfg.master_addr, master_port=handle.master_port,
-                    pids=msg["pids"],
-                ))
-            elif kind == "output":
-                if msg["lines"]:
-                    emit(ev.Output(msg["rank"], msg["lines"]))
-                if msg.get("progress") is not None:
-                    emit(ev.ProgressLine(msg["rank"], msg["progress"]))
-            elif kind == "rank_event":
-                event, rank = msg["event"], msg["rank"]
-                if event["kind"] == "failed":
-                    failures[rank] = _failure_from_event(rank, event)
-                elif event["kind"] == "result":
-                    if "value" in event or "returns" in event:
-                        result = event
-                elif event["kind"] == "progress":
-                    emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
-            elif kind == "stacks":
-                stacks[msg["rank"]] = msg["text"]
-                emit(ev.RankStacks(msg["rank"], msg["text"]))
-            elif kind == "exit":
-                rank = msg["rank"]
-                failure = failures.get(rank)
-                if msg["stopped"] and failure is None:
-                    others[rank] = f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})"
-                    unfinished.append(rank)
-                elif failure is None and (msg["exitcode"] or msg["signal"]):
-                    if msg["signal"]:
-                        failure = ev.RankFailure(rank, "signal", f"killed by {msg['signal']}",
-                                                 timestamp=msg["timestamp"])
-                    else:
-                        failure = ev.RankFailure(
-                            rank, "exit", f"exited with code {msg['exitcode']} without an exception "
-                            "(os._exit() or a crash in native code)", timestamp=msg["timestamp"])
-                    failures[rank] = failure
-                emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
-            elif kind == "supervisor_error":
-                raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
-            elif kind == "finished":
-                reason = msg["reason"]
-        except KeyboardInterrupt:
-            # The stop button: stop every rank (stacks first), keep reading
-            # until the supervisor reports them all gone.
-            interrupted = True
-            handle.interrupt()
-            messages = handle.messages(heartbeat)
+                try:
+                    msg = next(messages)
+                except StopIteration:
+                    break
+                kind = msg["kind"]
+                if kind == "heartbeat":
+                    emit(ev.Heartbeat())
+                elif kind == "started":
+                    emit(ev.RunStarted(
+                        run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
+                        world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
+                        ranks=ranks, master_addr=cfg.master_addr, master_port=handle.master_port,
+                        pids=msg["pids"],
+                    ))
+                elif kind == "output":
+                    if msg["lines"]:
+                        emit(ev.Output(msg["rank"], msg["lines"]))
+                    if msg.get("progress") is not None:
+                        emit(ev.ProgressLine(msg["rank"], msg["progress"]))
+                elif kind == "rank_event":
+                    event, rank = msg["event"], msg["rank"]
+                    if event["kind"] == "failed":
+                        failures[rank] = _failure_from_event(rank, event)
+                    elif event["kind"] == "result":
+                        if "value" in event or "returns" in event:
+                            result = event
+                    elif event["kind"] == "progress":
+                        emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
+                elif kind == "stacks":
+                    stacks[msg["rank"]] = msg["text"]
+                    emit(ev.RankStacks(msg["rank"], msg["text"]))
+                elif kind == "exit":
+                    rank = msg["rank"]
+                    failure = failures.get(rank)
+                    if msg["stopped"] and failure is None:
+                        others[rank] = f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})"
+                        unfinished.append(rank)
+                    elif failure is None and (msg["exitcode"] or msg["signal"]):
+                        if msg["signal"]:
+                            failure = ev.RankFailure(rank, "signal", f"killed by {msg['signal']}",
+                                                     timestamp=msg["timestamp"])
+                        else:
+                            failure = ev.RankFailure(
+                                rank, "exit", f"exited with code {msg['exitcode']} without an exception "
+                                "(os._exit() or a crash in native code)", timestamp=msg["timestamp"])
+                        failures[rank] = failure
+                    emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
+                elif kind == "supervisor_error":
+                    raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
+                elif kind == "finished":
+                    reason = msg["reason"]
+            except KeyboardInterrupt:
+                # The stop button: stop every rank (stacks first), keep reading
+                # until the supervisor reports them all gone.
+                interrupted = True
+                handle.interrupt()
+                messages.close()
+                messages = handle.messages(heartbeat)
+    finally:
+        messages.close()
+        handle.close()
     if interrupted:
         reason = "interrupt"
     failure_list = sorted(failures.values(), key=lambda f: f.rank)

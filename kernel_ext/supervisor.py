@@ -16,6 +16,7 @@ SIGKILL after a grace period.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -28,6 +29,8 @@ from typing import NoReturn, Optional
 
 from . import wire, worker
 
+PR_SET_CHILD_SUBREAPER = 36
+SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
 FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
 MAX_BATCH_BYTES = 256 * 1024
 MAX_LINE_BYTES = 64 * 1024  # a longer line is cut into pieces, memory stays bounded
@@ -72,9 +75,8 @@ class Supervisor:
     fork cost off the critical path of the next cell.
     """
 
-    def __init__(self, control_fd: int, inherited_fds: list[int]) -> None:
+    def __init__(self, control_fd: int) -> None:
         self.control_fd = control_fd
-        self.inherited_fds = inherited_fds
         self.idle: list[tuple] = []        # (pid, go_w, out_r, ev_r, st_r) forked ahead
         self.ranks: list[_Rank] = []
         self.sel = selectors.DefaultSelector()
@@ -93,11 +95,12 @@ class Supervisor:
             self._install_signals()
             self.prefork(prefork)
             self._connect(events_addr)   # after the last fork: ZMQ starts a thread
-            spec_bytes = self._wait_for_spec()
-            if spec_bytes is None:         # the zygote is gone or dropped the spare
+            handed = self._wait_for_spec()
+            if handed is None:             # the zygote is gone or dropped the spare
                 self._discard_idle(len(self.idle))
                 os._exit(0)
-            self._start(spec_bytes)
+            key, spec_bytes = handed
+            self._start(key, spec_bytes)
             self._loop()
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
@@ -130,7 +133,14 @@ class Supervisor:
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
-        self._fds = list(self.inherited_fds) + [self.control_fd, r, w]
+        self._fds = [self.control_fd, r, w, self.sel.fileno()]
+        # Orphans of the ranks (children that escaped their process group)
+        # become this process's children, so none can outlive the run.
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - non-Linux
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked across the zygote's fork
 
     def prefork(self, n: int) -> None:
         """Fork ``n`` idle ranks; each blocks until it is given the spec."""
@@ -140,20 +150,24 @@ class Supervisor:
             ev_r, ev_w = os.pipe()
             st_r, st_w = os.pipe()
             local = len(self.idle)
+            parent = os.getpid()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
             pid = os.fork()
             if pid == 0:  # the rank
+                signal.set_wakeup_fd(-1)
                 for fd in self._fds + [go_w, out_r, ev_r, st_r]:
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-                worker.wait_and_run(go_r, local, out_w, ev_w, st_w)
+                worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             for fd in (go_r, out_w, ev_w, st_w):
                 os.close(fd)
             self._fds += [go_w, out_r, ev_r, st_r]
             self.idle.append((pid, go_w, out_r, ev_r, st_r))
 
-    def _wait_for_spec(self) -> Optional[bytes]:
+    def _wait_for_spec(self) -> Optional[tuple]:
         """Block until the zygote hands over a run (None: it dropped this spare)."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # idle: a stop just ends it
         try:
@@ -169,20 +183,24 @@ class Supervisor:
                 os.close(fd)   # EOF on the go pipe: the idle rank exits by itself
             self._discarded.add(pid)
 
-    def _start(self, spec_bytes: bytes) -> None:
+    def _start(self, key: bytes, spec_bytes: bytes) -> None:
         spec = pickle.loads(spec_bytes)
         self.spec = spec
         self.started = time.time()
         self.grace = spec.get("grace", 3.0)
         if spec.get("timeout"):
             self.timeout_deadline = time.monotonic() + spec["timeout"]
-        self.session.key = spec["key"]
+        self.session.key = key
         need = spec["num_processes"]
         if len(self.idle) < need:  # the zygote forks a big enough spare: never here
             raise RuntimeError(f"spare supervisor has {len(self.idle)} ranks, the run needs {need}")
         self._discard_idle(len(self.idle) - need)
-        for local, (pid, go_w, out_r, ev_r, st_r) in enumerate(self.idle):
-            wire.write_frame(go_w, spec_bytes)
+        for local in range(need):
+            pid, go_w, out_r, ev_r, st_r = self.idle.pop(0)
+            try:
+                wire.write_frame(go_w, spec_bytes)
+            except BrokenPipeError:
+                pass   # it died idle: its exit status is reported like any rank's
             os.close(go_w)
             rank = _Rank(local=local, rank=spec["ranks"][local], pid=pid,
                          fds={"out": out_r, "ev": ev_r, "st": st_r})
@@ -190,7 +208,6 @@ class Supervisor:
                 _nonblocking(fd)
                 self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
             self.ranks.append(rank)
-        self.idle = []
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
                     "supervisor": os.getpid()})
 
@@ -274,12 +291,15 @@ class Supervisor:
                 return
             if pid == 0:
                 return
+            if not any(r.pid == pid for r in self.ranks):
+                continue   # a discarded idle rank, or a rank's orphan we killed
             for r in self.ranks:
                 if r.pid == pid:
                     r.status = status
                     r.exit_time = time.monotonic()
                     # Anything the rank started dies with it: no orphans.
                     self._signal_group(r, signal.SIGKILL)
+                    self._kill_orphans()
                     code = os.waitstatus_to_exitcode(status)
                     if code != 0 and self.stopping is None:
                         self._stop("failed", stacks=False)
@@ -383,6 +403,26 @@ class Supervisor:
             if r.status is None:
                 self._signal_group(r, sig)
 
+    def _kill_orphans(self) -> None:
+        """Kill this process's children that are not ranks: the orphans of
+        exited ranks, reparented here because the supervisor is a subreaper."""
+        ranks = {r.pid for r in self.ranks}
+        me = str(os.getpid())
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in ranks:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(int(entry), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
     def _signal_pid(self, r: _Rank, sig: int) -> None:
         r.signalled = True
         try:
@@ -430,6 +470,6 @@ def user_stack(text: str) -> str:
     return "".join(line for line in text.splitlines(True) if not line.strip().startswith(_OWN_FRAMES))
 
 
-def serve_spare(control_fd: int, inherited_fds: list[int], prefork: int, events_addr: str) -> NoReturn:
+def serve_spare(control_fd: int, prefork: int, events_addr: str) -> NoReturn:
     """Entry point in a supervisor forked ahead by the zygote. Never returns."""
-    Supervisor(control_fd, inherited_fds).serve(prefork, events_addr)
+    Supervisor(control_fd).serve(prefork, events_addr)

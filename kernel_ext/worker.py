@@ -49,13 +49,19 @@ _SECONDARY_TEXT = (
 )
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies."""
+def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: Optional[int] = None) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies.
+
+    If the parent died between the fork and this call, the signal would never
+    come: then exit at once (``expected_parent`` is the pid before the fork).
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - non-Linux
         pass
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
 
 
 def emit(event: dict) -> bool:
@@ -171,23 +177,26 @@ def _compile_cell(source: str, filename: str):
     return body, (compile(last, filename, "eval") if last is not None else None)
 
 
-def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:
+def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int,
+                 parent: int) -> NoReturn:
     """A rank forked ahead of its run: wait for the spec, then run. Never returns.
 
     Until the spec arrives nothing of the run exists here: the environment,
     the payload and the rank's number all come with it.
     """
     try:
+        set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
         os.setpgid(0, 0)
-        set_parent_death_signal(signal.SIGKILL)
         _reset_signals(stack_fd)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])   # blocked across the fork
         spec_bytes = wire.read_frame(go_fd)
         os.close(go_fd)
+        if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
+            os._exit(0)
+        spec = pickle.loads(spec_bytes)
     except BaseException:
         os._exit(1)
-    if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
-        os._exit(0)
-    run_rank(pickle.loads(spec_bytes), local_rank, out_fd, event_fd, stack_fd)
+    run_rank(spec, local_rank, out_fd, event_fd, stack_fd)
 
 
 def run_rank(spec: dict, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:

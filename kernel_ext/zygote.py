@@ -29,6 +29,7 @@ from typing import Optional
 # every fork (an import after the fork costs each run milliseconds).
 from . import payload, supervisor, wire, worker  # noqa: F401
 
+SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
 
@@ -92,6 +93,7 @@ class Zygote:
         self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
         self.preloaded: list[str] = []
+        self.extra_fds: list[int] = []           # fds a forked child must close
         self.failed_preload: dict[str, str] = {}
 
     def preload(self, modules) -> None:
@@ -123,6 +125,7 @@ class Zygote:
         try:
             kernel = os.pidfd_open(init["kernel_pid"])
             self.sel.register(kernel, selectors.EVENT_READ, "kernel")
+            self.extra_fds.append(kernel)
         except (AttributeError, OSError):
             kernel = None
         self.preload(init.get("preload", DEFAULT_PRELOAD))
@@ -168,35 +171,54 @@ class Zygote:
         return True
 
     def dispatch(self, msg: dict) -> int:
-        """Hand the run to the spare supervisor (forking one now if none is ready)."""
-        if self.spare is not None and self.spare[2] < msg["num_processes"]:
-            self.drop_spare()
-        if self.spare is None:
-            self.fork_spare(msg["num_processes"])
-        pid, control, _ = self.spare
-        self.spare = None
-        wire.write_frame(control, msg["spec"])
-        os.close(control)
-        self.supervisors[pid] = msg["run_id"]
-        self.expected_ranks = msg["num_processes"]
-        return pid
+        """Hand the run to the spare supervisor (forking one now if none is ready).
+
+        The key travels beside the spec, not in it: the spare needs it to sign,
+        the ranks (which run user code) never see it.
+        """
+        for _ in range(2):
+            if self.spare is not None and self.spare[2] < msg["num_processes"]:
+                self.drop_spare()
+            if self.spare is None:
+                self.fork_spare(msg["num_processes"])
+            pid, control, _ = self.spare
+            self.spare = None
+            try:
+                wire.write_frame(control, (msg["key"], msg["spec"]))
+            except BrokenPipeError:   # the spare died meanwhile: reap it, fork another
+                os.close(control)
+                self.reap()
+                continue
+            os.close(control)
+            self.supervisors[pid] = msg["run_id"]
+            self.expected_ranks = msg["num_processes"]
+            return pid
+        raise RuntimeError("could not hand the run to a supervisor")
 
     def fork_spare(self, ranks: Optional[int] = None) -> None:
         from .supervisor import serve_spare
 
         ranks = ranks or self.expected_ranks
         control_r, control_w = os.pipe()
-        inherited = [self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w]
-        inherited += [key.fd for key in self.sel.get_map().values()]
+        parent = os.getpid()
+        # Signals sent to the child before it has its own handlers must not
+        # run the zygote's (inherited) handlers and wake-up fd: block them
+        # across the fork; the supervisor unblocks once its handlers are set.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
         pid = os.fork()
         if pid == 0:
             try:
+                worker.set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
                 os.setpgid(0, 0)
                 signal.set_wakeup_fd(-1)
                 self.sel.close()
-                serve_spare(control_r, sorted(set(inherited)), ranks, self.events_addr)
+                for fd in {self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w,
+                           *self.extra_fds}:
+                    os.close(fd)
+                serve_spare(control_r, ranks, self.events_addr)
             finally:
                 os._exit(70)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(control_r)
         self.spare = (pid, control_w, ranks)
 

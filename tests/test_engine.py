@@ -206,3 +206,71 @@ def test_key_is_not_on_any_command_line_or_environment(launcher, tmp_path):
                 assert key not in f.read()
     go.touch()
     assert [m["kind"] for m in messages][-1] == "finished"
+
+
+def _children(pid: int) -> set[int]:
+    from kernel_harness import children
+    return children(pid)
+
+
+def test_spare_is_replaced_when_a_run_needs_more_ranks(launcher):
+    from kernel_harness import wait_until
+    zygote = launcher.proc.pid
+    run(launcher, "pass", n=2)
+    wait_until(lambda: len(_children(zygote)) == 1, 10, "a spare supervisor")
+    old_spare = next(iter(_children(zygote)))
+    result, _ = run(launcher, "import os\nint(os.environ['WORLD_SIZE'])", n=3)
+    assert result.value == 3
+    # The too-small spare was dropped and exits; a new one with 3 ranks replaces it.
+    wait_until(lambda: not os.path.exists(f"/proc/{old_spare}"), 10, "the dropped spare to exit")
+    wait_until(lambda: len(_children(zygote)) == 1 and len(_children(next(iter(_children(zygote))))) == 3,
+               10, "a spare with 3 idle ranks")
+
+
+def test_processes_that_escape_the_rank_group_die_with_the_run(launcher):
+    from kernel_harness import wait_until
+    result, _ = run(launcher,
+                    "import subprocess\n"
+                    "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                    "p.pid", n=2)
+    escaped = result.value
+    wait_until(lambda: not os.path.exists(f"/proc/{escaped}") or
+               open(f"/proc/{escaped}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+               10, "the escaped child to be killed")
+
+
+def test_ranks_never_see_the_channel_key(launcher):
+    result, _ = run(launcher,
+                    "import sys\n"
+                    "frame, found = sys._getframe(), []\n"
+                    "while frame is not None:\n"
+                    "    spec = frame.f_locals.get('spec')\n"
+                    "    if isinstance(spec, dict):\n"
+                    "        found.append(sorted(spec))\n"
+                    "    frame = frame.f_back\n"
+                    "found")
+    assert result.value and all("key" not in keys for keys in result.value)
+
+
+def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launcher):
+    import signal
+    import threading
+    sent = threading.Event()
+    big = build_payload("len(blob)", {"blob": b"x" * 50_000_000})
+
+    def interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.set()
+
+    timer = threading.Timer(0.005, interrupt)
+    interrupted = False
+    try:
+        timer.start()
+        execute(launcher, LaunchConfig(num_processes=2), big)
+        sent.wait(10)
+    except KeyboardInterrupt:
+        interrupted = True
+    timer.join()
+    assert interrupted
+    result, _ = run(launcher, "7")
+    assert result.value == 7
