@@ -98,7 +98,7 @@ def command_line(values: dict) -> str:
     parts = ["%%distributed"]
     for name in LAUNCH_OPTION_NAMES:
         value = values.get(name)
-        if value is None or (name == "output" and value == "auto"):
+        if value is None or (name == "output" and value == "auto") or (name == "max_restarts" and not value):
             continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)
