@@ -94,11 +94,16 @@ def config_summary(values: dict) -> str:
     return "defaults for %%distributed: " + command_line(values)
 
 
+_BUILTIN_DEFAULTS = {"num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "max_restarts": 0,
+                     "output": "auto"}
+
+
 def command_line(values: dict) -> str:
+    """The flags that differ from the built-in defaults, as a cell's first line."""
     parts = ["%%distributed"]
     for name in LAUNCH_OPTION_NAMES:
         value = values.get(name)
-        if value is None or (name == "output" and value == "auto") or (name == "max_restarts" and not value):
+        if value is None or _BUILTIN_DEFAULTS.get(name, object()) == value:
             continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)

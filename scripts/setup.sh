@@ -13,4 +13,4 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e '.[test]'
+python -m pip install -q -e '.[test,browser]'

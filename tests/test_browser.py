@@ -1,0 +1,250 @@
+"""A person's view: JupyterLab in headless Chromium, driven by Playwright.
+
+Opens a notebook in a real JupyterLab (hermetic: its own config, data and
+runtime directories, loopback only, no network plugins), runs a 2-rank cell
+with a tqdm loop and checks what a user sees: the progress view renders, its
+bars advance and reach 100%, each rank's pane shows that rank's lines, the
+record replaces the view at the end; then the config form renders and a
+change in it changes the next run.  Screenshots go to
+``tests/artifacts/browser/`` (or ``$ACCEL_MAGICS_ARTIFACTS``).
+
+Needs Debian's Chromium (``/usr/bin/chromium``) and the ``browser`` extra
+(jupyterlab, playwright); Playwright never downloads a browser here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the browser extra (playwright) is not installed")
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("jupyterlab", reason="the browser extra (jupyterlab) is not installed")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(300)
+
+ARTIFACTS = Path(os.environ.get("ACCEL_MAGICS_ARTIFACTS",
+                                Path(__file__).resolve().parent / "artifacts" / "browser"))
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--no-default-browser-check", "--disable-crash-reporter",
+                 "--disable-breakpad"]
+CELL = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell.jp-CodeCell"
+KERNEL_IDLE_JS = """() => {
+    const i = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator');
+    const s = document.querySelector('#jp-main-statusbar .jp-StatusBar-TextItem[title^="Change kernel for"]');
+    return !!(i && s && i.dataset.status === 'idle' && /\\| Idle$/.test(s.textContent.trim())
+              && !s.textContent.startsWith('No Kernel'));
+}"""
+BAR_WIDTHS_JS = """c => [...c.querySelectorAll('.accel-magics-run .widget-hprogress .progress-bar')]
+                      .map(e => parseFloat(e.style.width || '0'))"""
+
+TRAIN_CELL = (
+    "%%distributed -n 2\n"
+    "import os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "rank = os.environ['RANK']\n"
+    "print(f'rank {rank} starting')\n"
+    "for step in tqdm(range(40), desc='train'):\n"
+    "    time.sleep(0.1)\n"
+    "print(f'rank {rank} saving a checkpoint')\n"
+    "time.sleep(2.5)\n"
+    "print(f'rank {rank} finished')\n"
+)
+CELLS = ["%load_ext accel_magics", TRAIN_CELL, "%distributed_config",
+         "%%distributed --output text\nimport os\nprint('world size', os.environ['WORLD_SIZE'])"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, token: str, path: str):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.load(r)
+
+
+class Lab:
+    """A hermetic JupyterLab server on loopback, stopped with everything it started."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="accel-lab-"))
+        self.root, state = self.tmp / "root", self.tmp / "state"
+        self.root.mkdir()
+        (state / "config" / "labconfig").mkdir(parents=True)
+        (state / "config" / "labconfig" / "page_config.json").write_text(json.dumps({"disabledExtensions": {
+            "@jupyterlab/apputils-extension:announcements": True,
+            "@jupyterlab/extensionmanager-extension": True}}))
+        (state / "config" / "jupyter_server_config.json").write_text(json.dumps({"LabApp": {
+            "news_url": None, "check_for_updates_class": "jupyterlab.NeverCheckForUpdate",
+            "extension_manager": "readonly"}}))
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, self.root / "run.ipynb")
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_DATA_DIR=str(state / "data"),
+                   JUPYTER_RUNTIME_DIR=str(state / "runtime"), IPYTHONDIR=str(state / "ipython"),
+                   JUPYTER_PLATFORM_DIRS="1", ACCEL_MAGICS_LOG_DIR=str(state / "runs"), PYTHONUNBUFFERED="1")
+        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.log = open(state / "lab.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.tracked: set[int] = set()
+        deadline = time.monotonic() + 90
+        while True:
+            assert self.proc.poll() is None, "jupyter lab exited at start"
+            try:
+                _get(self.port, self.token, "/api/status")
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "jupyter lab did not answer"
+                time.sleep(0.25)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/lab/tree/{name}?token={self.token}"
+
+    def kernel_idle(self) -> bool:
+        kernels = _get(self.port, self.token, "/api/kernels")
+        return bool(kernels) and all(k["execution_state"] == "idle" and k["connections"] >= 1 for k in kernels)
+
+    def track(self) -> None:
+        try:
+            self.tracked |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self) -> list[int]:
+        """SIGTERM the server (it shuts its kernels down); then nothing it started may remain."""
+        self.track()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        deadline = time.monotonic() + 15
+        while True:
+            alive = [pid for pid in self.tracked if psutil.pid_exists(pid)
+                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for pid in alive:
+            psutil.Process(pid).kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return alive
+
+
+def _wait_idle(page, lab: Lab) -> None:
+    page.wait_for_function(KERNEL_IDLE_JS)
+    deadline = time.monotonic() + 60
+    while not lab.kernel_idle():
+        assert time.monotonic() < deadline, "the kernel did not become idle"
+        time.sleep(0.2)
+
+
+def _run_cell(page, index: int) -> None:
+    cell = page.locator(CELL).nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def _wait_done(page, index: int) -> None:
+    page.wait_for_function(
+        """([sel, i]) => /\\[\\d+\\]/.test(document.querySelectorAll(sel + ' .jp-InputArea-prompt')[i].textContent)""",
+        arg=[CELL, index])
+
+
+def test_progress_view_and_config_form_in_jupyterlab():
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    leftovers = None
+    try:
+        with playwright_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page.set_default_timeout(120_000)
+                page.goto(lab.url("run.ipynb"))
+                _wait_idle(page, lab)
+                _run_cell(page, 0)
+                _wait_done(page, 0)
+
+                # The progress view: bars advance while the ranks train...
+                _run_cell(page, 1)
+                cell = page.locator(CELL).nth(1)
+                cell.locator(".accel-magics-run .widget-hprogress").nth(1).wait_for()
+                seen: list[list[float]] = []
+                deadline = time.monotonic() + 60
+                while not (seen and len(seen[-1]) == 2 and min(seen[-1]) >= 100):
+                    assert time.monotonic() < deadline, f"the bars did not reach 100%: {seen[-5:]}"
+                    seen.append(cell.evaluate(BAR_WIDTHS_JS))
+                    if len(seen) == 8:
+                        cell.screenshot(path=str(ARTIFACTS / "1-progress-advancing.png"))
+                    time.sleep(0.1)
+                for rank in (0, 1):
+                    values = sorted({s[rank] for s in seen if len(s) == 2})
+                    assert len([v for v in values if 0 < v < 100]) >= 2, values   # it advanced
+                assert "train: 100%" in cell.locator(".accel-magics-run").inner_text()
+                cell.screenshot(path=str(ARTIFACTS / "2-progress-100.png"))
+                # ...and each rank's pane shows that rank's lines (while it saves its checkpoint).
+                cell.locator(".accel-magics-run .lm-TabBar-tab", has_text="rank 1").click()
+                pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
+                pane.filter(has_text="rank 1 saving a checkpoint").wait_for()
+                assert "rank 0" not in pane.inner_text()
+                cell.screenshot(path=str(ARTIFACTS / "3-rank-1-pane.png"))
+                # At the end the live view gives way to the record: final states, 100%, per-rank output.
+                _wait_done(page, 1)
+                summary = cell.locator(".accel-magics-summary")
+                summary.wait_for()
+                text = summary.inner_text()
+                assert text.count("done") >= 2 and text.count("100%") >= 2, text
+                assert cell.locator(".accel-magics-run").count() == 0
+                cell.screenshot(path=str(ARTIFACTS / "4-record.png"))
+
+                # The config form: a change in it changes the next run.
+                _run_cell(page, 2)
+                form = page.locator(CELL).nth(2).locator(".accel-magics-config")
+                form.wait_for()
+                box = form.locator(".widget-inline-hbox", has_text="processes / node").locator("input")
+                box.fill("3")
+                box.press("Enter")
+                form.locator("code", has_text="--num_processes 3").wait_for()
+                page.locator(CELL).nth(2).screenshot(path=str(ARTIFACTS / "5-config-form.png"))
+                _run_cell(page, 3)
+                _wait_done(page, 3)
+                out = page.locator(CELL).nth(3).locator(".jp-OutputArea").inner_text()
+                assert "[rank 2] world size 3" in out, out
+                page.screenshot(path=str(ARTIFACTS / "6-notebook.png"), full_page=True)
+                lab.track()
+            except Exception:
+                try:
+                    page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+                finally:
+                    raise
+            finally:
+                browser.close()
+    finally:
+        leftovers = lab.stop()
+    assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
