@@ -45,7 +45,7 @@ class ReturnNameError(_PlainReport, NameError):
 
 
 LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
-                       "max_restarts", "mixed_precision", "output", "timeout")
+                       "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout")
 
 
 def launch_options(func):
@@ -68,6 +68,8 @@ def launch_options(func):
                       "the widget in a notebook)."),
         argument("--timeout", type=float, default=None,
                  help="Stop the run after this many seconds and show where each rank was."),
+        argument("--rendezvous_timeout", type=float, default=None,
+                 help="Multi-node: how long the nodes wait for each other before giving up (default 300)."),
     ]
     for decorate in reversed(decorators):
         func = decorate(func)
@@ -86,6 +88,7 @@ def _launch_config(values: dict) -> LaunchConfig:
         max_restarts=values.get("max_restarts") or 0,
         mixed_precision=values.get("mixed_precision"),
         timeout=values.get("timeout"),
+        rendezvous_timeout=values.get("rendezvous_timeout") or 300.0,
     )
 
 
@@ -95,7 +98,7 @@ def config_summary(values: dict) -> str:
 
 
 _BUILTIN_DEFAULTS = {"num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "max_restarts": 0,
-                     "output": "auto"}
+                     "output": "auto", "rendezvous_timeout": 300.0}
 
 
 def command_line(values: dict) -> str:

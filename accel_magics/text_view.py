@@ -124,6 +124,12 @@ class TextView:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):
             self.live.write([f"[rank {e.rank}] {e.failure.summary}"])
 
+    def on_Waiting(self, e: ev.Waiting) -> None:
+        if e.joined != getattr(self, "_joined", None):
+            self._joined = e.joined
+            self.live.write([f"[accel_magics] waiting for {e.expected - e.joined} of {e.expected} nodes "
+                             f"at {e.address}"])
+
     def on_Heartbeat(self, e: ev.Heartbeat) -> None:
         self.live.refresh()
 

@@ -30,6 +30,7 @@ class LaunchConfig:
     max_restarts: int = 0
     mixed_precision: Optional[str] = None
     timeout: Optional[float] = None
+    rendezvous_timeout: float = 300.0     # how long nodes wait for each other
     extra_env: dict = field(default_factory=dict)
 
     @property
@@ -84,6 +85,8 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
         raise ConfigError(f"--master_port must be between 1 and 65535 (got {cfg.master_port}).")
     if cfg.max_restarts < 0:
         raise ConfigError(f"--max_restarts must be 0 or more (got {cfg.max_restarts}).")
+    if cfg.rendezvous_timeout <= 0:
+        raise ConfigError(f"--rendezvous_timeout must be a positive number of seconds (got {cfg.rendezvous_timeout}).")
     if cfg.timeout is not None and cfg.timeout <= 0:
         raise ConfigError(f"--timeout must be a positive number of seconds (got {cfg.timeout}).")
     if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:
@@ -96,7 +99,7 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
             "--max_restarts is not supported for multi-node runs yet: restarts are not coordinated "
             "across nodes. Use --max_restarts 0 and re-run the cell on every node."
         )
-    if check_port and cfg.num_nodes == 1 and cfg.master_port is not None and cfg.node_rank == 0:
+    if check_port and cfg.master_port is not None and cfg.node_rank == 0:
         if not port_is_free(cfg.master_addr, cfg.master_port):
             raise ConfigError(
                 f"--master_port {cfg.master_port} is already in use on {cfg.master_addr}; "
@@ -121,10 +124,22 @@ def resolve_host(host: str) -> str:
 
 
 def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in resolve_host(host) else socket.AF_INET
+    address = resolve_host(host)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind((resolve_host(host), port))
+            s.bind(("" if family == socket.AF_INET6 else "0.0.0.0", port) if not _is_local(address) else (address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _is_local(address: str) -> bool:
+    """Whether this machine can bind ``address`` (it is one of its own)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))
         except OSError:
             return False
     return True
@@ -176,6 +191,9 @@ def rank_environment(
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
         "PYTHONUNBUFFERED": "1",
+        # The supervisor of node 0 hosts the store (as torchrun's agent does):
+        # every rank connects to it as a client, none races to bind the port.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     if not gpu_count:
         env["ACCELERATE_USE_CPU"] = "true"

@@ -107,5 +107,12 @@ class RunInterrupted(KeyboardInterrupt):
         return self.report().splitlines()
 
 
+class RendezvousError(RuntimeError):
+    """The nodes did not all meet at the rendezvous; nothing ran."""
+
+    def _render_traceback_(self) -> list[str]:
+        return f"RendezvousError: {self}".splitlines()
+
+
 class LauncherError(RuntimeError):
     """The launcher process or a supervisor died or could not start."""

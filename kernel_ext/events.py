@@ -92,3 +92,11 @@ class RunFinished:
 @dataclass
 class Heartbeat:
     """Nothing arrived for a while; views may refresh what they throttled."""
+
+
+@dataclass
+class Waiting:
+    """Nodes are still joining the rendezvous (multi-node runs)."""
+    joined: int
+    expected: int
+    address: str

@@ -239,6 +239,11 @@ class Launcher:
             "payload": payload,
             "gpu_count": gpus,
             "timeout": cfg.timeout,
+            "master_addr": cfg.master_addr,
+            "master_port": port,
+            "num_nodes": cfg.num_nodes,
+            "node_rank": cfg.node_rank,
+            "rdzv_timeout": cfg.rendezvous_timeout,
             "grace": grace,
         }
         with self._lock:

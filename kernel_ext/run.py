@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 from . import events as ev
 from .environment import LaunchConfig
-from .errors import DistributedRunError, DistributedTimeoutError, LauncherError, RunInterrupted, root_cause
+from .errors import (DistributedRunError, DistributedTimeoutError, LauncherError, RendezvousError,
+                     RunInterrupted, root_cause)
 from .launcher import Launcher, RunHandle
 from .payload import Payload
 from .worker import loads_value
@@ -41,6 +42,7 @@ class _Outcome:
     result: Optional[dict]
     others: dict
     unfinished: list
+    rendezvous_error: Optional[str] = None
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -60,6 +62,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     result = None
     reason = None
     interrupted = False
+    rendezvous_error = None
+    remote = None
     ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
     messages = handle.messages(heartbeat)
     try:
@@ -112,6 +116,13 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                                 "(os._exit() or a crash in native code)", timestamp=msg["timestamp"])
                         failures[rank] = failure
                     emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
+                elif kind == "waiting":
+                    emit(ev.Waiting(msg["joined"], msg["expected"], msg["address"]))
+                elif kind == "rendezvous_failed":
+                    rendezvous_error = msg["message"]
+                elif kind == "remote_failure":
+                    remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
+                                            timestamp=0.0)
                 elif kind == "supervisor_error":
                     raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
                 elif kind == "finished":
@@ -129,9 +140,15 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     if interrupted:
         reason = "interrupt"
     failure_list = sorted(failures.values(), key=lambda f: f.rank)
-    cause = root_cause(failure_list)
+    if remote is not None:   # another node failed first: its cause is the root cause
+        failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
+        for f in failure_list[1:]:
+            f.secondary = True
+    cause = remote if remote is not None else root_cause(failure_list)
     if reason == "interrupt":
         status = "interrupted"
+    elif reason == "rendezvous":
+        status = "rendezvous_failed"
     elif reason == "timeout":
         status = "timeout"
     elif cause is not None:
@@ -140,7 +157,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "ok"
     finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
     emit(finished)
-    return _Outcome(finished, result, others, sorted(unfinished))
+    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error)
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
@@ -160,6 +177,8 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
         finished = outcome.finished
         if finished.status == "interrupted":
             raise RunInterrupted(finished.stacks, outcome.unfinished) from None
+        if finished.status == "rendezvous_failed":
+            raise RendezvousError(outcome.rendezvous_error or "the rendezvous failed")
         if finished.status == "timeout":
             raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished)
         if finished.status == "failed":

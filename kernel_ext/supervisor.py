@@ -31,6 +31,9 @@ from . import wire, worker
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+REMOTE_CHECK = 0.5        # seconds between looks at other nodes' failure flag
+FINISH_WAIT = 60.0
+REMOTE_WAIT = 5.0         # how long a node with only secondary errors waits for the remote cause        # node 0 keeps the store this long for nodes still finishing
 FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
 MAX_BATCH_BYTES = 256 * 1024
 MAX_LINE_BYTES = 64 * 1024  # a longer line is cut into pieces, memory stays bounded
@@ -86,6 +89,9 @@ class Supervisor:
         self.timeout_deadline: Optional[float] = None
         self.flush_due: Optional[float] = None
         self._fds: list[int] = []          # every fd a rank must not inherit
+        self.rdzv = None
+        self.remote_check: Optional[float] = None
+        self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self._discarded: set[int] = set()
 
     # -- life cycle -------------------------------------------------------
@@ -101,7 +107,10 @@ class Supervisor:
                 os._exit(0)
             key, spec_bytes = handed
             self._start(key, spec_bytes)
+            if self.spec["num_nodes"] > 1 and self.stopping is None:
+                self.remote_check = time.monotonic() + REMOTE_CHECK
             self._loop()
+            self._finish_nodes()
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
         except BaseException as exc:  # report, never leave ranks behind
@@ -195,13 +204,10 @@ class Supervisor:
         if len(self.idle) < need:  # the zygote forks a big enough spare: never here
             raise RuntimeError(f"spare supervisor has {len(self.idle)} ranks, the run needs {need}")
         self._discard_idle(len(self.idle) - need)
+        held = []
         for local in range(need):
             pid, go_w, out_r, ev_r, st_r = self.idle.pop(0)
-            try:
-                wire.write_frame(go_w, spec_bytes)
-            except BrokenPipeError:
-                pass   # it died idle: its exit status is reported like any rank's
-            os.close(go_w)
+            held.append(go_w)
             rank = _Rank(local=local, rank=spec["ranks"][local], pid=pid,
                          fds={"out": out_r, "ev": ev_r, "st": st_r})
             for kind, fd in rank.fds.items():
@@ -210,6 +216,98 @@ class Supervisor:
             self.ranks.append(rank)
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
                     "supervisor": os.getpid()})
+        self._rendezvous(spec)
+        for r, go_w in zip(self.ranks, held):
+            if self.stopping is None:
+                try:
+                    wire.write_frame(go_w, spec_bytes)
+                except BrokenPipeError:
+                    pass   # it died idle: its exit status is reported like any rank's
+            else:
+                r.signalled = True   # never released: EOF ends it
+            os.close(go_w)
+
+    # -- rendezvous -------------------------------------------------------------
+    def _poll(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            kind, rank = key.data
+            if kind == "signal":
+                self._on_signals()
+            else:
+                self._on_readable(kind, rank, key.fd)
+
+    def _rendezvous(self, spec: dict) -> None:
+        """Host (node 0) or reach the run's store; with several nodes, wait for all.
+
+        Interruptible, bounded by the rendezvous timeout; progress goes to the
+        kernel once a second ("waiting for 1 of 2 nodes at 10.1.2.3:29500").
+        """
+        from .rendezvous import NodeRendezvous, RendezvousTimeout
+
+        nodes = spec["num_nodes"]
+        self.rdzv = NodeRendezvous(spec["master_addr"], spec["master_port"], nodes, spec["node_rank"],
+                                   spec["rdzv_timeout"])
+        try:
+            if spec["node_rank"] == 0:
+                self.rdzv.host_store()
+            if nodes == 1:
+                return
+            last_note = 0.0
+            while self.stopping is None:
+                joined = 0
+                if self.rdzv.store is not None or self.rdzv.try_connect():
+                    joined = self.rdzv.join_step()
+                    if joined >= nodes:
+                        return
+                if time.monotonic() - last_note >= 1.0:
+                    last_note = time.monotonic()
+                    self._send({"kind": "waiting", "joined": joined, "expected": nodes,
+                                "address": self.rdzv.address})
+                self.rdzv.check_deadline(joined)
+                self._poll(0.2)
+        except RendezvousTimeout as exc:
+            self._rendezvous_failed(str(exc))
+        except Exception as exc:   # e.g. node 0 could not listen on the port
+            self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
+                                    f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
+
+    def _rendezvous_failed(self, message: str) -> None:
+        self._send({"kind": "rendezvous_failed", "message": message})
+        self.stopping = "rendezvous"
+        self.kill_deadline = time.monotonic() + self.grace
+
+    def _check_remote(self) -> None:
+        """Several nodes: stop when another node reports a failure; report ours."""
+        self.remote_check = time.monotonic() + REMOTE_CHECK
+        remote = self.rdzv.remote_failure()
+        if remote is not None and self.stopping is None:
+            self._send({"kind": "remote_failure", **remote})
+            self._stop("remote_failed", stacks=False)
+
+    def _finish_nodes(self) -> None:
+        """Several nodes: node 0 keeps the store up until every node is done.
+
+        If this node only saw consequences (its ranks lost their peers), the
+        root cause is on another node: give its report a moment to arrive.
+        """
+        if self.spec["num_nodes"] == 1 or self.rdzv is None or self.rdzv.store is None:
+            return
+        if self.stopping == "failed" and self.first_failure is not None and self.first_failure[0]:
+            deadline = time.monotonic() + REMOTE_WAIT
+            while time.monotonic() < deadline:
+                remote = self.rdzv.remote_failure()
+                if remote is not None:
+                    self._send({"kind": "remote_failure", **remote})
+                    break
+                self._poll(0.1)
+        self.rdzv.finish()
+        if self.spec["node_rank"] != 0:
+            return
+        deadline = time.monotonic() + FINISH_WAIT
+        while self.rdzv.finished() < self.spec["num_nodes"] and time.monotonic() < deadline:
+            self._poll(0.2)
+            if self.stopping == "interrupt":
+                return
 
     def _connect(self, events_addr: str) -> None:
         import zmq  # only now: the ranks were forked from a single-threaded process
@@ -239,7 +337,7 @@ class Supervisor:
     def _next_timeout(self) -> Optional[float]:
         now = time.monotonic()
         due = [d for d in (self.flush_due, self.stack_deadline, self.kill_deadline,
-                           self.timeout_deadline) if d is not None]
+                           self.timeout_deadline, self.remote_check) if d is not None]
         due += [r.exit_time + DRAIN_WAIT for r in self.ranks if r.status is not None and not r.reported]
         if self.stack_deadline is not None:
             due.append(now + STACK_QUIET)
@@ -247,6 +345,8 @@ class Supervisor:
 
     def _on_time(self) -> None:
         now = time.monotonic()
+        if self.remote_check is not None and now >= self.remote_check:
+            self._check_remote()
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)
@@ -301,14 +401,22 @@ class Supervisor:
                     self._signal_group(r, signal.SIGKILL)
                     self._kill_orphans()
                     code = os.waitstatus_to_exitcode(status)
+                    # Its failure report (if any) is already in its event pipe:
+                    # read it first, so the exit is not taken for the cause.
+                    while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
+                        pass
+                    if code != 0 and self.stopping is None and not r.failed:
+                        what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                        self._note_failure(False, time.time(), r.rank, what)
                     if code != 0 and self.stopping is None:
                         self._stop("failed", stacks=False)
 
-    def _on_readable(self, kind: str, r: _Rank, fd: int) -> None:
+    def _on_readable(self, kind: str, r: _Rank, fd: int) -> bool:
+        """Read what is there; False once nothing more is (EAGAIN or EOF)."""
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:
             if exc.errno != errno.EIO:
                 raise
@@ -320,7 +428,7 @@ class Supervisor:
             if kind == "out" and r.pending:
                 self._add_line(r, bytes(r.pending))
                 r.pending.clear()
-            return
+            return False
         if kind == "out":
             self._on_output(r, data)
         elif kind == "ev":
@@ -329,6 +437,7 @@ class Supervisor:
         else:
             r.stack += data
             r.stack_time = time.monotonic()
+        return True
 
     # -- output -------------------------------------------------------------
     def _on_output(self, r: _Rank, data: bytes) -> None:
@@ -372,10 +481,17 @@ class Supervisor:
                 r.lines, r.batch_bytes = [], 0
 
     # -- rank events, stopping, exits ----------------------------------------
+    def _note_failure(self, secondary: bool, when: float, rank: int, summary: str) -> None:
+        candidate = (secondary, when, rank, summary)
+        if self.first_failure is None or candidate < self.first_failure:
+            self.first_failure = candidate
+
     def _on_rank_event(self, r: _Rank, event: dict) -> None:
         self._flush()
         if event.get("kind") == "failed":
             r.failed = True
+            summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+            self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         self._send({"kind": "rank_event", "rank": r.rank, "event": event})
         if event.get("kind") == "failed" and self.stopping is None:
             self._stop("failed", stacks=False)
@@ -384,6 +500,10 @@ class Supervisor:
         if self.stopping is not None:
             return
         self.stopping = reason
+        if reason == "failed" and self.remote_check is not None and self.first_failure is not None:
+            secondary, _, rank, summary = self.first_failure
+            if not secondary:   # a consequence of another node's failure is not news to it
+                self.rdzv.report_failure(self.spec["node_rank"], rank, summary)
         live = [r for r in self.ranks if r.status is None]
         if stacks and live:
             for r in live:

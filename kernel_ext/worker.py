@@ -39,6 +39,8 @@ PR_SET_PDEATHSIG = 1
 _SECONDARY_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
 _SECONDARY_TEXT = (
     "Connection closed by peer",
+    "Connection closed",
+    "remote worker crashing",
     "Connection reset by peer",
     "Broken pipe",
     "NCCL communicator was aborted",

@@ -72,6 +72,7 @@ class RunView:
         self.started = time.monotonic()
         self.elapsed = 0.0
         self.error = ""
+        self.world_note = ""
         self._last_refresh = 0.0
         self._dirty = True
 
@@ -107,11 +108,16 @@ class RunView:
                       f"(world size {e.world_size}; ranks {e.ranks[0]}-{e.ranks[-1]}), "
                       f"master {e.master_addr}:{e.master_port}")
         self.attempt = f"attempt {e.attempt + 1} of {e.max_restarts + 1}" if e.max_restarts else ""
+        if e.num_nodes > 1:
+            self.status = "waiting"
+            self.world_note = f"rendezvous at {e.master_addr}:{e.master_port}"
         for rank in e.ranks:
             state = self._rank(rank)
             state.state, state.fraction, state.latest = "running", None, ""
 
     def on_Output(self, e) -> None:
+        if self.status == "waiting":
+            self.status = "running"
         state = self._rank(e.rank)
         state.lines.extend(e.lines)
         state.count += len(e.lines)
@@ -155,6 +161,10 @@ class RunView:
             self.error = f"rank {e.root_cause.rank} failed: {e.root_cause.summary}"
         self.refresh(force=True)
 
+    def on_Waiting(self, e) -> None:
+        self.status = "waiting"
+        self.world_note = f"waiting for {e.expected - e.joined} of {e.expected} nodes at {e.address}"
+
     def on_Heartbeat(self, e) -> None:
         self._dirty = True   # elapsed time moves on
 
@@ -162,7 +172,10 @@ class RunView:
     def _header_html(self, final: bool = False) -> str:
         elapsed = self.elapsed if final else time.monotonic() - self.started
         color = STATE_COLORS.get({"ok": "done"}.get(self.status, self.status), "#d62728")
-        parts = [f"<b style='color:{color}'>{html.escape(self.status)}</b>", html.escape(self.world or "starting"),
+        world = html.escape(self.world or "starting")
+        if self.status == "waiting":
+            world += " &middot; " + html.escape(self.world_note)
+        parts = [f"<b style='color:{color}'>{html.escape(self.status)}</b>", world,
                  f"{elapsed:.1f} s"]
         if self.attempt:
             parts.append(html.escape(self.attempt))

@@ -1,0 +1,110 @@
+"""The run's rendezvous: torch's own TCPStore, hosted by node 0's supervisor.
+
+As with torchrun's agent store: node 0's supervisor hosts a TCPStore on
+``master_addr:master_port`` before any rank starts, and every rank connects to
+it as a client (``TORCHELASTIC_USE_AGENT_STORE=True``), so ``env://``
+``init_process_group`` works unchanged and no rank races to bind the port.
+
+Before the ranks are released, the supervisors of all nodes count themselves
+in on the same store, so waiting for other nodes is visible and bounded.
+During the run the store carries one more thing between nodes: the first
+failure, so the other nodes stop with that root cause instead of hanging or
+reporting their own secondary "connection closed" errors.
+"""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Optional
+
+JOINED = "accel_magics/nodes_joined"
+FINISHED = "accel_magics/nodes_finished"
+FAILED = "accel_magics/failure"
+
+
+class RendezvousTimeout(Exception):
+    pass
+
+
+class NodeRendezvous:
+    def __init__(self, host: str, port: int, num_nodes: int, node_rank: int, timeout: float) -> None:
+        self.host, self.port = host, port
+        self.num_nodes, self.node_rank = num_nodes, node_rank
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
+        self.store = None
+        self.joined_self = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def host_store(self) -> None:
+        """Node 0: listen now (raises if the port cannot be bound)."""
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
+                              timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False)
+
+    def try_connect(self, attempt_timeout: float = 1.0) -> bool:
+        """Other nodes: one bounded attempt to reach node 0's store."""
+        from torch.distributed import TCPStore
+
+        if time.monotonic() >= self.deadline:
+            raise RendezvousTimeout(self.timeout_message(0))
+        try:
+            self.store = TCPStore(self.host, self.port, None, False, timedelta(seconds=attempt_timeout))
+        except Exception:   # not listening yet, unreachable, refused: try again until the deadline
+            return False
+        self.store.set_timeout(timedelta(seconds=30))
+        return True
+
+    def join_step(self) -> int:
+        """Count this node in (once); how many nodes have joined so far."""
+        if not self.joined_self:
+            self.joined_self = True
+            return int(self.store.add(JOINED, 1))
+        return int(self.store.add(JOINED, 0))
+
+    def timeout_message(self, joined: int) -> str:
+        who = ("node 0's store was not reachable" if self.store is None
+               else f"only {joined} of {self.num_nodes} nodes joined")
+        return (f"rendezvous at {self.address} timed out after {self.timeout:g}s: {who}. Check that the "
+                f"%%distributed cell runs on every node with the same --num_nodes, --master_addr and "
+                f"--master_port, that node 0's cell was started, and that port {self.port} on "
+                f"{self.host} is reachable from every node (firewall).")
+
+    def check_deadline(self, joined: int) -> None:
+        if time.monotonic() >= self.deadline:
+            raise RendezvousTimeout(self.timeout_message(joined))
+
+    # -- during and after the run -------------------------------------------------
+    def report_failure(self, node_rank: int, rank: int, summary: str) -> None:
+        try:
+            if not self.store.check([FAILED]):
+                self.store.set(FAILED, json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
+        except Exception:
+            pass
+
+    def remote_failure(self) -> Optional[dict]:
+        try:
+            if self.store.check([FAILED]):
+                failure = json.loads(self.store.get(FAILED))
+                if failure["node"] != self.node_rank:
+                    return failure
+        except Exception:
+            pass
+        return None
+
+    def finish(self) -> None:
+        try:
+            self.store.add(FINISHED, 1)
+        except Exception:
+            pass
+
+    def finished(self) -> int:
+        try:
+            return int(self.store.add(FINISHED, 0))
+        except Exception:
+            return self.num_nodes
