@@ -228,12 +228,12 @@ class Supervisor:
             os.close(go_w)
 
     # -- rendezvous -------------------------------------------------------------
-    def _poll(self, timeout: float) -> None:
+    def _poll(self, timeout: Optional[float]) -> None:
         for key, _ in self.sel.select(timeout):
             kind, rank = key.data
             if kind == "signal":
                 self._on_signals()
-            else:
+            elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
 
     def _rendezvous(self, spec: dict) -> None:
@@ -326,12 +326,7 @@ class Supervisor:
     # -- event loop -------------------------------------------------------
     def _loop(self) -> None:
         while not all(r.reported for r in self.ranks):
-            for key, _ in self.sel.select(self._next_timeout()):
-                kind, rank = key.data
-                if kind == "signal":
-                    self._on_signals()
-                else:
-                    self._on_readable(kind, rank, key.fd)
+            self._poll(self._next_timeout())
             self._on_time()
 
     def _next_timeout(self) -> Optional[float]:
