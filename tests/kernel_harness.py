@@ -35,10 +35,10 @@ class CellResult:
 
 
 class KernelSession:
-    def __init__(self, extra_env: Optional[dict] = None) -> None:
+    def __init__(self, extra_env: Optional[dict] = None, km: Optional[KernelManager] = None) -> None:
         env = dict(os.environ)
         env.update(extra_env or {})
-        self.km = KernelManager(kernel_name="python3")
+        self.km = km or KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env)
         self.kc = self.km.client()
         self.kc.start_channels()

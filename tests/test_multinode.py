@@ -1,8 +1,11 @@
 """Two kernels act as two nodes: one world, torch's rendezvous, clear failures."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,8 +22,8 @@ def _free_port() -> int:
 
 
 class Node(KernelSession):
-    def __init__(self) -> None:
-        super().__init__(extra_env={"PYTHONUNBUFFERED": "1"})
+    def __init__(self, extra_env=None, km=None) -> None:
+        super().__init__(extra_env={"PYTHONUNBUFFERED": "1", **(extra_env or {})}, km=km)
         self.ok("%load_ext accel_magics")
 
     def start(self, code: str) -> str:
@@ -120,3 +123,86 @@ def test_a_failing_rank_on_one_node_ends_both_cells(nodes):
     assert "(on node 1)" in outs[0]["error"]["evalue"]      # node 0 learns the remote root cause
     for node in nodes:
         _quiet(node)
+
+
+# -- two nodes with their own network stacks ------------------------------------
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def netns_pair(tmp_path):
+    """Two network namespaces joined by a veth pair: node 0 at 10.233.N.1, node 1 at .2."""
+    tag = f"{os.getpid() % 10000}"
+    names, subnet = [f"accel0-{tag}", f"accel1-{tag}"], f"10.233.{os.getpid() % 250}"
+    made = []
+    try:
+        for name in names:
+            r = _sh("ip", "netns", "add", name)
+            if r.returncode:
+                pytest.skip(f"network namespaces cannot be created here: {r.stderr.strip()}")
+            made.append(name)
+        steps = [
+            ("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
+            ("ip", "link", "set", f"va{tag}", "netns", names[0]),
+            ("ip", "link", "set", f"vb{tag}", "netns", names[1]),
+            ("ip", "-n", names[0], "addr", "add", f"{subnet}.1/24", "dev", f"va{tag}"),
+            ("ip", "-n", names[1], "addr", "add", f"{subnet}.2/24", "dev", f"vb{tag}"),
+            ("ip", "-n", names[0], "link", "set", f"va{tag}", "up"),
+            ("ip", "-n", names[1], "link", "set", f"vb{tag}", "up"),
+            ("ip", "-n", names[0], "link", "set", "lo", "up"),
+            ("ip", "-n", names[1], "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            r = _sh(*step)
+            assert r.returncode == 0, f"{' '.join(step)}: {r.stderr}"
+        # One kernelspec per namespace; the frontend talks to the kernels over
+        # ipc:// files, which work across network namespaces.
+        specs = []
+        for name, dev in zip(names, (f"va{tag}", f"vb{tag}")):
+            spec_dir = tmp_path / "kernels" / name
+            spec_dir.mkdir(parents=True)
+            (spec_dir / "kernel.json").write_text(json.dumps({
+                "argv": ["ip", "netns", "exec", name, sys.executable, "-m", "ipykernel_launcher",
+                         "-f", "{connection_file}"],
+                "display_name": name, "language": "python"}))
+            specs.append((name, dev))
+        yield subnet, specs, tmp_path / "kernels"
+    finally:
+        for name in made:
+            _sh("ip", "netns", "del", name)
+
+
+def test_two_nodes_in_separate_network_namespaces(netns_pair, tmp_path):
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    subnet, specs, kernel_dir = netns_pair
+    ksm = KernelSpecManager(kernel_dirs=[str(kernel_dir)])
+    nodes, pids = [], set()
+    try:
+        for i, (name, dev) in enumerate(specs):
+            km = KernelManager(kernel_name=name, kernel_spec_manager=ksm, transport="ipc",
+                               ip=str(tmp_path / f"ipc{i}"))
+            # gloo must use the namespace's own interface, as on a real cluster
+            nodes.append(Node(extra_env={"GLOO_SOCKET_IFNAME": dev}, km=km))
+        probe = ("import socket\ntry:\n    socket.socket().bind(('{addr}', 0)); print('local')\n"
+                 "except OSError:\n    print('remote')")
+        assert nodes[0].ok(probe.format(addr=f"{subnet}.1")).stdout.strip() == "local"
+        assert nodes[1].ok(probe.format(addr=f"{subnet}.1")).stdout.strip() == "remote"   # really elsewhere
+        port = 29000 + os.getpid() % 1000
+        cells = [CELL.format(node=i, port=port, rdzv=60, extra="").replace("127.0.0.1", f"{subnet}.1")
+                 for i in (0, 1)]
+        msgs = [nodes[1].start(cells[1]), nodes[0].start(cells[0])]
+        out1, out0 = nodes[1].collect(msgs[0], timeout=180), nodes[0].collect(msgs[1], timeout=180)
+        assert out0["error"] is None and out1["error"] is None, (out0, out1)
+        for rank, node, out in [(0, 0, out0), (1, 0, out0), (2, 1, out1), (3, 1, out1)]:
+            assert f"[rank {rank}] sum=10 rank={rank} local={rank % 2} node={node} world=4" in out["stdout"]
+        for node in nodes:
+            pids |= descendants(node.pid) | {node.pid}
+    finally:
+        for node in nodes:
+            node.shutdown()
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 20,
+               "both nodes' kernels, launchers and ranks to exit")
