@@ -129,6 +129,19 @@ class Zygote:
         except (AttributeError, OSError):
             kernel = None
         self.preload(init.get("preload", DEFAULT_PRELOAD))
+        if "torch.distributed" in sys.modules:
+            from .dnsfix import disable_reverse_dns
+            try:
+                print(f"accel_magics launcher: {disable_reverse_dns()}", file=sys.stderr, flush=True)
+            except Exception as exc:  # an optimisation only
+                print(f"accel_magics launcher: reverse DNS fix failed: {exc!r}", file=sys.stderr, flush=True)
+            gc.collect()
+            gc.freeze()
+            # The throwaway store's threads end as it is destroyed: wait for
+            # that, forks must come from a single-threaded process.
+            deadline = time.monotonic() + 2.0
+            while os_threads() > 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
         self.baseline_threads = os_threads()
         self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
                     "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
