@@ -13,6 +13,7 @@ import builtins
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Optional
 
 import cloudpickle
 
@@ -30,6 +31,13 @@ class Payload:
     return_names: list[str] = field(default_factory=list)
     sys_path: list[str] = field(default_factory=list)
     cwd: str = ""
+    shared: Optional["SharedArena"] = None   # big arrays, shipped once through shared memory
+
+    def release(self) -> None:
+        """Free the shared memory of big globals (after the run)."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
 
 def parse(source: str, filename: str) -> ast.Module:
@@ -159,11 +167,16 @@ def build_payload(
             )
 
     shipped = {n: namespace[n] for n in wanted}
+    arena = SharedArena()
     try:
-        blob = cloudpickle.dumps(shipped, protocol=5)
+        blob = _dumps(shipped, arena)
     except Exception:
+        arena.close()
         _raise_for_unpicklable(shipped)
         raise
+    if not arena.used:
+        arena.close()
+        arena = None
     return Payload(
         source=source,
         filename=filename,
@@ -172,7 +185,108 @@ def build_payload(
         return_names=list(return_names or []),
         sys_path=list(sys.path),
         cwd=os.getcwd(),
+        shared=arena,
     )
+
+
+# -- big arrays through shared memory -------------------------------------------------
+
+SHARE_THRESHOLD = 8 * 1024 * 1024   # bytes: smaller arrays are simply pickled
+
+
+class SharedArena:
+    """One memfd holding the run's big arrays, written once by the kernel.
+
+    Ranks map it copy-on-write (``MAP_PRIVATE``) through
+    ``/proc/<kernel pid>/fd/<fd>``: no copy per rank, and a rank that writes
+    to its array changes only its own pages, as after notebook_launcher's
+    fork.  Nothing is left behind: the memory is freed when the kernel
+    closes the fd after the run.
+    """
+
+    def __init__(self) -> None:
+        self.fd: Optional[int] = None
+        self.size = 0
+
+    @property
+    def used(self) -> bool:
+        return self.size > 0
+
+    def add(self, view: memoryview) -> tuple:
+        if self.fd is None:
+            self.fd = os.memfd_create("accel_magics-globals", os.MFD_CLOEXEC)
+        offset = -(-self.size // 4096) * 4096          # page-aligned, so it can be mapped
+        os.ftruncate(self.fd, offset + view.nbytes)
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(self.fd, view[written:], offset + written)
+        self.size = offset + view.nbytes
+        return (os.getpid(), self.fd, offset, view.nbytes)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _map_shared(ref: tuple):
+    """In a rank: a private, writable, copy-on-write view of one shared array."""
+    import mmap
+
+    pid, fd, offset, nbytes = ref
+    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+        mm = mmap.mmap(f.fileno(), offset + nbytes, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return memoryview(mm)[offset:offset + nbytes]
+
+
+def _rebuild_ndarray(ref: tuple, dtype: str, shape: tuple, order: str):
+    import numpy as np
+
+    return np.frombuffer(_map_shared(ref), dtype=np.dtype(dtype)).reshape(shape, order=order)
+
+
+def _rebuild_tensor(ref: tuple, dtype: str, shape: tuple, requires_grad: bool):
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "non-writable buffer": ours is writable, copy-on-write
+        flat = torch.frombuffer(_map_shared(ref), dtype=getattr(torch, dtype))
+    return flat.reshape(shape).requires_grad_(requires_grad)
+
+
+class _SharingPickler(cloudpickle.Pickler):
+    """cloudpickle, with big contiguous CPU arrays put in the shared arena."""
+
+    def __init__(self, file, arena: SharedArena) -> None:
+        super().__init__(file, protocol=5)
+        self.arena = arena
+
+    def reducer_override(self, obj):
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray and obj.nbytes >= SHARE_THRESHOLD \
+                and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):
+            order = "C" if obj.flags.c_contiguous else "F"
+            data = memoryview(obj.reshape(-1, order=order)).cast("B")
+            return _rebuild_ndarray, (self.arena.add(data), obj.dtype.str, obj.shape, order)
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" \
+                and obj.is_contiguous() and not obj.is_sparse and obj.is_leaf \
+                and obj.numel() * obj.element_size() >= SHARE_THRESHOLD and type(obj) is torch.Tensor:
+            data = obj.detach().view(-1).view(torch.uint8).numpy()
+            return _rebuild_tensor, (self.arena.add(memoryview(data).cast("B")), str(obj.dtype).split(".")[1],
+                                     tuple(obj.shape), obj.requires_grad)
+        return super().reducer_override(obj)
+
+
+def _dumps(value, arena: SharedArena) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _SharingPickler(buf, arena).dump(value)
+    return buf.getvalue()
 
 
 def _raise_for_unpicklable(shipped: dict) -> None:

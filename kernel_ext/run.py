@@ -166,6 +166,13 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
 
     ``heartbeat``: emit :class:`events.Heartbeat` after that many idle seconds.
     """
+    try:
+        return _execute(launcher, cfg, payload, on_event, heartbeat)
+    finally:
+        payload.release()
+
+
+def _execute(launcher, cfg, payload, on_event, heartbeat) -> RunResult:
     emit = on_event or (lambda event: None)
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):

@@ -274,3 +274,27 @@ def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launch
     assert interrupted
     result, _ = run(launcher, "7")
     assert result.value == 7
+
+
+def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
+    import numpy as np
+    import torch
+    tensor = torch.arange(4 * 1024 * 1024, dtype=torch.float32)       # 16 MB: over the threshold
+    array = np.arange(2 * 1024 * 1024, dtype=np.float64)               # 16 MB
+    fds_before = len(os.listdir("/proc/self/fd"))
+    payload = build_payload(
+        "import os\n"
+        "rank = int(os.environ['RANK'])\n"
+        "tensor[0] = 1000 + rank\n"          # each rank writes its own copy-on-write page
+        "array[-1] = -rank\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo'); dist.barrier(); dist.destroy_process_group()\n"
+        "(float(tensor[0]), float(tensor[-1]), float(array[-1]), float(array[5]))",
+        {"tensor": tensor, "array": array})
+    assert len(payload.globals_blob) < 4096            # the data is not in the pickle
+    assert payload.shared is not None
+    result = execute(launcher, LaunchConfig(num_processes=2), payload)
+    assert result.value == (1000.0, float(4 * 1024 * 1024 - 1), 0.0, 5.0)   # rank 0 saw only its own writes
+    assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
+    assert payload.shared is None                       # released after the run
+    assert len(os.listdir("/proc/self/fd")) == fds_before
