@@ -297,4 +297,4 @@ def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
     assert result.value == (1000.0, float(4 * 1024 * 1024 - 1), 0.0, 5.0)   # rank 0 saw only its own writes
     assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
     assert payload.shared is None                       # released after the run
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert len(os.listdir("/proc/self/fd")) <= fds_before   # the memfd is closed
