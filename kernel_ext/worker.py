@@ -28,6 +28,7 @@ from typing import NoReturn, Optional
 import cloudpickle
 
 from . import wire
+from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
 _event_fd: Optional[int] = None
@@ -129,14 +130,9 @@ def _setup_stdio(out_fd: int) -> None:
     os.dup2(out_fd, 2)
     os.close(out_fd)
     sys.stdin = _NoStdin()
-    # Line-buffered text streams onto the fds, so every print reaches the
-    # notebook as soon as its line ends (one write per line), as on a terminal.
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True,
-    )
+    # Live like a terminal, fast under a flood of prints (rank_stdio).
+    sys.stdout = RankStdout(1)
+    sys.stderr = RankStderr(2, sys.stdout)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
     try:  # C stdio: line-buffered too, so native printf output is live.
         libc = ctypes.CDLL(None)

@@ -27,7 +27,7 @@ from typing import Optional
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from . import payload, supervisor, wire, worker  # noqa: F401
+from . import payload, rank_stdio, supervisor, wire, worker  # noqa: F401
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
