@@ -131,6 +131,7 @@ class Zygote:
         self.preload(init.get("preload", DEFAULT_PRELOAD))
         if "torch.distributed" in sys.modules:
             from .dnsfix import disable_reverse_dns
+            threads_before = os_threads()   # numpy's OpenBLAS keeps a (fork-safe) pool thread
             try:
                 print(f"accel_magics launcher: {disable_reverse_dns()}", file=sys.stderr, flush=True)
             except Exception as exc:  # an optimisation only
@@ -138,9 +139,9 @@ class Zygote:
             gc.collect()
             gc.freeze()
             # The throwaway store's threads end as it is destroyed: wait for
-            # that, forks must come from a single-threaded process.
+            # that, forks must not copy a thread of ours in the middle of work.
             deadline = time.monotonic() + 2.0
-            while os_threads() > 1 and time.monotonic() < deadline:
+            while os_threads() > threads_before and time.monotonic() < deadline:
                 time.sleep(0.005)
         self.baseline_threads = os_threads()
         self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
