@@ -48,18 +48,20 @@ class StreamLive:
 
 
 class DisplayLive:
-    """The latest lines in one updatable display (Jupyter), throttled."""
+    """The latest lines in one updatable display (Jupyter), throttled.
+
+    The display is created at the first line (empty, then updated), so a
+    quiet cell costs no frontend message at all.
+    """
 
     keeps_record = True
 
     def __init__(self, max_lines: int = 40, interval: float = 0.2) -> None:
-        from IPython.display import display
-
         self.tail: deque = deque(maxlen=max_lines)
         self.interval = interval
         self.dirty = False
         self.last = 0.0
-        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+        self.handle = None
 
     def write(self, lines: list[str]) -> None:
         self.tail.extend(lines)
@@ -71,10 +73,17 @@ class DisplayLive:
         if self.dirty:
             self.dirty = False
             self.last = time.monotonic()
+            if self.handle is None:
+                from IPython.display import display
+
+                # Created empty, then updated: the output a notebook keeps (and
+                # nbval compares, it ignores updates) does not depend on timing.
+                self.handle = display({"text/plain": ""}, raw=True, display_id=True)
             self.handle.update({"text/plain": "\n".join(self.tail)}, raw=True)
 
     def close(self) -> None:
-        self.handle.update({"text/plain": ""}, raw=True)
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
 
 
 class TextView:

@@ -522,21 +522,12 @@ class Supervisor:
         """Kill this process's children that are not ranks: the orphans of
         exited ranks, reparented here because the supervisor is a subreaper."""
         ranks = {r.pid for r in self.ranks}
-        me = str(os.getpid())
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in ranks:
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:
-                for kill in (os.killpg, os.kill):
-                    try:
-                        kill(int(entry), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+        for pid in _children() - ranks:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _signal_pid(self, r: _Rank, sig: int) -> None:
         r.signalled = True
@@ -578,6 +569,26 @@ class Supervisor:
 
 
 _OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')
+
+
+def _children() -> set[int]:
+    """This process's children (the kernel's list when it keeps one, else /proc)."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return {int(pid) for pid in f.read().split()}
+    except OSError:
+        pass
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 def user_stack(text: str) -> str:
