@@ -31,6 +31,7 @@ from . import wire, worker
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
 REMOTE_CHECK = 0.5        # seconds between looks at other nodes' failure flag
 FINISH_WAIT = 60.0
 REMOTE_WAIT = 5.0         # how long a node with only secondary errors waits for the remote cause        # node 0 keeps the store this long for nodes still finishing
@@ -59,6 +60,7 @@ class _Rank:
     exit_time: float = 0.0
     signalled: bool = False            # the supervisor sent it a stopping signal
     failed: bool = False               # it reported a failure of its own
+    done: bool = False                 # it reported its result (it exits with 0 right after)
     reported: bool = False
 
 
@@ -111,8 +113,11 @@ class Supervisor:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
             self._loop()
             self._finish_nodes()
+            if self.rdzv is not None:
+                self.rdzv.store = None   # stop listening before the kernel hears "finished"
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
+            self._reap_rest()
         except BaseException as exc:  # report, never leave ranks behind
             code = 1
             self._kill_all(signal.SIGKILL)
@@ -130,6 +135,20 @@ class Supervisor:
             except BaseException:
                 pass
             os._exit(code)
+
+    def _reap_rest(self) -> None:
+        """After "finished": wait (bounded) for ranks reported done to exit,
+        then kill whatever is left of them and their children."""
+        deadline = time.monotonic() + REAP_WAIT
+        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
+            self._poll(0.05)
+        for r in self.ranks:
+            if r.status is None:
+                self._signal_group(r, signal.SIGKILL)
+        self._kill_orphans()
+        deadline = time.monotonic() + REAP_WAIT
+        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
+            self._poll(0.05)
 
     def _install_signals(self) -> None:
         worker.set_parent_death_signal(signal.SIGKILL)
@@ -355,9 +374,14 @@ class Supervisor:
             self.kill_deadline = None
             self._kill_all(signal.SIGKILL)
         for r in self.ranks:
-            if r.status is not None and not r.reported and (
-                not r.fds or now >= r.exit_time + DRAIN_WAIT
-            ):
+            if r.reported:
+                continue
+            if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
+                self._report_exit(r)
+            elif r.status is None and r.done and not r.fds:
+                # It delivered its result and closed its outputs: its exit (0)
+                # is a formality. Report now, reap in the background; the
+                # kernel need not wait for a large process's teardown.
                 self._report_exit(r)
         if self.flush_due is not None and now >= self.flush_due:
             self._flush()
@@ -396,6 +420,8 @@ class Supervisor:
                     self._signal_group(r, signal.SIGKILL)
                     self._kill_orphans()
                     code = os.waitstatus_to_exitcode(status)
+                    if r.reported:
+                        continue
                     # Its failure report (if any) is already in its event pipe:
                     # read it first, so the exit is not taken for the cause.
                     while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
@@ -487,6 +513,8 @@ class Supervisor:
             r.failed = True
             summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
+        if event.get("kind") == "result":
+            r.done = True
         self._send({"kind": "rank_event", "rank": r.rank, "event": event})
         if event.get("kind") == "failed" and self.stopping is None:
             self._stop("failed", stacks=False)
@@ -555,7 +583,9 @@ class Supervisor:
         self._flush()
         if r.stack:
             self._send({"kind": "stacks", "rank": r.rank, "text": user_stack(r.stack.decode("utf-8", "replace"))})
-        status = r.status
+        status = r.status if r.status is not None else 0
+        if r.status is None:
+            r.exit_time = time.monotonic()
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         self._send({
             "kind": "exit",

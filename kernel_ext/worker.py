@@ -214,6 +214,10 @@ def run_rank(spec: dict, local_rank: int, out_fd: int, event_fd: int, stack_fd: 
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            # Close the outputs now: the supervisor sees the end of this rank
+            # at once, not after the (slow) teardown of a large process.
+            for fd in (1, 2, event_fd, stack_fd):
+                os.close(fd)
         finally:
             os._exit(code)
 
