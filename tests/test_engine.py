@@ -298,3 +298,15 @@ def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
     assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
     assert payload.shared is None                       # released after the run
     assert len(os.listdir("/proc/self/fd")) <= fds_before   # the memfd is closed
+
+
+def test_progress_helper_reports_structured_progress(launcher):
+    _, events = run(launcher, "import accel_magics\nfor step in range(1, 4):\n    accel_magics.progress(step, 3, 'epoch')")
+    for rank in (0, 1):
+        got = [(e.n, e.total, e.desc) for e in events if isinstance(e, ev.Progress) and e.rank == rank]
+        assert got == [(1, 3, "epoch"), (2, 3, "epoch"), (3, 3, "epoch")]
+
+
+def test_progress_helper_is_a_no_op_outside_a_rank():
+    import accel_magics
+    assert accel_magics.progress(1, 2) is None
