@@ -113,10 +113,10 @@ class Supervisor:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
             self._loop()
             self._finish_nodes()
-            if self.rdzv is not None:
-                self.rdzv.store = None   # stop listening before the kernel hears "finished"
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
+            if self.rdzv is not None:
+                self.rdzv.store = None   # stop listening (joins the store's thread: after "finished")
             self._reap_rest()
         except BaseException as exc:  # report, never leave ranks behind
             code = 1

@@ -175,6 +175,30 @@ def _compile_cell(source: str, filename: str):
     return body, (compile(last, filename, "eval") if last is not None else None)
 
 
+def _warm_up() -> None:
+    """While idle, walk the code paths a run takes, once, on a dummy cell.
+
+    A forked rank pays a copy-on-write page fault for every page of the
+    inherited heap it first writes to (reference counts are writes), so the
+    first run through the interpreter's and our own code is slow.  Doing it
+    before the spec arrives takes those faults off the next cell's critical
+    path.  Nothing here is visible to the run.
+    """
+    try:
+        blob = cloudpickle.dumps({"x": 1}, protocol=5)
+        cloudpickle.loads(blob)
+        body, last = _compile_cell("x = 1\nx", "<warm-up>")
+        ns = {"__builtins__": __builtins__}
+        exec(body, ns)
+        eval(last, ns)
+        pickle.loads(pickle.dumps({"kind": "result", "value": _pack_value(1), "returns": {}}))
+        dict(os.environ)
+        _new_modules(set(sys.modules))
+        traceback.format_exception(ValueError, ValueError("warm-up"), None)
+    except Exception:
+        pass
+
+
 def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int,
                  parent: int) -> NoReturn:
     """A rank forked ahead of its run: wait for the spec, then run. Never returns.
@@ -187,6 +211,8 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         os.setpgid(0, 0)
         _reset_signals(stack_fd)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])   # blocked across the fork
+        _setup_stdio(out_fd)
+        _warm_up()
         spec_bytes = wire.read_frame(go_fd)
         os.close(go_fd)
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
@@ -194,15 +220,19 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         spec = pickle.loads(spec_bytes)
     except BaseException:
         os._exit(1)
-    run_rank(spec, local_rank, out_fd, event_fd, stack_fd)
+    run_rank(spec, local_rank, None, event_fd, stack_fd)
 
 
-def run_rank(spec: dict, local_rank: int, out_fd: int, event_fd: int, stack_fd: int) -> NoReturn:
-    """Run the cell as one rank, report, and exit. Never returns."""
+def run_rank(spec: dict, local_rank: int, out_fd: Optional[int], event_fd: int, stack_fd: int) -> NoReturn:
+    """Run the cell as one rank, report, and exit. Never returns.
+
+    ``out_fd`` None: stdout/stderr are already set up (a rank forked ahead).
+    """
     global _event_fd, _local_rank
     code = 1
     try:
-        _setup_stdio(out_fd)
+        if out_fd is not None:
+            _setup_stdio(out_fd)
         _event_fd, _local_rank = event_fd, local_rank
         code = _execute(spec, local_rank)
     except BaseException as exc:  # the harness itself failed: say so, never hang
@@ -248,8 +278,13 @@ def _execute(spec: dict, local_rank: int) -> int:
     before = set(sys.modules)
     env = dict(spec["env"])
     env.update(spec["rank_env"][local_rank])
-    os.environ.clear()
-    os.environ.update(env)
+    # The kernel's environment, as a diff: it is mostly what this process
+    # inherited already, and each change is a putenv.
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     payload = spec["payload"]
     if payload.cwd:
         try:
