@@ -24,11 +24,20 @@ class _RankLog:
     count: int = 0
 
     def add(self, line: str) -> None:
-        self.count += 1
-        if len(self.head) < HEAD_LINES:
-            self.head.append(line)
-        else:
-            self.tail.append(line)
+        self.add_block(line)
+
+    def add_block(self, text: str) -> None:
+        """Lines joined by newlines; only the ones kept are split out."""
+        self.count += text.count("\n") + 1
+        room = HEAD_LINES - len(self.head)
+        if room > 0:
+            parts = text.split("\n", room)
+            if len(parts) <= room:
+                self.head.extend(parts)
+                return
+            self.head.extend(parts[:room])
+            text = parts[room]
+        self.tail.extend(text.rsplit("\n", TAIL_LINES)[-TAIL_LINES:])
 
     def lines(self) -> tuple[list, int]:
         omitted = self.count - len(self.head) - len(self.tail)
@@ -43,9 +52,7 @@ class RunRecord:
 
     def __call__(self, event) -> None:
         if isinstance(event, ev.Output):
-            log = self.logs.setdefault(event.rank, _RankLog())
-            for line in event.lines:
-                log.add(line)
+            self.logs.setdefault(event.rank, _RankLog()).add_block(event.text)
         elif isinstance(event, ev.RunStarted):
             for rank in event.ranks:
                 self.logs.setdefault(rank, _RankLog())

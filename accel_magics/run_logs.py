@@ -54,7 +54,7 @@ class RunLogs:
         if not self.dir:
             return
         if isinstance(event, ev.Output):
-            self._file(event.rank).write("".join(line + "\n" for line in event.lines))
+            self._file(event.rank).write(event.text + "\n")
         elif isinstance(event, ev.RunStarted) and event.attempt:
             for rank in event.ranks:
                 self._file(rank).write(f"--- attempt {event.attempt + 1} of {event.max_restarts + 1} ---\n")

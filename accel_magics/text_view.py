@@ -57,6 +57,7 @@ class DisplayLive:
     keeps_record = True
 
     def __init__(self, max_lines: int = 40, interval: float = 0.2) -> None:
+        self.max_lines = max_lines
         self.tail: deque = deque(maxlen=max_lines)
         self.interval = interval
         self.dirty = False
@@ -108,7 +109,9 @@ class TextView:
 
     def on_Output(self, e: ev.Output) -> None:
         prefix = f"[rank {e.rank}] "
-        self.live.write([prefix + line for line in e.lines])
+        keep = getattr(self.live, "max_lines", None)   # a display shows only its last lines
+        lines = e.last_lines(keep) if keep else e.lines
+        self.live.write([prefix + line for line in lines])
         self._progress_at.pop(e.rank, None)
 
     def _throttled(self, rank: int, force: bool = False) -> bool:

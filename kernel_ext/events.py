@@ -27,9 +27,25 @@ class RunStarted:
 
 @dataclass
 class Output:
-    """Complete lines a rank wrote to stdout/stderr (fd level), in order."""
+    """Complete lines a rank wrote to stdout/stderr (fd level), in order.
+
+    ``text`` holds the lines joined by newlines (no trailing newline): a rank
+    can print hundreds of thousands of lines, and most consumers need the
+    block, or its last lines, not a list of every line.
+    """
     rank: int
-    lines: list[str]
+    text: str
+
+    @property
+    def lines(self) -> list[str]:
+        return self.text.split("\n")
+
+    def last_lines(self, n: int) -> list[str]:
+        return self.text.rsplit("\n", n)[-n:]
+
+    @property
+    def count(self) -> int:
+        return self.text.count("\n") + 1
 
 
 @dataclass

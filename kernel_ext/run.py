@@ -84,8 +84,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                         pids=msg["pids"],
                     ))
                 elif kind == "output":
-                    if msg["lines"]:
-                        emit(ev.Output(msg["rank"], msg["lines"]))
+                    if msg["text"] is not None:
+                        emit(ev.Output(msg["rank"], msg["text"]))
                     if msg.get("progress") is not None:
                         emit(ev.ProgressLine(msg["rank"], msg["progress"]))
                 elif kind == "rank_event":

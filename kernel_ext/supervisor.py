@@ -463,11 +463,17 @@ class Supervisor:
     # -- output -------------------------------------------------------------
     def _on_output(self, r: _Rank, data: bytes) -> None:
         r.pending += data
-        if b"\n" in data:
-            *lines, rest = bytes(r.pending).split(b"\n")
-            r.pending = bytearray(rest)
-            for line in lines:
-                self._add_line(r, line)
+        end = r.pending.rfind(b"\n")
+        if end >= 0:
+            block = bytes(r.pending[:end])
+            del r.pending[:end + 1]
+            if b"\r" in block:   # carriage returns: resolve line by line
+                for line in block.split(b"\n"):
+                    self._add_line(r, line)
+            else:                 # the common case: the whole block at once
+                r.lines.append(block.decode("utf-8", "replace"))
+                r.batch_bytes += len(block)
+                r.progress_sent = b""
         while len(r.pending) > MAX_LINE_BYTES:
             self._add_line(r, bytes(r.pending[:MAX_LINE_BYTES]))
             del r.pending[:MAX_LINE_BYTES]
@@ -498,7 +504,9 @@ class Supervisor:
                 progress = state.decode("utf-8", "replace")
                 r.progress_sent = state
             if r.lines or progress is not None:
-                self._send({"kind": "output", "rank": r.rank, "lines": r.lines, "progress": progress})
+                # One string per batch ("\n"-joined lines): cheap to pickle and to pass on.
+                text = "\n".join(r.lines) if r.lines else None
+                self._send({"kind": "output", "rank": r.rank, "text": text, "progress": progress})
                 r.lines, r.batch_bytes = [], 0
 
     # -- rank events, stopping, exits ----------------------------------------

@@ -119,12 +119,13 @@ class RunView:
         if self.status == "waiting":
             self.status = "running"
         state = self._rank(e.rank)
-        state.lines.extend(e.lines)
-        state.count += len(e.lines)
-        state.latest = e.lines[-1]
+        lines = e.last_lines(self.max_lines)    # only what the panes can show
+        state.lines.extend(lines)
+        state.count += e.count
+        state.latest = lines[-1]
         state.pane_dirty = self._all_dirty = True
-        self.all_lines.extend(f"[rank {e.rank}] {line}" for line in e.lines)
-        for line in reversed(e.lines[-50:]):   # the batch's latest progress line, if any
+        self.all_lines.extend(f"[rank {e.rank}] {line}" for line in lines)
+        for line in reversed(lines[-50:]):   # the batch's latest progress line, if any
             parsed = parse_progress(line)
             if parsed is not None:
                 state.fraction, state.desc = parsed[0], parsed[1] or state.desc
