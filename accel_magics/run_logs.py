@@ -33,11 +33,13 @@ class RunLogs:
         self._files: dict[int, object] = {}
 
     def open(self, label: str) -> str:
-        os.makedirs(self.root, exist_ok=True)
+        """Name the run's directory; it is made at the first line (quiet runs leave none)."""
         self.dir = os.path.join(self.root, time.strftime("%Y%m%d-%H%M%S-") + label)
+        return self.dir
+
+    def _make_dir(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
         self._prune()
-        return self.dir
 
     def _prune(self) -> None:
         runs = sorted(d for d in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, d)))
@@ -47,12 +49,21 @@ class RunLogs:
     def _file(self, rank: int):
         f = self._files.get(rank)
         if f is None:
+            if not self._files:
+                self._make_dir()
             f = self._files[rank] = open(os.path.join(self.dir, f"rank{rank}.log"), "a", encoding="utf-8")
         return f
 
     def __call__(self, event) -> None:
         if not self.dir:
             return
+        try:
+            self._log(event)
+        except OSError:   # an unwritable cache must not break the run: stop logging
+            self.close()
+            self.dir = ""
+
+    def _log(self, event) -> None:
         if isinstance(event, ev.Output):
             self._file(event.rank).write(event.text + "\n")
         elif isinstance(event, ev.RunStarted) and event.attempt:

@@ -192,6 +192,15 @@ class Launcher:
                 if msg.get("kind") == kind:
                     return msg
 
+    def session_for(self, key: bytes):
+        """The verifying Session, re-keyed per run (building one costs ~1 ms)."""
+        if getattr(self, "_session", None) is None:
+            self._session = wire.signed_session(key)
+        else:
+            self._session.key = key
+            self._session.digest_history.clear()
+        return self._session
+
     def learn_modules(self, modules: list[str]) -> None:
         """Ask the launcher to preload modules payloads use, for the next runs.
 
@@ -267,7 +276,7 @@ class RunHandle:
                  master_port: int, timeout: Optional[float]) -> None:
         self.launcher = launcher
         self.run_id = run_id
-        self.session = wire.signed_session(key)
+        self.session = launcher.session_for(key)
         self.supervisor_pid = supervisor_pid
         self.master_port = master_port
         self.finished = False
