@@ -581,7 +581,7 @@ class Supervisor:
             pass
 
     def _report_exit(self, r: _Rank) -> None:
-        for kind, fd in list(r.fds.items()):  # give up on pipes a stray process holds
+        for fd in list(r.fds.values()):  # give up on pipes a stray process holds
             self.sel.unregister(fd)
             os.close(fd)
         r.fds.clear()
