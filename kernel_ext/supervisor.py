@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
 from . import wire, worker
+from .output_batch import OutputBatch
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
@@ -37,7 +38,6 @@ FINISH_WAIT = 60.0
 REMOTE_WAIT = 5.0         # how long a node with only secondary errors waits for the remote cause        # node 0 keeps the store this long for nodes still finishing
 FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
 MAX_BATCH_BYTES = 256 * 1024
-MAX_LINE_BYTES = 64 * 1024  # a longer line is cut into pieces, memory stays bounded
 STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
 STACK_QUIET = 0.1
 DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
@@ -49,10 +49,7 @@ class _Rank:
     rank: int
     pid: int
     fds: dict = field(default_factory=dict)   # "out"/"ev"/"st" -> read fd
-    pending: bytearray = field(default_factory=bytearray)
-    progress_sent: bytes = b""
-    lines: list = field(default_factory=list)
-    batch_bytes: int = 0
+    output: OutputBatch = field(default_factory=OutputBatch)
     frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
     stack: bytearray = field(default_factory=bytearray)
     stack_time: float = 0.0
@@ -446,9 +443,8 @@ class Supervisor:
             self.sel.unregister(fd)
             os.close(fd)
             del r.fds[kind]
-            if kind == "out" and r.pending:
-                self._add_line(r, bytes(r.pending))
-                r.pending.clear()
+            if kind == "out":
+                r.output.end()
             return False
         if kind == "out":
             self._on_output(r, data)
@@ -462,52 +458,18 @@ class Supervisor:
 
     # -- output -------------------------------------------------------------
     def _on_output(self, r: _Rank, data: bytes) -> None:
-        r.pending += data
-        end = r.pending.rfind(b"\n")
-        if end >= 0:
-            block = bytes(r.pending[:end])
-            del r.pending[:end + 1]
-            if b"\r" in block:   # carriage returns: resolve line by line
-                for line in block.split(b"\n"):
-                    self._add_line(r, line)
-            else:                 # the common case: the whole block at once
-                r.lines.append(block.decode("utf-8", "replace"))
-                r.batch_bytes += len(block)
-                r.progress_sent = b""
-        while len(r.pending) > MAX_LINE_BYTES:
-            self._add_line(r, bytes(r.pending[:MAX_LINE_BYTES]))
-            del r.pending[:MAX_LINE_BYTES]
+        r.output.feed(data)
         if self.flush_due is None:
             self.flush_due = time.monotonic() + FLUSH_INTERVAL
-        if r.batch_bytes > MAX_BATCH_BYTES:
+        if r.output.bytes > MAX_BATCH_BYTES:
             self._flush()
-
-    def _add_line(self, r: _Rank, line: bytes) -> None:
-        # A terminal shows only what follows the last carriage return.
-        line = line.rstrip(b"\r")
-        if b"\r" in line:
-            line = line.rsplit(b"\r", 1)[1]
-        r.lines.append(line.decode("utf-8", "replace"))
-        r.batch_bytes += len(line)
-        r.progress_sent = b""
 
     def _flush(self) -> None:
         self.flush_due = None
         for r in self.ranks:
-            # A carriage return (tqdm) makes the unfinished line a progress
-            # state; other unfinished text waits for its newline, as on a terminal.
-            state = b""
-            if b"\r" in r.pending:
-                state = bytes(r.pending).rstrip(b"\r").rsplit(b"\r", 1)[-1]
-            progress = None
-            if state and state != r.progress_sent:
-                progress = state.decode("utf-8", "replace")
-                r.progress_sent = state
-            if r.lines or progress is not None:
-                # One string per batch ("\n"-joined lines): cheap to pickle and to pass on.
-                text = "\n".join(r.lines) if r.lines else None
+            text, progress = r.output.take()
+            if text is not None or progress is not None:
                 self._send({"kind": "output", "rank": r.rank, "text": text, "progress": progress})
-                r.lines, r.batch_bytes = [], 0
 
     # -- rank events, stopping, exits ----------------------------------------
     def _note_failure(self, secondary: bool, when: float, rank: int, summary: str) -> None:
@@ -585,9 +547,7 @@ class Supervisor:
             self.sel.unregister(fd)
             os.close(fd)
         r.fds.clear()
-        if r.pending:
-            self._add_line(r, bytes(r.pending))
-            r.pending.clear()
+        r.output.end()
         self._flush()
         if r.stack:
             self._send({"kind": "stacks", "rank": r.rank, "text": user_stack(r.stack.decode("utf-8", "replace"))})
