@@ -210,11 +210,12 @@ def test_progress_view_and_config_form_in_jupyterlab():
                 cell.locator(".accel-magics-run .widget-tab-contents", has_text="train: 100%").wait_for()
                 cell.screenshot(path=str(ARTIFACTS / "2-progress-100.png"))
                 # ...and each rank's pane shows that rank's lines (while it saves its checkpoint).
-                cell.locator(".accel-magics-run .lm-TabBar-tab", has_text="rank 1").click()
-                pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
-                pane.filter(has_text="rank 1 saving a checkpoint").wait_for()
-                assert "rank 0" not in pane.inner_text()
-                cell.screenshot(path=str(ARTIFACTS / "3-rank-1-pane.png"))
+                for rank, other in ((1, 0), (0, 1)):
+                    cell.locator(".accel-magics-run .lm-TabBar-tab", has_text=f"rank {rank}").click()
+                    pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
+                    pane.filter(has_text=f"rank {rank} saving a checkpoint").wait_for()
+                    assert f"rank {other}" not in pane.inner_text()
+                    cell.screenshot(path=str(ARTIFACTS / f"3-rank-{rank}-pane.png"))
                 # At the end the live view gives way to the record: final states, 100%, per-rank output.
                 _wait_done(page, 1)
                 summary = cell.locator(".accel-magics-summary")
