@@ -17,6 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from kernel_ext import preflight
+from kernel_ext.errors import ReportedError
 from kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
 from kernel_ext.launcher import Launcher
 from kernel_ext.payload import PayloadError, build_payload
@@ -29,18 +30,11 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HISTORY_NAME = re.compile(r"^_(_{0,2}|\d+|i{1,3}|i\d+|[iod]h)$")
 
 
-class _PlainReport:
-    """IPython shows the message alone: the magic's own frames are no help to users."""
-
-    def _render_traceback_(self) -> list[str]:
-        return f"{type(self).__name__}: {self}".splitlines()
-
-
-class PreflightError(_PlainReport, UsageError):
+class PreflightError(ReportedError, UsageError):
     """A GPU runtime is already initialised in the kernel; nothing was launched."""
 
 
-class ReturnNameError(_PlainReport, NameError):
+class ReturnNameError(ReportedError, NameError):
     """A ``--return`` name that rank 0 did not define; the run itself succeeded."""
 
 

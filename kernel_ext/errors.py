@@ -24,7 +24,18 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "".join(prefix + line for line in text.rstrip("\n").splitlines(True)) + "\n"
 
 
-class DistributedRunError(RuntimeError):
+class ReportedError:
+    """An error IPython shows as its report alone: the magic's own frames would
+    only hide the ranks' story (IPython calls ``_render_traceback_``)."""
+
+    def report(self) -> str:
+        return f"{type(self).__name__}: {self}"
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
+
+
+class DistributedRunError(ReportedError, RuntimeError):
     """A run in which a rank failed; the message is the failing rank's own story."""
 
     def __init__(self, root: RankFailure, failures: list[RankFailure], others: dict[int, str],
@@ -60,10 +71,6 @@ class DistributedRunError(RuntimeError):
             parts.append(format_stacks(self.stacks))
         return "".join(parts)
 
-    def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of the kernel-side traceback of the magic."""
-        return self.report().splitlines()
-
 
 def format_stacks(stacks: dict[int, str]) -> str:
     parts = ["\n--- where each unfinished rank was (most recent call first) ---\n"]
@@ -72,7 +79,7 @@ def format_stacks(stacks: dict[int, str]) -> str:
     return "".join(parts)
 
 
-class DistributedTimeoutError(TimeoutError):
+class DistributedTimeoutError(ReportedError, TimeoutError):
     """The run exceeded --timeout; carries where each unfinished rank was."""
 
     def __init__(self, timeout: float, stacks: dict[int, str], unfinished: list[int]) -> None:
@@ -84,13 +91,10 @@ class DistributedTimeoutError(TimeoutError):
         )
 
     def report(self) -> str:
-        return f"DistributedTimeoutError: {self}\n" + (format_stacks(self.stacks) if self.stacks else "")
-
-    def _render_traceback_(self) -> list[str]:
-        return self.report().splitlines()
+        return super().report() + "\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
-class RunInterrupted(KeyboardInterrupt):
+class RunInterrupted(ReportedError, KeyboardInterrupt):
     """The run was stopped by the kernel's interrupt; every rank was stopped."""
 
     def __init__(self, stacks: dict[int, str], unfinished: list[int]) -> None:
@@ -103,15 +107,9 @@ class RunInterrupted(KeyboardInterrupt):
     def report(self) -> str:
         return f"KeyboardInterrupt: {self}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
-    def _render_traceback_(self) -> list[str]:
-        return self.report().splitlines()
 
-
-class RendezvousError(RuntimeError):
+class RendezvousError(ReportedError, RuntimeError):
     """The nodes did not all meet at the rendezvous; nothing ran."""
-
-    def _render_traceback_(self) -> list[str]:
-        return f"RendezvousError: {self}".splitlines()
 
 
 class LauncherError(RuntimeError):

@@ -407,27 +407,26 @@ class Supervisor:
                 return
             if pid == 0:
                 return
-            if not any(r.pid == pid for r in self.ranks):
+            r = next((r for r in self.ranks if r.pid == pid), None)
+            if r is None:
                 continue   # a discarded idle rank, or a rank's orphan we killed
-            for r in self.ranks:
-                if r.pid == pid:
-                    r.status = status
-                    r.exit_time = time.monotonic()
-                    # Anything the rank started dies with it: no orphans.
-                    self._signal_group(r, signal.SIGKILL)
-                    self._kill_orphans()
-                    code = os.waitstatus_to_exitcode(status)
-                    if r.reported:
-                        continue
-                    # Its failure report (if any) is already in its event pipe:
-                    # read it first, so the exit is not taken for the cause.
-                    while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
-                        pass
-                    if code != 0 and self.stopping is None and not r.failed:
-                        what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                        self._note_failure(False, time.time(), r.rank, what)
-                    if code != 0 and self.stopping is None:
-                        self._stop("failed", stacks=False)
+            r.status = status
+            r.exit_time = time.monotonic()
+            # Anything the rank started dies with it: no orphans.
+            self._signal_group(r, signal.SIGKILL)
+            self._kill_orphans()
+            if r.reported:
+                continue
+            # Its failure report (if any) is already in its event pipe:
+            # read it first, so the exit is not taken for the cause.
+            while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
+                pass
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0 and self.stopping is None:
+                if not r.failed:
+                    what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    self._note_failure(False, time.time(), r.rank, what)
+                self._stop("failed", stacks=False)
 
     def _on_readable(self, kind: str, r: _Rank, fd: int) -> bool:
         """Read what is there; False once nothing more is (EAGAIN or EOF)."""

@@ -136,8 +136,7 @@ class Zygote:
                 print(f"accel_magics launcher: {disable_reverse_dns()}", file=sys.stderr, flush=True)
             except Exception as exc:  # an optimisation only
                 print(f"accel_magics launcher: reverse DNS fix failed: {exc!r}", file=sys.stderr, flush=True)
-            gc.collect()
-            gc.freeze()
+            gc.freeze()   # the few objects the fix made (preload already collected)
             # The throwaway store's threads end as it is destroyed: wait for
             # that, forks must not copy a thread of ours in the middle of work.
             deadline = time.monotonic() + 2.0
