@@ -76,6 +76,7 @@ class Presenter:
             self.view.close()
         else:
             self.live.close()
-            if self.live.keeps_record:
-                sys.stdout.write(self.record.render())
+            text = self.record.render() if self.live.keeps_record else ""
+            if text:   # a quiet run adds nothing (and costs no flush round trip)
+                sys.stdout.write(text)
                 sys.stdout.flush()

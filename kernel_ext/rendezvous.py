@@ -14,6 +14,7 @@ reporting their own secondary "connection closed" errors.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from datetime import timedelta
 from typing import Optional
@@ -27,6 +28,17 @@ class RendezvousTimeout(Exception):
     pass
 
 
+def _numeric_address(host: str, port: int) -> tuple:
+    """(family, sockaddr) for a numeric IPv4/IPv6 address; (None, None) for a name."""
+    for family, address in ((socket.AF_INET, (host, port)), (socket.AF_INET6, (host, port, 0, 0))):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return family, address
+    return None, None
+
+
 class NodeRendezvous:
     def __init__(self, host: str, port: int, num_nodes: int, node_rank: int, timeout: float) -> None:
         self.host, self.port = host, port
@@ -35,17 +47,58 @@ class NodeRendezvous:
         self.timeout = timeout
         self.store = None
         self.joined_self = False
+        self.listener: Optional[socket.socket] = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def host_store(self) -> None:
-        """Node 0: listen now (raises if the port cannot be bound)."""
+        """Node 0: listen now (raises if the port cannot be bound).
+
+        With one node, the port was bound by :meth:`listen`; the store takes
+        that socket over.
+        """
         from torch.distributed import TCPStore
 
+        listen_fd = None
+        if self.listener is not None:
+            listen_fd, self.listener = self.listener.detach(), None   # the store owns it now
         self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
-                              timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False)
+                              timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False,
+                              master_listen_fd=listen_fd)
+
+    def listen(self) -> int:
+        """One node: bind ``host:port`` now, host the store on the first connection.
+
+        A bound, listening socket is all a rank needs to connect (its
+        connection waits in the backlog until the store accepts it), so
+        creating torch's store (a server thread and an event loop: ~1-3 ms)
+        is off the run's critical path, and a cell that never uses
+        torch.distributed never pays for it.  The socket is bound to the
+        master address only, so a one-node store is not reachable from other
+        machines.  Returns the socket's fd, to watch for the first connection.
+        """
+        family, address = _numeric_address(self.host, self.port)
+        if family is None:   # a host name: resolve it (slower, so numeric addresses skip this)
+            family, _, _, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except BaseException:
+            sock.close()
+            raise
+        self.listener = sock
+        return sock.fileno()
+
+    def close(self) -> None:
+        """Stop listening: the store (joins its thread) or the unused socket."""
+        self.store = None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     def try_connect(self, attempt_timeout: float = 1.0) -> bool:
         """Other nodes: one bounded attempt to reach node 0's store."""

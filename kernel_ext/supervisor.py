@@ -29,6 +29,7 @@ from typing import NoReturn, Optional
 
 from . import wire, worker
 from .output_batch import OutputBatch
+from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
@@ -41,6 +42,7 @@ MAX_BATCH_BYTES = 256 * 1024
 STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
 STACK_QUIET = 0.1
 DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
+RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 
 
 @dataclass
@@ -59,6 +61,8 @@ class _Rank:
     failed: bool = False               # it reported a failure of its own
     done: bool = False                 # it reported its result (it exits with 0 right after)
     reported: bool = False
+    go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
+                                       # lets a rank that succeeded (parked) exit
 
 
 def _nonblocking(fd: int) -> None:
@@ -79,7 +83,7 @@ class Supervisor:
 
     def __init__(self, control_fd: int) -> None:
         self.control_fd = control_fd
-        self.idle: list[tuple] = []        # (pid, go_w, out_r, ev_r, st_r) forked ahead
+        self.idle: list[_Rank] = []        # forked ahead, pipes registered; numbered at the run
         self.ranks: list[_Rank] = []
         self.sel = selectors.DefaultSelector()
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
@@ -113,7 +117,7 @@ class Supervisor:
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
             if self.rdzv is not None:
-                self.rdzv.store = None   # stop listening (joins the store's thread: after "finished")
+                self.rdzv.close()   # stop listening (joins the store's thread: after "finished")
             self._reap_rest()
         except BaseException as exc:  # report, never leave ranks behind
             code = 1
@@ -134,8 +138,17 @@ class Supervisor:
             os._exit(code)
 
     def _reap_rest(self) -> None:
-        """After "finished": wait (bounded) for ranks reported done to exit,
-        then kill whatever is left of them and their children."""
+        """After "finished": let the parked ranks go, wait (bounded) for every
+        rank to exit, then kill whatever is left of them and their children.
+
+        Ranks that succeeded are parked (worker._park): their teardown would
+        slow the kernel while it shows the result, so they are let go a
+        moment after "finished" (signals are still served meanwhile).
+        """
+        deadline = time.monotonic() + RELEASE_DELAY
+        while time.monotonic() < deadline and self.stopping != "interrupt":
+            self._poll(deadline - time.monotonic())
+        self._release_all()
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
@@ -146,6 +159,16 @@ class Supervisor:
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
+
+    def _release_all(self) -> None:
+        for r in self.ranks:
+            self._release(r)
+
+    @staticmethod
+    def _release(r: _Rank) -> None:
+        if r.go is not None:
+            os.close(r.go)
+            r.go = None
 
     def _install_signals(self) -> None:
         worker.set_parent_death_signal(signal.SIGKILL)
@@ -190,7 +213,12 @@ class Supervisor:
             for fd in (go_r, out_w, ev_w, st_w):
                 os.close(fd)
             self._fds += [go_w, out_r, ev_r, st_r]
-            self.idle.append((pid, go_w, out_r, ev_r, st_r))
+            # Registered now, while idle: the run's critical path only numbers the ranks.
+            rank = _Rank(local=local, rank=-1, pid=pid, fds={"out": out_r, "ev": ev_r, "st": st_r}, go=go_w)
+            for kind, fd in rank.fds.items():
+                _nonblocking(fd)
+                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
+            self.idle.append(rank)
 
     def _wait_for_spec(self) -> Optional[tuple]:
         """Block until the zygote hands over a run (None: it dropped this spare)."""
@@ -203,10 +231,12 @@ class Supervisor:
     def _discard_idle(self, n: int) -> None:
         """Drop the last ``n`` idle ranks (the run needs fewer)."""
         for _ in range(n):
-            pid, *fds = self.idle.pop()
-            for fd in fds:
-                os.close(fd)   # EOF on the go pipe: the idle rank exits by itself
-            self._discarded.add(pid)
+            rank = self.idle.pop()
+            for fd in rank.fds.values():
+                self.sel.unregister(fd)
+                os.close(fd)
+            self._release(rank)   # EOF on the go pipe: the idle rank exits by itself
+            self._discarded.add(rank.pid)
 
     def _start(self, key: bytes, spec_bytes: bytes) -> None:
         spec = pickle.loads(spec_bytes)
@@ -220,28 +250,22 @@ class Supervisor:
         if len(self.idle) < need:  # the zygote forks a big enough spare: never here
             raise RuntimeError(f"spare supervisor has {len(self.idle)} ranks, the run needs {need}")
         self._discard_idle(len(self.idle) - need)
-        held = []
-        for local in range(need):
-            pid, go_w, out_r, ev_r, st_r = self.idle.pop(0)
-            held.append(go_w)
-            rank = _Rank(local=local, rank=spec["ranks"][local], pid=pid,
-                         fds={"out": out_r, "ev": ev_r, "st": st_r})
-            for kind, fd in rank.fds.items():
-                _nonblocking(fd)
-                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
-            self.ranks.append(rank)
+        self.ranks, self.idle = self.idle, []
+        for rank in self.ranks:
+            rank.rank = spec["ranks"][rank.local]
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
                     "supervisor": os.getpid()})
         self._rendezvous(spec)
-        for r, go_w in zip(self.ranks, held):
+        for r in self.ranks:
             if self.stopping is None:
                 try:
-                    wire.write_frame(go_w, spec_bytes)
+                    wire.write_frame(r.go, spec_bytes)   # kept open: see _reap_rest
+                    continue
                 except BrokenPipeError:
                     pass   # it died idle: its exit status is reported like any rank's
             else:
                 r.signalled = True   # never released: EOF ends it
-            os.close(go_w)
+            self._release(r)
 
     # -- rendezvous -------------------------------------------------------------
     def _poll(self, timeout: Optional[float]) -> None:
@@ -249,6 +273,8 @@ class Supervisor:
             kind, rank = key.data
             if kind == "signal":
                 self._on_signals()
+            elif kind == "store":
+                self._host_store(key.fd)
             elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
 
@@ -258,16 +284,16 @@ class Supervisor:
         Interruptible, bounded by the rendezvous timeout; progress goes to the
         kernel once a second ("waiting for 1 of 2 nodes at 10.1.2.3:29500").
         """
-        from .rendezvous import NodeRendezvous, RendezvousTimeout
-
         nodes = spec["num_nodes"]
         self.rdzv = NodeRendezvous(spec["master_addr"], spec["master_port"], nodes, spec["node_rank"],
                                    spec["rdzv_timeout"])
         try:
+            if nodes == 1:
+                fd = self.rdzv.listen()
+                self.sel.register(fd, selectors.EVENT_READ, ("store", None))
+                return
             if spec["node_rank"] == 0:
                 self.rdzv.host_store()
-            if nodes == 1:
-                return
             last_note = 0.0
             while self.stopping is None:
                 joined = 0
@@ -286,6 +312,16 @@ class Supervisor:
         except Exception as exc:   # e.g. node 0 could not listen on the port
             self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
                                     f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
+
+    def _host_store(self, fd: int) -> None:
+        """A rank is connecting to the store for the first time: start it now."""
+        self.sel.unregister(fd)
+        try:
+            self.rdzv.host_store()
+        except Exception as exc:
+            if self.stopping is None:
+                self._rendezvous_failed(f"could not host the store at {self.rdzv.address}: "
+                                        f"{type(exc).__name__}: {exc}")
 
     def _rendezvous_failed(self, message: str) -> None:
         self._send({"kind": "rendezvous_failed", "message": message})
@@ -308,6 +344,7 @@ class Supervisor:
         """
         if self.spec["num_nodes"] == 1 or self.rdzv is None or self.rdzv.store is None:
             return
+        self._release_all()   # waiting for other nodes can take long: no parked ranks meanwhile
         if self.stopping == "failed" and self.first_failure is not None and self.first_failure[0]:
             deadline = time.monotonic() + REMOTE_WAIT
             while time.monotonic() < deadline:
@@ -334,6 +371,9 @@ class Supervisor:
         self.sock.connect(events_addr)
         # The run's key arrives with the spec; until then a throwaway one.
         self.session = wire.signed_session(wire.new_key())
+        # Walk the signing path once while idle: its first use after the fork
+        # (copy-on-write faults, lazy imports) would otherwise cost the run ~0.5 ms.
+        self.session.serialize(self.session.msg("run_event", {"kind": "warm-up", "pids": {0: 1}}))
 
     def _send(self, content: dict) -> None:
         content["run_id"] = self.spec["run_id"]
@@ -375,10 +415,13 @@ class Supervisor:
                 continue
             if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
                 self._report_exit(r)
-            elif r.status is None and r.done and not r.fds:
-                # It delivered its result and closed its outputs: its exit (0)
-                # is a formality. Report now, reap in the background; the
-                # kernel need not wait for a large process's teardown.
+            elif r.status is None and r.done and "ev" not in r.fds:
+                # It delivered its result and closed its outputs (the event
+                # pipe last), so all it wrote is in its pipes: its exit (0) is
+                # a formality.  Report now; it is parked until "finished".
+                # Its stdout may still be held open by a process it started:
+                # that process is killed when the rank exits, not waited for.
+                self._drain(r)
                 self._report_exit(r)
         if self.flush_due is not None and now >= self.flush_due:
             self._flush()
@@ -411,6 +454,7 @@ class Supervisor:
             if r is None:
                 continue   # a discarded idle rank, or a rank's orphan we killed
             r.status = status
+            self._release(r)
             r.exit_time = time.monotonic()
             # Anything the rank started dies with it: no orphans.
             self._signal_group(r, signal.SIGKILL)
@@ -540,6 +584,14 @@ class Supervisor:
             os.killpg(r.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _drain(self, r: _Rank) -> None:
+        """Read what a rank's output and stack pipes hold now (until EAGAIN or EOF;
+        bounded, in case a process the rank started keeps writing)."""
+        for kind in ("out", "st"):
+            for _ in range(64):
+                if kind not in r.fds or not self._on_readable(kind, r, r.fds[kind]):
+                    break
 
     def _report_exit(self, r: _Rank) -> None:
         for fd in list(r.fds.values()):  # give up on pipes a stray process holds

@@ -213,26 +213,26 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         signal.pthread_sigmask(signal.SIG_SETMASK, [])   # blocked across the fork
         _setup_stdio(out_fd)
         _warm_up()
+        _set_policy(_BATCH)      # woken without preempting the supervisor (see _set_policy)
         spec_bytes = wire.read_frame(go_fd)
-        os.close(go_fd)
+        _set_policy(_NORMAL)     # from here on, a rank like any other process
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
     except BaseException:
         os._exit(1)
-    run_rank(spec, local_rank, None, event_fd, stack_fd)
+    run_rank(spec, local_rank, event_fd, stack_fd, go_fd)
 
 
-def run_rank(spec: dict, local_rank: int, out_fd: Optional[int], event_fd: int, stack_fd: int) -> NoReturn:
+def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_fd: int) -> NoReturn:
     """Run the cell as one rank, report, and exit. Never returns.
 
-    ``out_fd`` None: stdout/stderr are already set up (a rank forked ahead).
+    stdout/stderr are already the rank's pipe.  A rank that succeeded waits
+    for EOF on ``release_fd`` (its go pipe) before it exits: see :func:`_park`.
     """
     global _event_fd, _local_rank
     code = 1
     try:
-        if out_fd is not None:
-            _setup_stdio(out_fd)
         _event_fd, _local_rank = event_fd, local_rank
         code = _execute(spec, local_rank)
     except BaseException as exc:  # the harness itself failed: say so, never hang
@@ -248,8 +248,48 @@ def run_rank(spec: dict, local_rank: int, out_fd: Optional[int], event_fd: int, 
             # at once, not after the (slow) teardown of a large process.
             for fd in (1, 2, event_fd, stack_fd):
                 os.close(fd)
+            if code == 0:
+                _park(release_fd)
         finally:
             os._exit(code)
+
+
+_BATCH = getattr(os, "SCHED_BATCH", None)
+_NORMAL = getattr(os, "SCHED_OTHER", None)
+
+
+def _set_policy(policy: Optional[int]) -> None:
+    """Switch this (single-threaded) process's scheduling policy, if Linux lets us.
+
+    An idle rank waits as SCHED_BATCH: when the supervisor releases the ranks
+    one after another, a woken batch process does not preempt the
+    supervisor, so every rank is released before any of them runs, instead
+    of the supervisor waiting (on a busy machine, milliseconds) behind the
+    first rank it woke.  The rank returns to SCHED_OTHER (allowed without
+    privileges: the nice value does not change) before it reads its spec.
+    """
+    if policy is None:  # pragma: no cover - non-Linux
+        return
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def _park(release_fd: int) -> None:
+    """A rank that succeeded: wait until the supervisor lets it exit.
+
+    Its result and outputs are delivered already, so nobody waits for this
+    process; but tearing down a torch-sized address space takes milliseconds
+    and slows everything else on the machine (freeing pages, TLB flushes)
+    while the kernel is still showing the result.  So the supervisor lets
+    its ranks exit a moment after the run is reported (EOF on the go pipe,
+    also when the supervisor dies).
+    """
+    try:
+        os.read(release_fd, 1)
+    except OSError:
+        pass
 
 
 def _failure(exc: BaseException, tb, harness: bool = False) -> dict:

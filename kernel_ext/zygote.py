@@ -30,6 +30,7 @@ from typing import Optional
 from . import payload, rank_stdio, supervisor, wire, worker  # noqa: F401
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+END_WAIT = 15.0   # how long a new run waits for the processes of earlier runs to end
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
 
@@ -95,6 +96,7 @@ class Zygote:
         self.preloaded: list[str] = []
         self.extra_fds: list[int] = []           # fds a forked child must close
         self.failed_preload: dict[str, str] = {}
+        self.terminating = False
 
     def preload(self, modules) -> None:
         for name in modules:
@@ -147,14 +149,17 @@ class Zygote:
                     "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
                     "python": sys.version})
         try:
-            while True:
+            while not self.terminating:
                 if self.spare is None and not self.supervisors:
                     self.fork_spare()   # idle time: the next run's fork is done now
                 for key, _ in self.sel.select():
                     if key.data == "kernel":
                         return
                     if key.data == "signal":
-                        data = os.read(r, 512)
+                        try:
+                            data = os.read(r, 512)
+                        except BlockingIOError:   # read meanwhile by wait_supervisors
+                            data = b""
                         if signal.SIGTERM in data:
                             return
                         self.reap()
@@ -189,6 +194,7 @@ class Zygote:
         The key travels beside the spec, not in it: the spare needs it to sign,
         the ranks (which run user code) never see it.
         """
+        self.end_previous_runs()
         for _ in range(2):
             if self.spare is not None and self.spare[2] < msg["num_processes"]:
                 self.drop_spare()
@@ -207,6 +213,41 @@ class Zygote:
             self.expected_ranks = msg["num_processes"]
             return pid
         raise RuntimeError("could not hand the run to a supervisor")
+
+    def end_previous_runs(self) -> None:
+        """A run starts only once every process of the earlier runs is gone.
+
+        The kernel sends a run only after the previous one reported
+        "finished", so a supervisor still alive now is past its run (its
+        ranks parked or exiting, see ``Supervisor._reap_rest``).  Ending it
+        first means the new ranks never compete for the memory (GPU memory
+        included) that the old ones still hold.
+        """
+        if not self.supervisors:
+            return
+        for pid in list(self.supervisors):
+            try:
+                os.kill(pid, signal.SIGTERM)   # a supervisor's stop: SIGKILL to its ranks, then exit
+            except ProcessLookupError:
+                pass
+        self.wait_supervisors(time.monotonic() + END_WAIT)
+
+    def wait_supervisors(self, deadline: float) -> None:
+        """Reap supervisors until none is left or ``deadline`` passes."""
+        waiter = selectors.DefaultSelector()  # only SIGCHLD's wake-up byte
+        waiter.register(self.wakeup_r, selectors.EVENT_READ)
+        try:
+            while True:
+                self.reap()
+                if not self.supervisors or not waiter.select(deadline - time.monotonic()):
+                    return
+                try:
+                    if signal.SIGTERM in os.read(self.wakeup_r, 512):
+                        self.terminating = True   # served by the main loop
+                except BlockingIOError:
+                    pass
+        finally:
+            waiter.close()
 
     def fork_spare(self, ranks: Optional[int] = None) -> None:
         from .supervisor import serve_spare
@@ -263,17 +304,7 @@ class Zygote:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        waiter = selectors.DefaultSelector()  # only SIGCHLD's wake-up byte
-        waiter.register(self.wakeup_r, selectors.EVENT_READ)
-        deadline = time.monotonic() + 3.0
-        while self.supervisors and time.monotonic() < deadline:
-            self.reap()
-            if self.supervisors and waiter.select(deadline - time.monotonic()):
-                try:
-                    os.read(self.wakeup_r, 512)
-                except BlockingIOError:
-                    pass
-        waiter.close()
+        self.wait_supervisors(time.monotonic() + 3.0)
         for pid in list(self.supervisors):
             try:
                 os.killpg(pid, signal.SIGKILL)

@@ -229,14 +229,66 @@ def test_spare_is_replaced_when_a_run_needs_more_ranks(launcher):
 
 def test_processes_that_escape_the_rank_group_die_with_the_run(launcher):
     from kernel_harness import wait_until
+    # The escaped child also holds the rank's stdout: the run must not wait
+    # for that pipe to close (the --timeout would stop it, failing the test).
     result, _ = run(launcher,
                     "import subprocess\n"
-                    "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
-                    "p.pid", n=2)
+                    "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+                    "p.pid", n=2, timeout=30)
     escaped = result.value
     wait_until(lambda: not os.path.exists(f"/proc/{escaped}") or
                open(f"/proc/{escaped}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
                10, "the escaped child to be killed")
+
+
+def test_a_run_starts_only_after_the_previous_runs_ranks_are_gone(launcher):
+    # Ranks that succeeded stay parked a moment after "finished" (their
+    # teardown must not slow the kernel); a run that follows at once must not
+    # find them still holding memory.
+    first, _ = run(launcher,
+                   "import os, torch.distributed as dist\n"
+                   "dist.init_process_group('gloo')\n"
+                   "pids = [None] * dist.get_world_size()\n"
+                   "dist.all_gather_object(pids, os.getpid())\n"
+                   "dist.destroy_process_group()\n"
+                   "pids", n=2)
+    assert len(set(first.value)) == 2
+    second, _ = run(launcher, f"import os\n[p for p in {first.value!r} if os.path.exists(f'/proc/{{p}}')]",
+                    n=2)
+    assert second.value == []
+
+
+def test_ranks_run_with_the_normal_scheduling_policy(launcher):
+    # Idle ranks wait as SCHED_BATCH (released without preempting the
+    # supervisor); the cell itself must run as SCHED_OTHER, like any process.
+    result, _ = run(launcher,
+                    "import os, torch.distributed as dist\n"
+                    "dist.init_process_group('gloo')\n"
+                    "policies = [None] * dist.get_world_size()\n"
+                    "dist.all_gather_object(policies, os.sched_getscheduler(0))\n"
+                    "dist.destroy_process_group()\n"
+                    "policies", n=2)
+    assert result.value == [os.SCHED_OTHER, os.SCHED_OTHER]
+
+
+def test_one_node_store_listens_on_the_master_address_only(launcher):
+    # torch's own store listens on every interface; the one-node store is
+    # bound to MASTER_ADDR (loopback), out of reach of other machines.
+    result, _ = run(launcher,
+                    "import os, torch.distributed as dist\n"
+                    "dist.init_process_group('gloo')\n"
+                    "port = int(os.environ['MASTER_PORT'])\n"
+                    "found = []\n"
+                    "for table in ('/proc/net/tcp', '/proc/net/tcp6'):\n"
+                    "    for line in open(table).readlines()[1:]:\n"
+                    "        local, state = line.split()[1], line.split()[3]\n"
+                    "        address, hexport = local.split(':')\n"
+                    "        if state == '0A' and int(hexport, 16) == port:\n"
+                    "            found.append(address)\n"
+                    "dist.barrier()\n"
+                    "dist.destroy_process_group()\n"
+                    "found", n=2)
+    assert result.value == ["0100007F"]   # 127.0.0.1, and nothing else
 
 
 def test_ranks_never_see_the_channel_key(launcher):
