@@ -165,12 +165,26 @@ def loaded_kernel(env=None) -> KernelSession:
     return k
 
 
+SECTIONS = ("first", "empty", "training", "globals", "scale", "output", "ddp")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument("--out", default=None, help="where to write the table (default: bench/RESULTS.md, "
+                                                    "or nowhere with --only)")
+    parser.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(SECTIONS))
     args = parser.parse_args()
     reps = 5 if args.quick else 15
+    chosen = set(filter(None, args.only.split(",")))
+    if chosen - set(SECTIONS):
+        parser.error(f"--only: unknown {sorted(chosen - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+
+    out_path = args.out or (None if chosen else os.path.join(HERE, "RESULTS.md"))
+
+    def want(name: str) -> bool:
+        return not chosen or name in chosen
+
     tail_runs = 50 if args.quick else 200
     rows: list[tuple] = []   # (benchmark, accel_magics, reference, ratio, target, met)
 
@@ -178,21 +192,22 @@ def main() -> None:
         rows.append((name, ours, ref, ratio, target, "yes" if met else "NO"))
         print(f"{name}: {ours} | {ref} | {ratio} | target {target} | met: {met}", flush=True)
 
-    # 2. First distributed cell in a fresh kernel vs `import torch`.
-    imports, firsts = [], []
-    for _ in range(2 if args.quick else 3):
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
-        imports.append(time.perf_counter() - t)
-        k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1"})
-        t = time.perf_counter()
-        k.ok("%load_ext accel_magics")
-        k.ok("%%distributed -n 2 --output text\npass\n", timeout=300)
-        firsts.append(time.perf_counter() - t)
-        k.shutdown()
-    fi, im = statistics.median(firsts), statistics.median(imports)
-    row("first cell in a fresh kernel (load_ext + launcher start + 2-rank run)", f"{fi:.2f} s",
-        f"`import torch` {im:.2f} s", f"+{fi - im:.2f} s", "<= import torch + 0.5 s", fi <= im + 0.5)
+    if want("first"):
+        # 2. First distributed cell in a fresh kernel vs `import torch`.
+        imports, firsts = [], []
+        for _ in range(2 if args.quick else 3):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "import torch"], check=True)
+            imports.append(time.perf_counter() - t)
+            k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1"})
+            t = time.perf_counter()
+            k.ok("%load_ext accel_magics")
+            k.ok("%%distributed -n 2 --output text\npass\n", timeout=300)
+            firsts.append(time.perf_counter() - t)
+            k.shutdown()
+        fi, im = statistics.median(firsts), statistics.median(imports)
+        row("first cell in a fresh kernel (load_ext + launcher start + 2-rank run)", f"{fi:.2f} s",
+            f"`import torch` {im:.2f} s", f"+{fi - im:.2f} s", "<= import torch + 0.5 s", fi <= im + 0.5)
 
     ours = loaded_kernel()
     theirs = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "1"})
@@ -200,118 +215,125 @@ def main() -> None:
         ours.ok(TRAINING_DEFS)
         theirs.ok(TRAINING_DEFS + "\nfrom accelerate import notebook_launcher\n")
 
-        # 1. Empty cell, warm, A/B; then the tail over many runs.
-        a_code, b_code = "%%distributed -n 2 --output text\npass\n", "notebook_launcher(empty, num_processes=2)\n"
-        timed(ours, a_code), timed(theirs, b_code)
-        a, b = [], []
-        for _ in range(max(reps, 10)):
-            a.append(timed(ours, a_code))
-            b.append(timed(theirs, b_code))
-        ma, mb = statistics.median(a), statistics.median(b)
-        row("empty cell, 2 ranks, warm", median_ms(a), f"notebook_launcher {median_ms(b)}", f"{ma / mb:.2f}x",
-            "<= 0.1x", ma / mb <= 0.1)
-        tail = [timed(ours, a_code) for _ in range(tail_runs)]
-        mt = statistics.median(tail)
-        row(f"empty cell tail over {tail_runs} runs", f"median {mt * 1000:.1f} ms, max {max(tail) * 1000:.1f} ms",
-            "-", f"max/median {max(tail) / mt:.1f}", "none > 3x median", max(tail) <= 3 * mt)
+        if want("empty"):
+            # 1. Empty cell, warm, A/B; then the tail over many runs.
+            a_code, b_code = "%%distributed -n 2 --output text\npass\n", "notebook_launcher(empty, num_processes=2)\n"
+            timed(ours, a_code), timed(theirs, b_code)
+            a, b = [], []
+            for _ in range(max(reps, 10)):
+                a.append(timed(ours, a_code))
+                b.append(timed(theirs, b_code))
+            ma, mb = statistics.median(a), statistics.median(b)
+            row("empty cell, 2 ranks, warm", median_ms(a), f"notebook_launcher {median_ms(b)}", f"{ma / mb:.2f}x",
+                "<= 0.1x", ma / mb <= 0.1)
+            tail = [timed(ours, a_code) for _ in range(tail_runs)]
+            mt = statistics.median(tail)
+            row(f"empty cell tail over {tail_runs} runs", f"median {mt * 1000:.1f} ms, max {max(tail) * 1000:.1f} ms",
+                "-", f"max/median {max(tail) / mt:.1f}", "none > 3x median", max(tail) <= 3 * mt)
 
-        # 3. The Accelerate training cell, A/B.
-        a_code, b_code = ("%%distributed -n 2 --output text\ntraining_loop()\n",
-                          "notebook_launcher(training_loop, num_processes=2)\n")
-        timed(ours, a_code), timed(ours, a_code), timed(theirs, b_code)
-        a, b = [], []
-        for _ in range(reps):
-            a.append(timed(ours, a_code))
-            b.append(timed(theirs, b_code))
-        ma, mb = statistics.median(a), statistics.median(b)
-        row("Accelerate training cell (5 epochs, synthetic), 2 ranks", median_ms(a),
-            f"notebook_launcher {median_ms(b)}", f"{ma / mb:.2f}x", "<= 0.6x", ma / mb <= 0.6)
+        if want("training"):
+            # 3. The Accelerate training cell, A/B.
+            a_code, b_code = ("%%distributed -n 2 --output text\ntraining_loop()\n",
+                              "notebook_launcher(training_loop, num_processes=2)\n")
+            timed(ours, a_code), timed(ours, a_code), timed(theirs, b_code)
+            a, b = [], []
+            for _ in range(reps):
+                a.append(timed(ours, a_code))
+                b.append(timed(theirs, b_code))
+            ma, mb = statistics.median(a), statistics.median(b)
+            row("Accelerate training cell (5 epochs, synthetic), 2 ranks", median_ms(a),
+                f"notebook_launcher {median_ms(b)}", f"{ma / mb:.2f}x", "<= 0.6x", ma / mb <= 0.6)
 
-        # 6. 512 MB tensor + 512 MB numpy array in kernel globals, 4 ranks.
-        ours.ok(BIG_DEFS)
-        theirs.ok(BIG_DEFS)
-        big_a = "%%distributed -n 4 --output text\nuse_big()\n"
-        big_b = "notebook_launcher(use_big, num_processes=4)\n"
-        timed(ours, big_a, 600), timed(theirs, big_b, 600)
-        runs = []
-        for _ in range(3):
-            with MemWatch() as ma_mem:
-                ta = timed(ours, big_a, 600)
-            with MemWatch() as mb_mem:
-                tb = timed(theirs, big_b, 600)
-            runs.append((ta, tb, ma_mem.peak_extra, mb_mem.peak_extra))
-        ta = statistics.median(r[0] for r in runs)
-        tb = statistics.median(r[1] for r in runs)
-        mem_a = statistics.median(r[2] for r in runs) / 2**20
-        mem_b = statistics.median(r[3] for r in runs) / 2**20
-        row("1 GB of globals (512 MB tensor + 512 MB array), 4 ranks: time", f"{ta:.2f} s",
-            f"notebook_launcher {tb:.2f} s", f"{ta / tb:.2f}x", "<= 1.5 s", ta <= 1.5)
-        row("... peak extra memory (machine-wide)", f"{mem_a:.0f} MB ({mem_a / 1024:.2f}x the data)",
-            f"notebook_launcher {mem_b:.0f} MB", "-", "<= 1.3x the data (1024 MB)", mem_a <= 1.3 * 1024)
-        ours.ok("del big_tensor, big_array")
-        theirs.ok("del big_tensor, big_array")
-
-        # 7. Scale: empty cell on 1, 2, 4, 8 ranks.
-        scale = {}
-        for n in (1, 2, 4, 8):
-            code = f"%%distributed -n {n} --output text --oversubscribe\npass\n"
-            timed(ours, code), timed(ours, code)
-            scale[n] = statistics.median(timed(ours, code) for _ in range(reps))
-        per_rank = [(scale[8] - scale[4]) / 4, (scale[4] - scale[2]) / 2, scale[2] - scale[1]]
-        row("empty cell on 1/2/4/8 ranks", " / ".join(f"{scale[n] * 1000:.0f}" for n in (1, 2, 4, 8)) + " ms",
-            "-", f"per extra rank {per_rank[2] * 1000:.1f} / {per_rank[1] * 1000:.1f} / {per_rank[0] * 1000:.1f} ms",
-            "linear or better", per_rank[0] <= 2 * max(per_rank[2], per_rank[1]) + 0.005)
-
-        # 5. Output: 2 ranks x 200k lines.
-        lines = 200_000
-        code = ("%%distributed -n 2 --output text\n"
-                "import os, sys, time, tempfile\n"
-                f"N = {lines}\n"
-                "with tempfile.TemporaryFile('w') as f:\n"
-                "    t = time.perf_counter()\n"
-                "    for i in range(N):\n"
-                "        print(f'line {i} of rank {os.environ[\"RANK\"]}', file=f)\n"
-                "    f.flush(); to_file = time.perf_counter() - t\n"
-                "t = time.perf_counter()\n"
-                "for i in range(N):\n"
-                "    print(f'line {i} of rank {os.environ[\"RANK\"]}')\n"
-                "sys.stdout.flush(); to_cell = time.perf_counter() - t\n"
-                "print(f'SLOWDOWN {to_cell / to_file:.3f}', file=sys.stderr)\n")
-        res = ours.run(code, timeout=600)
-        slowdowns = [float(line.split()[-1]) for line in res.stdout.splitlines() if "SLOWDOWN" in line]
-        msgs = sum(1 for m in res.messages if m["msg_type"] in ("stream", "display_data", "update_display_data"))
-        took = (res.messages[-1]["header"]["date"] - res.messages[0]["header"]["date"]).total_seconds()
-        logs = ours.ok("from accel_magics.run_logs import log_root\nimport os\n"
-                       "d = sorted(os.listdir(log_root()))[-1]\n"
-                       "print(os.path.join(log_root(), d))").stdout.strip()
-        complete = True
-        for rank in (0, 1):
-            with open(os.path.join(logs, f"rank{rank}.log")) as f:
-                got = [ln.rstrip("\n") for ln in f if ln.startswith("line ")]
-            complete &= got == [f"line {i} of rank {rank}" for i in range(lines)]
-        worst = max(slowdowns) if slowdowns else float("nan")
-        row(f"output: 2 ranks x {lines // 1000}k lines", f"rank slowdown vs a file {worst:.2f}x",
-            "-", f"{msgs} frontend messages in {took:.1f} s; every line, in order: {complete}",
-            "<= 1.2x, bounded rate, complete", worst <= 1.2 and complete and msgs / max(took, 1) < 50)
-
-        # 4. DDP throughput in a cell vs torchrun (measured inside rank 0).
-        steps = 100 if args.quick else 300
-        body = DDP_BODY.replace("__STEPS__", str(steps))
-        cell_rates, run_rates = [], []
-        with tempfile.TemporaryDirectory() as tmp:
-            script = os.path.join(tmp, "ddp.py")
-            with open(script, "w") as f:
-                f.write(body)
-            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
+        if want("globals"):
+            # 6. 512 MB tensor + 512 MB numpy array in kernel globals, 4 ranks.
+            ours.ok(BIG_DEFS)
+            theirs.ok(BIG_DEFS)
+            big_a = "%%distributed -n 4 --output text\nuse_big()\n"
+            big_b = "notebook_launcher(use_big, num_processes=4)\n"
+            timed(ours, big_a, 600), timed(theirs, big_b, 600)
+            runs = []
             for _ in range(3):
-                out = ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout
-                cell_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
-                out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                      script], capture_output=True, text=True, env=env, timeout=600).stdout
-                run_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
-        rc, rt = statistics.median(cell_rates), statistics.median(run_rates)
-        row("DDP training throughput (inside rank 0)", f"{rc:.1f} steps/s", f"torchrun {rt:.1f} steps/s",
-            f"{rc / rt:.2f}x", ">= 0.97x", rc / rt >= 0.97)
+                with MemWatch() as ma_mem:
+                    ta = timed(ours, big_a, 600)
+                with MemWatch() as mb_mem:
+                    tb = timed(theirs, big_b, 600)
+                runs.append((ta, tb, ma_mem.peak_extra, mb_mem.peak_extra))
+            ta = statistics.median(r[0] for r in runs)
+            tb = statistics.median(r[1] for r in runs)
+            mem_a = statistics.median(r[2] for r in runs) / 2**20
+            mem_b = statistics.median(r[3] for r in runs) / 2**20
+            row("1 GB of globals (512 MB tensor + 512 MB array), 4 ranks: time", f"{ta:.2f} s",
+                f"notebook_launcher {tb:.2f} s", f"{ta / tb:.2f}x", "<= 1.5 s", ta <= 1.5)
+            row("... peak extra memory (machine-wide)", f"{mem_a:.0f} MB ({mem_a / 1024:.2f}x the data)",
+                f"notebook_launcher {mem_b:.0f} MB", "-", "<= 1.3x the data (1024 MB)", mem_a <= 1.3 * 1024)
+            ours.ok("del big_tensor, big_array")
+            theirs.ok("del big_tensor, big_array")
+
+        if want("scale"):
+            # 7. Scale: empty cell on 1, 2, 4, 8 ranks.
+            scale = {}
+            for n in (1, 2, 4, 8):
+                code = f"%%distributed -n {n} --output text --oversubscribe\npass\n"
+                timed(ours, code), timed(ours, code)
+                scale[n] = statistics.median(timed(ours, code) for _ in range(reps))
+            per_rank = [(scale[8] - scale[4]) / 4, (scale[4] - scale[2]) / 2, scale[2] - scale[1]]
+            row("empty cell on 1/2/4/8 ranks", " / ".join(f"{scale[n] * 1000:.0f}" for n in (1, 2, 4, 8)) + " ms",
+                "-", f"per extra rank {per_rank[2] * 1000:.1f} / {per_rank[1] * 1000:.1f} / {per_rank[0] * 1000:.1f} ms",
+                "linear or better", per_rank[0] <= 2 * max(per_rank[2], per_rank[1]) + 0.005)
+
+        if want("output"):
+            # 5. Output: 2 ranks x 200k lines.
+            lines = 200_000
+            code = ("%%distributed -n 2 --output text\n"
+                    "import os, sys, time, tempfile\n"
+                    f"N = {lines}\n"
+                    "with tempfile.TemporaryFile('w') as f:\n"
+                    "    t = time.perf_counter()\n"
+                    "    for i in range(N):\n"
+                    "        print(f'line {i} of rank {os.environ[\"RANK\"]}', file=f)\n"
+                    "    f.flush(); to_file = time.perf_counter() - t\n"
+                    "t = time.perf_counter()\n"
+                    "for i in range(N):\n"
+                    "    print(f'line {i} of rank {os.environ[\"RANK\"]}')\n"
+                    "sys.stdout.flush(); to_cell = time.perf_counter() - t\n"
+                    "print(f'SLOWDOWN {to_cell / to_file:.3f}', file=sys.stderr)\n")
+            res = ours.run(code, timeout=600)
+            slowdowns = [float(line.split()[-1]) for line in res.stdout.splitlines() if "SLOWDOWN" in line]
+            msgs = sum(1 for m in res.messages if m["msg_type"] in ("stream", "display_data", "update_display_data"))
+            took = (res.messages[-1]["header"]["date"] - res.messages[0]["header"]["date"]).total_seconds()
+            logs = ours.ok("from accel_magics.run_logs import log_root\nimport os\n"
+                           "d = sorted(os.listdir(log_root()))[-1]\n"
+                           "print(os.path.join(log_root(), d))").stdout.strip()
+            complete = True
+            for rank in (0, 1):
+                with open(os.path.join(logs, f"rank{rank}.log")) as f:
+                    got = [ln.rstrip("\n") for ln in f if ln.startswith("line ")]
+                complete &= got == [f"line {i} of rank {rank}" for i in range(lines)]
+            worst = max(slowdowns) if slowdowns else float("nan")
+            row(f"output: 2 ranks x {lines // 1000}k lines", f"rank slowdown vs a file {worst:.2f}x",
+                "-", f"{msgs} frontend messages in {took:.1f} s; every line, in order: {complete}",
+                "<= 1.2x, bounded rate, complete", worst <= 1.2 and complete and msgs / max(took, 1) < 50)
+
+        if want("ddp"):
+            # 4. DDP throughput in a cell vs torchrun (measured inside rank 0).
+            steps = 100 if args.quick else 300
+            body = DDP_BODY.replace("__STEPS__", str(steps))
+            cell_rates, run_rates = [], []
+            with tempfile.TemporaryDirectory() as tmp:
+                script = os.path.join(tmp, "ddp.py")
+                with open(script, "w") as f:
+                    f.write(body)
+                env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
+                for _ in range(3 if args.quick else 5):
+                    out = ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout
+                    cell_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
+                    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                          script], capture_output=True, text=True, env=env, timeout=600).stdout
+                    run_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
+            rc, rt = statistics.median(cell_rates), statistics.median(run_rates)
+            row("DDP training throughput (inside rank 0)", f"{rc:.1f} steps/s", f"torchrun {rt:.1f} steps/s",
+                f"{rc / rt:.2f}x (spread: cell {min(cell_rates):.0f}-{max(cell_rates):.0f}, torchrun "
+                f"{min(run_rates):.0f}-{max(run_rates):.0f})", ">= 0.97x", rc / rt >= 0.97)
     finally:
         ours.shutdown()
         theirs.shutdown()
@@ -332,8 +354,9 @@ def main() -> None:
     out += [f"| {' | '.join(str(c) for c in r)} |" for r in rows]
     text = "\n".join(out) + "\n"
     print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

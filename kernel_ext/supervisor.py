@@ -402,7 +402,7 @@ class Supervisor:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)
         if self.stack_deadline is not None:
-            live = [r for r in self.ranks if r.status is None]
+            live = self._working()
             dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
             if dumped or now >= self.stack_deadline:
                 self.stack_deadline = None
@@ -540,13 +540,17 @@ class Supervisor:
             secondary, _, rank, summary = self.first_failure
             if not secondary:   # a consequence of another node's failure is not news to it
                 self.rdzv.report_failure(self.spec["node_rank"], rank, summary)
-        live = [r for r in self.ranks if r.status is None]
+        live = self._working()
         if stacks and live:
             for r in live:
                 self._signal_pid(r, signal.SIGUSR1)
             self.stack_deadline = time.monotonic() + STACK_WAIT
         else:
             self._terminate()
+
+    def _working(self) -> list:
+        """Ranks still running the cell: not exited, not finished (parked)."""
+        return [r for r in self.ranks if r.status is None and not r.reported]
 
     def _terminate(self) -> None:
         for r in self.ranks:
