@@ -148,6 +148,16 @@ class DistributedMagics(Magics):
                 count = getattr(result, "execution_count", None) or self.shell.execution_count
                 self.tracker.sites[runtime] = preflight.InitSite(runtime, [], f"In[{count}]")
 
+    def _cell_number(self) -> int:
+        """N of the running cell's In[N] prompt.
+
+        IPython 9 advances ``execution_count`` before running a cell, earlier
+        versions after; both store the cell's input first, as In[N].
+        """
+        count = self.shell.execution_count
+        stored = len(self.shell.history_manager.input_hist_parsed) - 1
+        return min(count, stored) if stored > 0 else count
+
     def _preflight(self) -> None:
         problems = preflight.check(self.tracker)
         if problems:
@@ -193,9 +203,10 @@ class DistributedMagics(Magics):
 
         in_kernel = getattr(self.shell, "kernel", None) is not None
         mode = args.output or self.defaults.get("output", "auto")
-        presenter = Presenter(mode, in_kernel, label=f"In{self.shell.execution_count}")
+        presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}")
         try:
-            result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25)
+            result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
+                             log_dir=presenter.log_dir, excerpt=presenter.excerpt)
         finally:
             presenter.finish()
 
@@ -301,7 +312,7 @@ class DistributedMagics(Magics):
         return f"# %%distributed {line}\n{body}"
 
     def _payload(self, source: str, return_names: list[str]):
-        count = self.shell.execution_count
+        count = self._cell_number()
         exclude = set(self.shell.user_ns_hidden) | {"In", "Out", "get_ipython", "exit", "quit"}
         exclude |= {name for name in self.shell.user_ns if _HISTORY_NAME.match(name)}
         try:

@@ -1,7 +1,8 @@
 """How one run is shown in the notebook: the live view, then the record.
 
 ``Presenter`` feeds the same engine events to every consumer of a run (the
-live view, the plain-text record, the full log files) and, when the run ends,
+live view and the plain-text record; the full log files are written by the
+run's supervisor, in the directory named here) and, when the run ends,
 replaces the live view with what the notebook keeps:
 
 * widget mode: the live :class:`widgets.progress_view.RunView` is replaced by
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import sys
 
-from .record import RunRecord
-from .run_logs import RunLogs
+from .record import HEAD_LINES, TAIL_LINES, RunRecord
+from .run_logs import run_log_dir
 from .text_view import DisplayLive, StreamLive, TextView
 
 
@@ -38,11 +39,7 @@ class Presenter:
         if mode == "widget" and not in_kernel:
             mode = "text"
         self.mode = mode
-        self.logs = RunLogs()
-        try:
-            log_dir = self.logs.open(label)
-        except OSError:       # an unwritable cache must not stop the run
-            log_dir = ""
+        self.log_dir = log_dir = run_log_dir(label)
         self.record = RunRecord(log_dir)
         self.view = None
         self.text = None
@@ -56,9 +53,17 @@ class Presenter:
             self.live = DisplayLive() if in_kernel else StreamLive()
             self.text = TextView(self.live)
 
+    @property
+    def excerpt(self):
+        """What the engine must send of each rank's lines (see ``run.execute``):
+        every line where they are all printed (a terminal), else the record's
+        head and tail, which also cover the live views' last lines."""
+        if self.view is None and not self.live.keeps_record:
+            return None
+        return (HEAD_LINES, TAIL_LINES)
+
     def __call__(self, event) -> None:
         self.record(event)
-        self.logs(event)
         if self.view is not None:
             self.view(event)
         else:
@@ -66,7 +71,6 @@ class Presenter:
 
     def finish(self) -> None:
         """The run is over (whatever its outcome): leave the record behind."""
-        self.logs.close()
         if self.view is not None:
             from IPython.display import display
 

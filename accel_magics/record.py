@@ -26,9 +26,10 @@ class _RankLog:
     def add(self, line: str) -> None:
         self.add_block(line)
 
-    def add_block(self, text: str) -> None:
-        """Lines joined by newlines; only the ones kept are split out."""
-        self.count += text.count("\n") + 1
+    def add_block(self, text: str, omitted: int = 0) -> None:
+        """Lines joined by newlines, after ``omitted`` lines not sent (only the
+        log has them: the head was full already); only the ones kept are split out."""
+        self.count += text.count("\n") + 1 + omitted
         room = HEAD_LINES - len(self.head)
         if room > 0:
             parts = text.split("\n", room)
@@ -52,7 +53,7 @@ class RunRecord:
 
     def __call__(self, event) -> None:
         if isinstance(event, ev.Output):
-            self.logs.setdefault(event.rank, _RankLog()).add_block(event.text)
+            self.logs.setdefault(event.rank, _RankLog()).add_block(event.text, event.omitted)
         elif isinstance(event, ev.RunStarted):
             for rank in event.ranks:
                 self.logs.setdefault(rank, _RankLog())

@@ -35,6 +35,7 @@ class Output:
     """
     rank: int
     text: str
+    omitted: int = 0   # lines written just before ``text`` that only the log file has
 
     @property
     def lines(self) -> list[str]:
@@ -45,7 +46,8 @@ class Output:
 
     @property
     def count(self) -> int:
-        return self.text.count("\n") + 1
+        """Lines the rank wrote, the omitted ones included."""
+        return self.text.count("\n") + 1 + self.omitted
 
 
 @dataclass

@@ -228,8 +228,9 @@ class Launcher:
             self.close()
 
     # -- runs -------------------------------------------------------------
-    def launch(self, cfg: LaunchConfig, payload: Payload, *, attempt: int = 0,
-               grace: float = 3.0) -> "RunHandle":
+    def launch(self, cfg: LaunchConfig, payload: Payload, *, attempt: int = 0, grace: float = 3.0,
+               log_dir: str = "", excerpt: Optional[tuple[int, int]] = None) -> "RunHandle":
+        """Hand the run to the launcher; ``log_dir`` and ``excerpt``: see ``run.execute``."""
         info = self.ensure_running()
         gpus = info.get("gpu_count", 0)
         run_id = uuid.uuid4().hex[:12]
@@ -254,6 +255,10 @@ class Launcher:
             "node_rank": cfg.node_rank,
             "rdzv_timeout": cfg.rendezvous_timeout,
             "grace": grace,
+            "attempt": attempt,
+            "max_restarts": cfg.max_restarts,
+            "log_dir": log_dir,
+            "excerpt": excerpt,
         }
         with self._lock:
             self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes, "key": key,

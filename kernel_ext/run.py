@@ -85,7 +85,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     ))
                 elif kind == "output":
                     if msg["text"] is not None:
-                        emit(ev.Output(msg["rank"], msg["text"]))
+                        emit(ev.Output(msg["rank"], msg["text"], msg.get("omitted", 0)))
                     if msg.get("progress") is not None:
                         emit(ev.ProgressLine(msg["rank"], msg["progress"]))
                 elif kind == "rank_event":
@@ -161,23 +161,29 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
-            on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None) -> RunResult:
+            on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None,
+            log_dir: str = "", excerpt: Optional[tuple[int, int]] = None) -> RunResult:
     """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc.
 
     ``heartbeat``: emit :class:`events.Heartbeat` after that many idle seconds.
+    ``log_dir``: where the supervisor writes every rank's complete output
+    (``rank<N>.log``; made at the first line; "" for none).
+    ``excerpt``: ``(head, tail)`` to be sent only a rank's first ``head``
+    lines and at most the last ``tail`` lines of each batch (what a view that
+    keeps a head and a tail needs; the log has everything); None for every line.
     """
     try:
-        return _execute(launcher, cfg, payload, on_event, heartbeat)
+        return _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt)
     finally:
         payload.release()
 
 
-def _execute(launcher, cfg, payload, on_event, heartbeat) -> RunResult:
+def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> RunResult:
     emit = on_event or (lambda event: None)
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
         try:
-            handle = launcher.launch(cfg, payload, attempt=attempt)
+            handle = launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt)
         except KeyboardInterrupt:
             raise RunInterrupted({}, []) from None
         outcome = _collect(handle, cfg, attempt, emit, heartbeat)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
 from . import wire, worker
-from .output_batch import OutputBatch
+from .output_batch import Excerpt, OutputBatch
+from .rank_logs import RankLogs
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -54,6 +55,7 @@ class _Rank:
     pid: int
     fds: dict = field(default_factory=dict)   # "out"/"ev"/"st" -> read fd
     output: OutputBatch = field(default_factory=OutputBatch)
+    excerpt: Optional[Excerpt] = None  # None: the kernel is sent every line
     frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
     stack: bytearray = field(default_factory=bytearray)
     stack_time: float = 0.0
@@ -110,6 +112,7 @@ class Supervisor:
         self.remote_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self._discarded: set[int] = set()
+        self.logs = RankLogs("")
 
     # -- life cycle -------------------------------------------------------
     def serve(self, prefork: int, events_addr: str) -> NoReturn:
@@ -128,6 +131,7 @@ class Supervisor:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
             self._loop()
             self._finish_nodes()
+            self.logs.close()   # complete on disk before the kernel hears "finished"
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
             if self.rdzv is not None:
@@ -144,6 +148,7 @@ class Supervisor:
             except BaseException:
                 pass
         finally:
+            self.logs.close()
             try:
                 self.sock.close(linger=2000)
                 self.ctx.term()
@@ -266,8 +271,14 @@ class Supervisor:
             raise RuntimeError(f"spare supervisor has {len(self.idle)} ranks, the run needs {need}")
         self._discard_idle(len(self.idle) - need)
         self.ranks, self.idle = self.idle, []
+        self.logs = RankLogs(spec.get("log_dir", ""))
+        excerpt = spec.get("excerpt")
         for rank in self.ranks:
             rank.rank = spec["ranks"][rank.local]
+            if excerpt:
+                rank.excerpt = Excerpt(*excerpt)
+            if spec.get("attempt"):
+                self.logs.note(rank.rank, f"--- attempt {spec['attempt'] + 1} of {spec['max_restarts'] + 1} ---")
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
                     "supervisor": os.getpid()})
         self._rendezvous(spec)
@@ -523,11 +534,19 @@ class Supervisor:
             self._flush()
 
     def _flush(self) -> None:
+        """Every complete line to the rank's log; to the kernel, what it shows."""
         self.flush_due = None
         for r in self.ranks:
-            text, progress = r.output.take()
-            if text is not None or progress is not None:
-                self._send({"kind": "output", "rank": r.rank, "text": text, "progress": progress})
+            block, progress = r.output.take()
+            if block is None and progress is None:
+                continue
+            if block is not None:
+                self.logs.write(r.rank, block + b"\n")
+            parts = r.excerpt.select(block) if block is not None and r.excerpt is not None else [(0, block)]
+            for i, (omitted, part) in enumerate(parts):
+                self._send({"kind": "output", "rank": r.rank, "omitted": omitted,
+                            "text": part.decode("utf-8", "replace") if part is not None else None,
+                            "progress": progress if i == len(parts) - 1 else None})
 
     # -- rank events, stopping, exits ----------------------------------------
     def _note_failure(self, secondary: bool, when: float, rank: int, summary: str) -> None:
@@ -540,6 +559,7 @@ class Supervisor:
         if event.get("kind") == "failed":
             r.failed = True
             summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+            self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
             r.done = True
@@ -620,11 +640,16 @@ class Supervisor:
         r.output.end()
         self._flush()
         if r.stack:
-            self._send({"kind": "stacks", "rank": r.rank, "text": user_stack(r.stack.decode("utf-8", "replace"))})
+            stack = user_stack(r.stack.decode("utf-8", "replace"))
+            self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + stack)
+            self._send({"kind": "stacks", "rank": r.rank, "text": stack})
         status = r.status if r.status is not None else 0
         if r.status is None:
             r.exit_time = time.monotonic()
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        if not r.failed and not r.signalled and (sig or os.WEXITSTATUS(status)):
+            how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {os.WEXITSTATUS(status)}"
+            self.logs.note(r.rank, f"--- {how} ---")
         self._send({
             "kind": "exit",
             "rank": r.rank,

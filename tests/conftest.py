@@ -15,6 +15,21 @@ from kernel_harness import (  # noqa: E402
 )
 
 
+def pytest_configure(config):
+    # Run logs of every kernel the tests start (nbval's included) go to a
+    # directory of this session, never to the user's ~/.cache.
+    if "ACCEL_MAGICS_LOG_DIR" not in os.environ:
+        config._accel_log_dir = tempfile.mkdtemp(prefix="accel-test-logs-")
+        os.environ["ACCEL_MAGICS_LOG_DIR"] = config._accel_log_dir
+
+
+def pytest_unconfigure(config):
+    log_dir = getattr(config, "_accel_log_dir", None)
+    if log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        os.environ.pop("ACCEL_MAGICS_LOG_DIR", None)
+
+
 class LoadedKernel(KernelSession):
     """A kernel with ``%load_ext accel_magics`` done and its launcher ready."""
 

@@ -1,9 +1,10 @@
-"""OutputBatch: pipe bytes to lines and progress states, as a terminal shows them."""
+"""OutputBatch: pipe bytes to lines and progress states, as a terminal shows them;
+Excerpt: which of those lines the kernel is sent."""
 from __future__ import annotations
 
 import pytest
 
-from kernel_ext.output_batch import MAX_LINE_BYTES, OutputBatch
+from kernel_ext.output_batch import MAX_LINE_BYTES, Excerpt, OutputBatch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -12,9 +13,9 @@ def test_lines_split_across_reads_are_joined():
     out = OutputBatch()
     out.feed(b"hel")
     out.feed(b"lo\nwor")
-    assert out.take() == ("hello", None)
+    assert out.take() == (b"hello", None)
     out.feed(b"ld\n")
-    assert out.take() == ("world", None)
+    assert out.take() == (b"world", None)
 
 
 def test_carriage_returns_keep_the_last_state_and_report_progress():
@@ -26,19 +27,53 @@ def test_carriage_returns_keep_the_last_state_and_report_progress():
     assert out.take() == (None, " 90%|#########")
     assert out.take() == (None, None)                  # unchanged state: nothing new
     out.feed(b"\r100%|##########\nnext line\n")
-    assert out.take() == ("100%|##########\nnext line", None)
+    assert out.take() == (b"100%|##########\nnext line", None)
 
 
 def test_windows_line_endings_and_invalid_utf8():
     out = OutputBatch()
     out.feed(b"a\r\n\xff\xfe\n")
-    text, _ = out.take()
-    assert text.split("\n") == ["a", "\ufffd\ufffd"]
+    block, _ = out.take()
+    assert block.split(b"\n") == [b"a", b"\xff\xfe"]   # decoded (with replacement) only where shown
 
 
 def test_unfinished_line_is_flushed_at_end_and_long_lines_are_cut():
     out = OutputBatch()
     out.feed(b"x" * (MAX_LINE_BYTES * 2 + 10))
     out.end()
-    text, _ = out.take()
-    assert [len(p) for p in text.split("\n")] == [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]
+    block, _ = out.take()
+    assert [len(p) for p in block.split(b"\n")] == [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]
+
+
+def _lines(a: int, b: int) -> bytes:
+    return b"\n".join(b"line %d" % i for i in range(a, b))
+
+
+def test_excerpt_sends_the_head_whole_then_each_batchs_tail():
+    ex = Excerpt(head=5, tail=3)
+    assert ex.select(_lines(0, 2)) == [(0, _lines(0, 2))]              # within the head
+    assert ex.select(_lines(2, 10)) == [(0, _lines(2, 5)), (2, _lines(7, 10))]
+    assert ex.select(_lines(10, 12)) == [(0, _lines(10, 12))]          # a short batch: all of it
+    assert ex.select(_lines(12, 1000)) == [(985, _lines(997, 1000))]
+
+
+def test_excerpt_keeps_what_a_head_and_tail_record_shows():
+    # Whatever the batching, the first `head` and last `tail` lines the
+    # kernel keeps are those of the full output, and the count is exact.
+    import random
+    rng = random.Random(7)
+    total = 5000
+    ex = Excerpt(head=200, tail=800)
+    head, tail, count, i = [], [], 0, 0
+    while i < total:
+        j = min(total, i + rng.choice([1, 3, 50, 700, 1500]))
+        for omitted, part in ex.select(_lines(i, j)):
+            lines = part.split(b"\n")
+            count += omitted + len(lines)
+            room = 200 - len(head)
+            head += lines[:room]
+            tail = (tail + lines[max(room, 0):])[-800:]
+        i = j
+    assert count == total
+    assert head == _lines(0, 200).split(b"\n")
+    assert tail == _lines(total - 800, total).split(b"\n")
