@@ -340,7 +340,7 @@ def main() -> None:
                 with open(script, "w") as f:
                     f.write(body)
                 env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
-                for _ in range(3 if args.quick else 5):
+                for _ in range(3 if args.quick else 9):
                     out = ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout
                     cell_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
                     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
