@@ -346,10 +346,14 @@ def main() -> None:
                     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                           script], capture_output=True, text=True, env=env, timeout=600).stdout
                     run_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
+            # Each cell run is paired with the torchrun run right after it: the
+            # machine's drift (runs vary +-15% here) hits both halves of a pair.
+            paired = statistics.median(c / t for c, t in zip(cell_rates, run_rates))
             rc, rt = statistics.median(cell_rates), statistics.median(run_rates)
             row("DDP training throughput (inside rank 0)", f"{rc:.1f} steps/s", f"torchrun {rt:.1f} steps/s",
-                f"{rc / rt:.2f}x (spread: cell {min(cell_rates):.0f}-{max(cell_rates):.0f}, torchrun "
-                f"{min(run_rates):.0f}-{max(run_rates):.0f})", ">= 0.97x", rc / rt >= 0.97)
+                f"{paired:.3f}x, median of {len(cell_rates)} A/B pairs (ratio of medians {rc / rt:.3f}x; "
+                f"spread: cell {min(cell_rates):.0f}-{max(cell_rates):.0f}, torchrun "
+                f"{min(run_rates):.0f}-{max(run_rates):.0f})", ">= 0.97x", paired >= 0.97)
     finally:
         ours.shutdown()
         theirs.shutdown()

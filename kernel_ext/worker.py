@@ -213,9 +213,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         signal.pthread_sigmask(signal.SIG_SETMASK, [])   # blocked across the fork
         _setup_stdio(out_fd)
         _warm_up()
-        _set_policy(_BATCH)      # woken without preempting the supervisor (see _set_policy)
         spec_bytes = wire.read_frame(go_fd)
-        _set_policy(_NORMAL)     # from here on, a rank like any other process
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
@@ -252,28 +250,6 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
                 _park(release_fd)
         finally:
             os._exit(code)
-
-
-_BATCH = getattr(os, "SCHED_BATCH", None)
-_NORMAL = getattr(os, "SCHED_OTHER", None)
-
-
-def _set_policy(policy: Optional[int]) -> None:
-    """Switch this (single-threaded) process's scheduling policy, if Linux lets us.
-
-    An idle rank waits as SCHED_BATCH: when the supervisor releases the ranks
-    one after another, a woken batch process does not preempt the
-    supervisor, so every rank is released before any of them runs, instead
-    of the supervisor waiting (on a busy machine, milliseconds) behind the
-    first rank it woke.  The rank returns to SCHED_OTHER (allowed without
-    privileges: the nice value does not change) before it reads its spec.
-    """
-    if policy is None:  # pragma: no cover - non-Linux
-        return
-    try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
-    except OSError:
-        pass
 
 
 def _park(release_fd: int) -> None:

@@ -259,8 +259,8 @@ def test_a_run_starts_only_after_the_previous_runs_ranks_are_gone(launcher):
 
 
 def test_ranks_run_with_the_normal_scheduling_policy(launcher):
-    # Idle ranks wait as SCHED_BATCH (released without preempting the
-    # supervisor); the cell itself must run as SCHED_OTHER, like any process.
+    # Whatever the launcher does while ranks are idle or parked, the cell runs
+    # as SCHED_OTHER, like any process (a batch policy cost DDP throughput).
     result, _ = run(launcher,
                     "import os, torch.distributed as dist\n"
                     "dist.init_process_group('gloo')\n"
