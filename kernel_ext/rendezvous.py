@@ -19,6 +19,8 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+from .environment import resolve_host
+
 JOINED = "accel_magics/nodes_joined"
 FINISHED = "accel_magics/nodes_finished"
 FAILED = "accel_magics/failure"
@@ -26,17 +28,6 @@ FAILED = "accel_magics/failure"
 
 class RendezvousTimeout(Exception):
     pass
-
-
-def _numeric_address(host: str, port: int) -> tuple:
-    """(family, sockaddr) for a numeric IPv4/IPv6 address; (None, None) for a name."""
-    for family, address in ((socket.AF_INET, (host, port)), (socket.AF_INET6, (host, port, 0, 0))):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        return family, address
-    return None, None
 
 
 class NodeRendezvous:
@@ -79,13 +70,11 @@ class NodeRendezvous:
         master address only, so a one-node store is not reachable from other
         machines.  Returns the socket's fd, to watch for the first connection.
         """
-        family, address = _numeric_address(self.host, self.port)
-        if family is None:   # a host name: resolve it (slower, so numeric addresses skip this)
-            family, _, _, _, address = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        address = resolve_host(self.host)   # numeric addresses skip the resolver
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
+            sock.bind((address, self.port))
             sock.listen(socket.SOMAXCONN)
         except BaseException:
             sock.close()

@@ -223,14 +223,18 @@ class Zygote:
         first means the new ranks never compete for the memory (GPU memory
         included) that the old ones still hold.
         """
-        if not self.supervisors:
-            return
+        if self.supervisors:
+            self.stop_supervisors(END_WAIT)
+
+    def stop_supervisors(self, wait: float) -> None:
+        """Stop every supervisor (on SIGTERM each kills its ranks and exits);
+        reap them for at most ``wait`` seconds."""
         for pid in list(self.supervisors):
             try:
-                os.kill(pid, signal.SIGTERM)   # a supervisor's stop: SIGKILL to its ranks, then exit
+                os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        self.wait_supervisors(time.monotonic() + END_WAIT)
+        self.wait_supervisors(time.monotonic() + wait)
 
     def wait_supervisors(self, deadline: float) -> None:
         """Reap supervisors until none is left or ``deadline`` passes."""
@@ -299,12 +303,7 @@ class Zygote:
     def shutdown(self) -> None:
         """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""
         self.drop_spare()
-        for pid in list(self.supervisors):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        self.wait_supervisors(time.monotonic() + 3.0)
+        self.stop_supervisors(3.0)
         for pid in list(self.supervisors):
             try:
                 os.killpg(pid, signal.SIGKILL)

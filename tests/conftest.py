@@ -79,6 +79,19 @@ class LoadedKernel(KernelSession):
 
 
 @pytest.fixture(scope="module")
+def launcher():
+    """The engine's launcher on its own, no kernel (one per test module)."""
+    from kernel_ext.launcher import Launcher
+
+    lau = Launcher()
+    lau.start()
+    lau.wait_ready()
+    yield lau
+    lau.close()
+    assert not os.path.exists(lau.dir), "the private directory was left behind"
+
+
+@pytest.fixture(scope="module")
 def kernel():
     k = LoadedKernel()
     try:

@@ -13,21 +13,10 @@ from kernel_ext import events as ev
 from kernel_ext import wire
 from kernel_ext.environment import LaunchConfig
 from kernel_ext.errors import DistributedRunError, root_cause
-from kernel_ext.launcher import Launcher
 from kernel_ext.payload import build_payload
 from kernel_ext.run import execute
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    lau = Launcher()
-    lau.start()
-    lau.wait_ready()
-    yield lau
-    lau.close()
-    assert not os.path.exists(lau.dir), "the private directory was left behind"
 
 
 def run(launcher, src, ns=None, n=2, **kw):

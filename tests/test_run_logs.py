@@ -8,7 +8,6 @@ import pytest
 
 from kernel_ext import events as ev
 from kernel_ext.environment import LaunchConfig
-from kernel_ext.launcher import Launcher
 from kernel_ext.payload import build_payload
 from kernel_ext.run import execute
 
@@ -78,15 +77,6 @@ def test_each_attempt_is_marked_in_the_log(clean_kernel, tmp_path):
     assert lines[1] == "--- RuntimeError: first attempt fails ---"
     second = lines.index("--- attempt 2 of 2 ---")
     assert lines[second + 1] == "attempt starts"
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    lau = Launcher()
-    lau.start()
-    lau.wait_ready()
-    yield lau
-    lau.close()
 
 
 def test_the_kernel_is_sent_an_excerpt_of_a_flood_and_an_exact_count(launcher, tmp_path):
