@@ -307,7 +307,7 @@ def main() -> None:
                     "print(f'SLOWDOWN {statistics.median(prints) / statistics.median(files):.3f}', file=sys.stderr)\n"
                     "dist.destroy_process_group()\n")
             worsts, rates, complete = [], [], True
-            for _ in range(3):
+            for _ in range(3 if args.quick else 5):
                 res = ours.run(code, timeout=600)
                 slowdowns = [float(line.split()[-1]) for line in res.stdout.splitlines() if "SLOWDOWN" in line]
                 worsts.append(max(slowdowns) if len(slowdowns) == 2 else float("nan"))
@@ -331,29 +331,48 @@ def main() -> None:
                 worst <= 1.2 and complete and all(m / max(t, 1) < 50 for m, t in rates))
 
         if want("ddp"):
-            # 4. DDP throughput in a cell vs torchrun (measured inside rank 0).
+            # 4. DDP throughput in a cell vs torchrun (measured inside rank 0),
+            # with a third arm: the same script in ranks that a plain os.fork()
+            # of a torch-loaded process starts (bench/fork_ranks.py).  Single
+            # runs vary +-15% here, so the arms alternate (A B C, then C B A)
+            # and each ratio is the median over rounds of the per-round ratio.
             steps = 100 if args.quick else 300
             body = DDP_BODY.replace("__STEPS__", str(steps))
-            cell_rates, run_rates = [], []
+            rates = {"cell": [], "torchrun": [], "fork": []}
             with tempfile.TemporaryDirectory() as tmp:
                 script = os.path.join(tmp, "ddp.py")
                 with open(script, "w") as f:
                     f.write(body)
                 env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
-                for _ in range(3 if args.quick else 9):
-                    out = ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout
-                    cell_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
-                    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                          script], capture_output=True, text=True, env=env, timeout=600).stdout
-                    run_rates.append(float(out.split("DDP_STEPS_PER_S")[1].split()[0]))
-            # Each cell run is paired with the torchrun run right after it: the
-            # machine's drift (runs vary +-15% here) hits both halves of a pair.
-            paired = statistics.median(c / t for c, t in zip(cell_rates, run_rates))
-            rc, rt = statistics.median(cell_rates), statistics.median(run_rates)
-            row("DDP training throughput (inside rank 0)", f"{rc:.1f} steps/s", f"torchrun {rt:.1f} steps/s",
-                f"{paired:.3f}x, median of {len(cell_rates)} A/B pairs (ratio of medians {rc / rt:.3f}x; "
-                f"spread: cell {min(cell_rates):.0f}-{max(cell_rates):.0f}, torchrun "
-                f"{min(run_rates):.0f}-{max(run_rates):.0f})", ">= 0.97x", paired >= 0.97)
+
+                def steps_per_s(out: str) -> float:
+                    return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
+
+                arms = {
+                    "cell": lambda: ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout,
+                    "torchrun": lambda: subprocess.run(
+                        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
+                        capture_output=True, text=True, env=env, timeout=600, check=True).stdout,
+                    "fork": lambda: subprocess.run(
+                        [sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script],
+                        capture_output=True, text=True, timeout=600, check=True).stdout,
+                }
+                order = list(arms)
+                for i in range(4 if args.quick else 14):
+                    for name in (order if i % 2 == 0 else order[::-1]):
+                        rates[name].append(steps_per_s(arms[name]()))
+
+            def ratio(a: str, b: str) -> float:
+                return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            row("DDP training throughput (inside rank 0)", f"{med['cell']:.1f} steps/s",
+                f"torchrun {med['torchrun']:.1f} steps/s",
+                f"{ratio('cell', 'torchrun'):.3f}x, median of {len(rates['cell'])} rounds' ratios (spread: cell "
+                f"{min(rates['cell']):.0f}-{max(rates['cell']):.0f}, torchrun {min(rates['torchrun']):.0f}-"
+                f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script: "
+                f"{med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun; cell vs that fork "
+                f"{ratio('cell', 'fork'):.3f}x", ">= 0.97x", ratio("cell", "torchrun") >= 0.97)
     finally:
         ours.shutdown()
         theirs.shutdown()
