@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -139,6 +140,12 @@ def timed(k: KernelSession, code: str, timeout: float = 300) -> float:
     start = time.perf_counter()
     k.ok(code, timeout=timeout)
     return time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median_ms(xs) -> str:
@@ -348,14 +355,19 @@ def main() -> None:
                 def steps_per_s(out: str) -> float:
                     return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
 
+                def run(cmd: list, **kw) -> str:
+                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+                    if res.returncode:
+                        raise RuntimeError(f"{cmd} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+                    return res.stdout
+
                 arms = {
                     "cell": lambda: ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout,
-                    "torchrun": lambda: subprocess.run(
-                        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
-                        capture_output=True, text=True, env=env, timeout=600, check=True).stdout,
-                    "fork": lambda: subprocess.run(
-                        [sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script],
-                        capture_output=True, text=True, timeout=600, check=True).stdout,
+                    # torchrun's default port is fixed (29500): a free one each
+                    # time, so no round depends on that port being free
+                    "torchrun": lambda: run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                             f"--master_port={free_port()}", script], env=env),
+                    "fork": lambda: run([sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script]),
                 }
                 order = list(arms)
                 for i in range(4 if args.quick else 14):
