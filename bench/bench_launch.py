@@ -355,19 +355,26 @@ def main() -> None:
                 def steps_per_s(out: str) -> float:
                     return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
 
-                def run(cmd: list, **kw) -> str:
+                crashed_after = {"torchrun": 0, "fork": 0}
+
+                def run(name: str, cmd: list, **kw) -> str:
                     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
-                    if res.returncode:
+                    if "DDP_STEPS_PER_S" not in res.stdout:
                         raise RuntimeError(f"{cmd} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+                    # torch 2.13 sometimes aborts a rank at exit ("terminate
+                    # called without an active exception"); rank 0 printed its
+                    # rate after the last barrier, so the measurement is whole.
+                    crashed_after[name] += res.returncode != 0
                     return res.stdout
 
                 arms = {
                     "cell": lambda: ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout,
                     # torchrun's default port is fixed (29500): a free one each
                     # time, so no round depends on that port being free
-                    "torchrun": lambda: run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                             f"--master_port={free_port()}", script], env=env),
-                    "fork": lambda: run([sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script]),
+                    "torchrun": lambda: run("torchrun", [sys.executable, "-m", "torch.distributed.run",
+                                                         "--nproc_per_node", "2", f"--master_port={free_port()}",
+                                                         script], env=env),
+                    "fork": lambda: run("fork", [sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script]),
                 }
                 order = list(arms)
                 for i in range(4 if args.quick else 14):
@@ -384,7 +391,10 @@ def main() -> None:
                 f"{min(rates['cell']):.0f}-{max(rates['cell']):.0f}, torchrun {min(rates['torchrun']):.0f}-"
                 f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script: "
                 f"{med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun; cell vs that fork "
-                f"{ratio('cell', 'fork'):.3f}x", ">= 0.97x", ratio("cell", "torchrun") >= 0.97)
+                f"{ratio('cell', 'fork'):.3f}x"
+                + (f". Runs where torch aborted a rank at exit, after measuring: torchrun "
+                   f"{crashed_after['torchrun']}, fork {crashed_after['fork']}" if any(crashed_after.values()) else ""),
+                ">= 0.97x", ratio("cell", "torchrun") >= 0.97)
     finally:
         ours.shutdown()
         theirs.shutdown()
