@@ -7,8 +7,9 @@ is the only sender on the run channel, which gives a single order per rank:
 a rank's exit is reported only after everything the rank wrote was read.
 
 Its event loop (one thread, ``selectors``) watches, per rank, the merged
-stdout/stderr pipe, the event pipe and the stack pipe, plus a signal wake-up
-pipe (SIGCHLD for exits, SIGUSR1 = interrupt, SIGTERM = stop now).
+stdout/stderr pipe, the event pipe and the stack pipe (``rank_process``
+forks a rank with them), plus a signal wake-up pipe (SIGCHLD for exits,
+SIGUSR1 = interrupt, SIGTERM = stop now).
 
 Stopping follows torchrun: stacks first (SIGUSR1 -> faulthandler, which works
 inside a blocked collective), then SIGTERM to each rank's process group, then
@@ -18,18 +19,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import pickle
 import selectors
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
 from . import wire, worker
-from .output_batch import Excerpt, OutputBatch
+from .output_batch import Excerpt
 from .rank_logs import RankLogs
+from .rank_process import RankProcess, fork_idle_rank, kill_orphans, set_nonblocking, user_stack
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -40,50 +40,11 @@ FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still fin
 REMOTE_WAIT = 5.0         # how long a node with only secondary errors waits for the remote cause
 FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
 MAX_BATCH_BYTES = 256 * 1024
-PIPE_BYTES = 1 << 20      # a rank's output pipe (see _widen)
 READ_BYTES = 1 << 20
 STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
 STACK_QUIET = 0.1
 DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
 RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
-
-
-@dataclass
-class _Rank:
-    local: int
-    rank: int
-    pid: int
-    fds: dict = field(default_factory=dict)   # "out"/"ev"/"st" -> read fd
-    output: OutputBatch = field(default_factory=OutputBatch)
-    excerpt: Optional[Excerpt] = None  # None: the kernel is sent every line
-    frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
-    stack: bytearray = field(default_factory=bytearray)
-    stack_time: float = 0.0
-    status: Optional[int] = None       # waitpid status once exited
-    exit_time: float = 0.0
-    signalled: bool = False            # the supervisor sent it a stopping signal
-    failed: bool = False               # it reported a failure of its own
-    done: bool = False                 # it reported its result (it exits with 0 right after)
-    reported: bool = False
-    go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
-                                       # lets a rank that succeeded (parked) exit
-
-
-def _widen(fd: int) -> None:
-    """Give a rank's output pipe 1 MB instead of 64 KB (Linux's unprivileged maximum).
-
-    A rank printing in a flood then rarely waits for the supervisor to drain
-    the pipe, and the supervisor reads it in fewer, larger pieces.
-    """
-    try:
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
-    except OSError:   # a lower limit here (/proc/sys/fs/pipe-max-size): keep the default
-        pass
-
-
-def _nonblocking(fd: int) -> None:
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
 
 
 class Supervisor:
@@ -99,8 +60,8 @@ class Supervisor:
 
     def __init__(self, control_fd: int) -> None:
         self.control_fd = control_fd
-        self.idle: list[_Rank] = []        # forked ahead, pipes registered; numbered at the run
-        self.ranks: list[_Rank] = []
+        self.idle: list[RankProcess] = []        # forked ahead, pipes registered; numbered at the run
+        self.ranks: list[RankProcess] = []
         self.sel = selectors.DefaultSelector()
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
         self.stack_deadline: Optional[float] = None
@@ -173,27 +134,21 @@ class Supervisor:
             self._poll(0.05)
         for r in self.ranks:
             if r.status is None:
-                self._signal_group(r, signal.SIGKILL)
-        self._kill_orphans()
+                r.signal_group(signal.SIGKILL)
+        kill_orphans({r.pid for r in self.ranks})
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
 
     def _release_all(self) -> None:
         for r in self.ranks:
-            self._release(r)
-
-    @staticmethod
-    def _release(r: _Rank) -> None:
-        if r.go is not None:
-            os.close(r.go)
-            r.go = None
+            r.release()
 
     def _install_signals(self) -> None:
         worker.set_parent_death_signal(signal.SIGKILL)
         r, w = os.pipe()
-        _nonblocking(r)
-        _nonblocking(w)
+        set_nonblocking(r)
+        set_nonblocking(w)
         self.wakeup_r, self.wakeup_w = r, w
         signal.set_wakeup_fd(w)
         for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGTERM):
@@ -212,31 +167,10 @@ class Supervisor:
     def prefork(self, n: int) -> None:
         """Fork ``n`` idle ranks; each blocks until it is given the spec."""
         for _ in range(n):
-            go_r, go_w = os.pipe()
-            out_r, out_w = os.pipe()
-            _widen(out_w)
-            ev_r, ev_w = os.pipe()
-            st_r, st_w = os.pipe()
-            local = len(self.idle)
-            parent = os.getpid()
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-            pid = os.fork()
-            if pid == 0:  # the rank
-                signal.set_wakeup_fd(-1)
-                for fd in self._fds + [go_w, out_r, ev_r, st_r]:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent)
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            for fd in (go_r, out_w, ev_w, st_w):
-                os.close(fd)
-            self._fds += [go_w, out_r, ev_r, st_r]
+            rank = fork_idle_rank(len(self.idle), self._fds, SIGNALS)
+            self._fds += [rank.go, *rank.fds.values()]
             # Registered now, while idle: the run's critical path only numbers the ranks.
-            rank = _Rank(local=local, rank=-1, pid=pid, fds={"out": out_r, "ev": ev_r, "st": st_r}, go=go_w)
             for kind, fd in rank.fds.items():
-                _nonblocking(fd)
                 self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
             self.idle.append(rank)
 
@@ -255,7 +189,7 @@ class Supervisor:
             for fd in rank.fds.values():
                 self.sel.unregister(fd)
                 os.close(fd)
-            self._release(rank)   # EOF on the go pipe: the idle rank exits by itself
+            rank.release()   # EOF on the go pipe: the idle rank exits by itself
             self._discarded.add(rank.pid)
 
     def _start(self, key: bytes, spec_bytes: bytes) -> None:
@@ -291,7 +225,7 @@ class Supervisor:
                     pass   # it died idle: its exit status is reported like any rank's
             else:
                 r.signalled = True   # never released: EOF ends it
-            self._release(r)
+            r.release()
 
     # -- rendezvous -------------------------------------------------------------
     def _poll(self, timeout: Optional[float]) -> None:
@@ -480,11 +414,11 @@ class Supervisor:
             if r is None:
                 continue   # a discarded idle rank, or a rank's orphan we killed
             r.status = status
-            self._release(r)
+            r.release()
             r.exit_time = time.monotonic()
             # Anything the rank started dies with it: no orphans.
-            self._signal_group(r, signal.SIGKILL)
-            self._kill_orphans()
+            r.signal_group(signal.SIGKILL)
+            kill_orphans({r.pid for r in self.ranks})
             if r.reported:
                 continue
             # Its failure report (if any) is already in its event pipe:
@@ -498,7 +432,7 @@ class Supervisor:
                     self._note_failure(False, time.time(), r.rank, what)
                 self._stop("failed", stacks=False)
 
-    def _on_readable(self, kind: str, r: _Rank, fd: int) -> bool:
+    def _on_readable(self, kind: str, r: RankProcess, fd: int) -> bool:
         """Read what is there; False once nothing more is (EAGAIN or EOF)."""
         try:
             data = os.read(fd, READ_BYTES)
@@ -526,7 +460,7 @@ class Supervisor:
         return True
 
     # -- output -------------------------------------------------------------
-    def _on_output(self, r: _Rank, data: bytes) -> None:
+    def _on_output(self, r: RankProcess, data: bytes) -> None:
         r.output.feed(data)
         if self.flush_due is None:
             self.flush_due = time.monotonic() + FLUSH_INTERVAL
@@ -554,7 +488,7 @@ class Supervisor:
         if self.first_failure is None or candidate < self.first_failure:
             self.first_failure = candidate
 
-    def _on_rank_event(self, r: _Rank, event: dict) -> None:
+    def _on_rank_event(self, r: RankProcess, event: dict) -> None:
         self._flush()
         if event.get("kind") == "failed":
             r.failed = True
@@ -578,7 +512,7 @@ class Supervisor:
         live = self._working()
         if stacks and live:
             for r in live:
-                self._signal_pid(r, signal.SIGUSR1)
+                r.signal(signal.SIGUSR1)
             self.stack_deadline = time.monotonic() + STACK_WAIT
         else:
             self._terminate()
@@ -590,41 +524,15 @@ class Supervisor:
     def _terminate(self) -> None:
         for r in self.ranks:
             if r.status is None:
-                self._signal_group(r, signal.SIGTERM)
+                r.signal_group(signal.SIGTERM)
         self.kill_deadline = time.monotonic() + self.grace
 
     def _kill_all(self, sig: int) -> None:
         for r in self.ranks:
             if r.status is None:
-                self._signal_group(r, sig)
+                r.signal_group(sig)
 
-    def _kill_orphans(self) -> None:
-        """Kill this process's children that are not ranks: the orphans of
-        exited ranks, reparented here because the supervisor is a subreaper."""
-        ranks = {r.pid for r in self.ranks}
-        for pid in _children() - ranks:
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def _signal_pid(self, r: _Rank, sig: int) -> None:
-        r.signalled = True
-        try:
-            os.kill(r.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def _signal_group(self, r: _Rank, sig: int) -> None:
-        if r.status is None:
-            r.signalled = True
-        try:
-            os.killpg(r.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _drain(self, r: _Rank) -> None:
+    def _drain(self, r: RankProcess) -> None:
         """Read what a rank's output and stack pipes hold now (until EAGAIN or EOF;
         bounded, in case a process the rank started keeps writing)."""
         for kind in ("out", "st"):
@@ -632,7 +540,7 @@ class Supervisor:
                 if kind not in r.fds or not self._on_readable(kind, r, r.fds[kind]):
                     break
 
-    def _report_exit(self, r: _Rank) -> None:
+    def _report_exit(self, r: RankProcess) -> None:
         for fd in list(r.fds.values()):  # give up on pipes a stray process holds
             self.sel.unregister(fd)
             os.close(fd)
@@ -659,34 +567,6 @@ class Supervisor:
             "timestamp": time.time() - (time.monotonic() - r.exit_time),
         })
         r.reported = True
-
-
-_OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')
-
-
-def _children() -> set[int]:
-    """This process's children (the kernel's list when it keeps one, else /proc)."""
-    me = os.getpid()
-    try:
-        with open(f"/proc/{me}/task/{me}/children") as f:
-            return {int(pid) for pid in f.read().split()}
-    except OSError:
-        pass
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        found.add(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def user_stack(text: str) -> str:
-    """A faulthandler dump without the launcher's own frames below the cell."""
-    return "".join(line for line in text.splitlines(True) if not line.strip().startswith(_OWN_FRAMES))
 
 
 def serve_spare(control_fd: int, prefork: int, events_addr: str) -> NoReturn:
