@@ -176,10 +176,14 @@ SECTIONS = ("first", "empty", "training", "globals", "scale", "output", "ddp")
 
 
 def main() -> None:
-    # The bench's kernels write their run logs to a directory of its own
-    # (removed at the end), not to the user's ~/.cache/accel_magics/runs.
-    with tempfile.TemporaryDirectory(prefix="accel_magics-bench-logs-") as logs:
-        os.environ.setdefault("ACCEL_MAGICS_LOG_DIR", logs)
+    # A scratch directory of the bench's own, removed at the end: the kernels'
+    # run logs go there (not to the user's ~/.cache/accel_magics/runs), and it
+    # is the temp dir of everything the bench starts, because torchrun and
+    # notebook_launcher (torchelastic) leave a directory behind per run.
+    with tempfile.TemporaryDirectory(prefix="accel_magics-bench-") as scratch:
+        os.environ.setdefault("ACCEL_MAGICS_LOG_DIR", os.path.join(scratch, "logs"))
+        os.environ["TMPDIR"] = os.path.join(scratch, "tmp")
+        os.mkdir(os.environ["TMPDIR"])
         _main()
 
 
