@@ -24,12 +24,13 @@ class _RankLog:
     count: int = 0
 
     def add(self, line: str) -> None:
-        self.add_block(line)
+        self.add_block(line, 1)
 
-    def add_block(self, text: str, omitted: int = 0) -> None:
-        """Lines joined by newlines, after ``omitted`` lines not sent (only the
-        log has them: the head was full already); only the ones kept are split out."""
-        self.count += text.count("\n") + 1 + omitted
+    def add_block(self, text: str, count: int) -> None:
+        """Lines joined by newlines, the last of ``count`` lines the rank wrote
+        (the others were not sent: only the log has them, and the head was
+        full already); only the ones kept are split out."""
+        self.count += count
         room = HEAD_LINES - len(self.head)
         if room > 0:
             parts = text.split("\n", room)
@@ -53,7 +54,7 @@ class RunRecord:
 
     def __call__(self, event) -> None:
         if isinstance(event, ev.Output):
-            self.logs.setdefault(event.rank, _RankLog()).add_block(event.text, event.omitted)
+            self.logs.setdefault(event.rank, _RankLog()).add_block(event.text, event.count)
         elif isinstance(event, ev.RunStarted):
             for rank in event.ranks:
                 self.logs.setdefault(rank, _RankLog())

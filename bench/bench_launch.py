@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from kernel_harness import KernelSession  # noqa: E402
+
+from kernel_ext.environment import free_port  # noqa: E402
 
 TRAINING_DEFS = '''
 import torch
@@ -140,12 +141,6 @@ def timed(k: KernelSession, code: str, timeout: float = 300) -> float:
     start = time.perf_counter()
     k.ok(code, timeout=timeout)
     return time.perf_counter() - start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_ms(xs) -> str:

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import os
 import runpy
-import socket
 import sys
 
 import torch
 import torch.distributed  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
+from kernel_ext.environment import free_port
+
 
 def main() -> None:
     nproc, script = int(sys.argv[1]), sys.argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sys.stdout.flush()
     pids = []
     for rank in range(nproc):

@@ -8,6 +8,7 @@ use them without importing torch or IPython.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 
@@ -44,9 +45,10 @@ class Output:
     def last_lines(self, n: int) -> list[str]:
         return self.text.rsplit("\n", n)[-n:]
 
-    @property
+    @cached_property
     def count(self) -> int:
-        """Lines the rank wrote, the omitted ones included."""
+        """Lines the rank wrote, the omitted ones included (the record and the
+        views all need it: counted once)."""
         return self.text.count("\n") + 1 + self.omitted
 
 

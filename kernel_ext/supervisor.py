@@ -186,9 +186,7 @@ class Supervisor:
         """Drop the last ``n`` idle ranks (the run needs fewer)."""
         for _ in range(n):
             rank = self.idle.pop()
-            for fd in rank.fds.values():
-                self.sel.unregister(fd)
-                os.close(fd)
+            self._close_pipes(rank)
             rank.release()   # EOF on the go pipe: the idle rank exits by itself
             self._discarded.add(rank.pid)
 
@@ -540,11 +538,14 @@ class Supervisor:
                 if kind not in r.fds or not self._on_readable(kind, r, r.fds[kind]):
                     break
 
-    def _report_exit(self, r: RankProcess) -> None:
-        for fd in list(r.fds.values()):  # give up on pipes a stray process holds
+    def _close_pipes(self, r: RankProcess) -> None:
+        for fd in r.fds.values():
             self.sel.unregister(fd)
             os.close(fd)
         r.fds.clear()
+
+    def _report_exit(self, r: RankProcess) -> None:
+        self._close_pipes(r)   # give up on pipes a stray process holds
         r.output.end()
         self._flush()
         if r.stack:
