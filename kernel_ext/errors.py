@@ -39,14 +39,25 @@ class DistributedRunError(ReportedError, RuntimeError):
     """A run in which a rank failed; the message is the failing rank's own story."""
 
     def __init__(self, root: RankFailure, failures: list[RankFailure], others: dict[int, str],
-                 attempts: int = 1, stacks: Optional[dict[int, str]] = None) -> None:
+                 attempts: int = 1, stacks: Optional[dict[int, str]] = None,
+                 departed: Optional[dict[int, str]] = None) -> None:
         self.root = root
         self.failures = failures
-        self.others = others          # rank -> what happened to it ("stopped", ...)
+        self.others = dict(others)    # rank -> what happened to it ("stopped", ...)
         self.attempts = attempts
         self.stacks = stacks or {}
+        self.departed = departed or {}   # rank -> how it left ("returned", "sys.exit(0)")
         failing = sorted({f.rank for f in failures if not f.secondary} or {root.rank})
-        head = f"rank {root.rank} failed: {root.summary}"
+        if self.departed:
+            # The cause is a rank that left while this one waited for it in a collective.
+            left = ", ".join(f"rank {r} ({how})" for r, how in sorted(self.departed.items()))
+            head = (f"rank {root.rank} failed waiting in a collective for a rank that had already finished "
+                    f"the cell: {left}. Every rank must take part in every collective. {root.summary}")
+            for rank, how in self.departed.items():
+                self.others.setdefault(rank, f"finished the cell early ({how}) while rank {root.rank} "
+                                             "still waited for it")
+        else:
+            head = f"rank {root.rank} failed: {root.summary}"
         if len(failing) > 1:
             head += f" (ranks that failed on their own: {', '.join(map(str, failing))}; rank {root.rank} first)"
         if attempts > 1:

@@ -43,6 +43,7 @@ class _Outcome:
     others: dict
     unfinished: list
     rendezvous_error: Optional[str] = None
+    departed: dict = field(default_factory=dict)   # rank -> (how it finished, when)
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -58,6 +59,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     failures: dict[int, ev.RankFailure] = {}
     stacks: dict[int, str] = {}
     others: dict[int, str] = {}
+    departed: dict[int, tuple[str, float]] = {}
     unfinished: list[int] = []
     result = None
     reason = None
@@ -93,6 +95,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     if event["kind"] == "failed":
                         failures[rank] = _failure_from_event(rank, event)
                     elif event["kind"] == "result":
+                        departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
+                                          event.get("timestamp", time.time()))
                         if "value" in event or "returns" in event:
                             result = event
                     elif event["kind"] == "progress":
@@ -157,7 +161,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "ok"
     finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
     emit(finished)
-    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error)
+    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed)
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
@@ -198,7 +202,7 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
             if attempt < cfg.max_restarts:
                 continue
             raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
-                                      attempts=attempt + 1)
+                                      attempts=attempt + 1, departed=_departed_before(outcome))
         res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
         event = outcome.result or {}
         packed = event.get("value")
@@ -211,6 +215,15 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
         launcher.learn_modules(res.new_modules)
         return res
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _departed_before(outcome: _Outcome) -> dict:
+    """Ranks that had finished the cell before the root cause failed: when the
+    root cause is a lost connection, they are why (they left a collective)."""
+    cause = outcome.finished.root_cause
+    if cause is None or not cause.secondary:
+        return {}
+    return {rank: how for rank, (how, when) in outcome.departed.items() if when <= cause.timestamp}
 
 
 class RemoteRepr:

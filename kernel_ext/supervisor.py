@@ -27,7 +27,7 @@ import time
 from typing import NoReturn, Optional
 
 from . import wire, worker
-from .output_batch import Excerpt
+from .output_batch import Excerpt, bound_text, shorten_lines
 from .rank_logs import RankLogs
 from .rank_process import RankProcess, fork_idle_rank, kill_orphans, set_nonblocking, user_stack
 from .rendezvous import NodeRendezvous, RendezvousTimeout
@@ -466,18 +466,19 @@ class Supervisor:
             self._flush()
 
     def _flush(self) -> None:
-        """Every complete line to the rank's log; to the kernel, what it shows."""
+        """Every byte to the rank's log; to the kernel, what it shows (bounded lines)."""
         self.flush_due = None
         for r in self.ranks:
             block, progress = r.output.take()
+            logged = r.output.take_log()
+            if logged:
+                self.logs.write(r.rank, logged)
             if block is None and progress is None:
                 continue
-            if block is not None:
-                self.logs.write(r.rank, block + b"\n")
             parts = r.excerpt.select(block) if block is not None and r.excerpt is not None else [(0, block)]
             for i, (omitted, part) in enumerate(parts):
                 self._send({"kind": "output", "rank": r.rank, "omitted": omitted,
-                            "text": part.decode("utf-8", "replace") if part is not None else None,
+                            "text": shorten_lines(part).decode("utf-8", "replace") if part is not None else None,
                             "progress": progress if i == len(parts) - 1 else None})
 
     # -- rank events, stopping, exits ----------------------------------------
@@ -492,6 +493,10 @@ class Supervisor:
             r.failed = True
             summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
             self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
+            # The log has it all; the kernel gets bounded text (a rank can raise a 20 MB message).
+            event["message"] = bound_text(str(event.get("message", "")), head=20, tail=20)
+            event["traceback"] = bound_text(str(event.get("traceback", "")))
+            summary = bound_text(summary, head=20, tail=20)
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
             r.done = True
@@ -551,7 +556,7 @@ class Supervisor:
         if r.stack:
             stack = user_stack(r.stack.decode("utf-8", "replace"))
             self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + stack)
-            self._send({"kind": "stacks", "rank": r.rank, "text": stack})
+            self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack)})
         status = r.status if r.status is not None else 0
         if r.status is None:
             r.exit_time = time.monotonic()

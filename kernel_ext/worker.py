@@ -27,7 +27,7 @@ from typing import NoReturn, Optional
 
 import cloudpickle
 
-from . import wire
+from . import pg_guard, wire
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
@@ -246,7 +246,7 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
             # at once, not after the (slow) teardown of a large process.
             for fd in (1, 2, event_fd, stack_fd):
                 os.close(fd)
-            if code == 0:
+            if code == 0 and not _holds_sockets():
                 _park(release_fd)
         finally:
             os._exit(code)
@@ -268,9 +268,33 @@ def _park(release_fd: int) -> None:
         pass
 
 
+def _holds_sockets() -> bool:
+    """Whether this rank still has a socket open (a process group's connections,
+    a store client): then it must not park, its peers would wait on it."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:   # pragma: no cover - no procfs: be safe, do not park
+        return True
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _safe_str(prefix: str, exc: BaseException) -> str:
+    """``prefix + str(exc)``, even for an exception whose ``__str__`` raises."""
+    try:
+        return prefix + str(exc)
+    except BaseException as err:
+        return prefix + f"<str() of the exception failed: {type(err).__name__}>"
+
+
 def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
     exc_type = type(exc).__name__
-    message = str(exc)
+    message = _safe_str("", exc)
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     if harness:
         text = "accel_magics could not start the rank:\n" + text
@@ -313,6 +337,7 @@ def _execute(spec: dict, local_rank: int) -> int:
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     _prepare_torch(env, local_rank, spec.get("gpu_count", 0))
+    pg_guard.install()   # normally done in the launcher already: then a no-op
 
     linecache.cache[payload.filename] = (
         len(payload.source), None, payload.source.splitlines(True), payload.filename,
@@ -327,7 +352,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         value = eval(last, ns) if last is not None else None
     except SystemExit as exc:
         if exc.code in (None, 0):
-            emit({"kind": "result", "exited": True})
+            emit({"kind": "result", "exited": True, "timestamp": time.time()})
             return 0
         emit({
             "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
@@ -339,7 +364,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         emit(_failure(exc, exc.__traceback__.tb_next))
         return 1
 
-    result: dict = {"kind": "result"}
+    result: dict = {"kind": "result", "timestamp": time.time()}
     if reports_values:
         result["value"] = _pack_value(value) if value is not None else None
         returns, missing = {}, []
@@ -364,7 +389,9 @@ def _pack_value(value) -> dict:
             text = repr(value)
         except Exception:
             text = f"<{type(value).__name__}>"
-        return {"repr": text, "error": f"{type(exc).__name__}: {exc}"}
+        if len(text) > 4096:
+            text = text[:4096] + f"... [{len(text) - 4096} more characters]"
+        return {"repr": text, "error": _safe_str(f"{type(exc).__name__}: ", exc)[:4096]}
 
 
 def loads_value(packed: dict):

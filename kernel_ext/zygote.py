@@ -27,7 +27,7 @@ from typing import Optional
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from . import payload, rank_stdio, supervisor, wire, worker  # noqa: F401
+from . import payload, pg_guard, rank_stdio, supervisor, wire, worker  # noqa: F401
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
 END_WAIT = 15.0   # how long a new run waits for the processes of earlier runs to end
@@ -107,6 +107,7 @@ class Zygote:
                 self.preloaded.append(name)
             except BaseException as exc:  # a module that fails here may work in a rank
                 self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
+        pg_guard.install()   # inherited by every rank (see pg_guard)
         gc.collect()
         gc.freeze()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_ext.output_batch import MAX_LINE_BYTES, Excerpt, OutputBatch
+from kernel_ext.output_batch import MAX_LINE_BYTES, VIEW_LINE_BYTES, Excerpt, OutputBatch, shorten_lines
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,7 +42,54 @@ def test_unfinished_line_is_flushed_at_end_and_long_lines_are_cut():
     out.feed(b"x" * (MAX_LINE_BYTES * 2 + 10))
     out.end()
     block, _ = out.take()
-    assert [len(p) for p in block.split(b"\n")] == [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]
+    # One line, cut for the kernel, with a note; the log has every byte.
+    assert block == b"x" * (VIEW_LINE_BYTES - 64) + b"... [%d more bytes of this line are in the rank's log]" % (
+        MAX_LINE_BYTES * 2 + 10 - VIEW_LINE_BYTES + 64)
+    assert shorten_lines(block) == block and len(block) <= VIEW_LINE_BYTES
+    assert out.take_log() == b"x" * (MAX_LINE_BYTES * 2 + 10) + b"\n"
+
+
+def test_a_huge_line_costs_bounded_memory_and_the_log_stays_exact():
+    out = OutputBatch()
+    chunk = b"0123456789" * 100_000            # 1 MB per read, 20 MB without a newline
+    logged = []
+    for _ in range(20):
+        out.feed(chunk)
+        logged.append(out.take_log())
+        assert len(out.pending) <= MAX_LINE_BYTES
+    out.feed(b"end\nnext\n")
+    block, _ = out.take()
+    logged.append(out.take_log())
+    first, second = block.split(b"\n")
+    assert len(first) <= VIEW_LINE_BYTES and first.endswith(b"%d more bytes of this line are in the rank's log]"
+                                                             % (20 * len(chunk) + 3 - VIEW_LINE_BYTES + 64))
+    assert second == b"next"
+    assert b"".join(logged) == chunk * 20 + b"end\nnext\n"
+
+
+def test_progress_states_stay_small_and_the_log_keeps_what_a_terminal_shows():
+    out = OutputBatch()
+    for i in range(10_000):                  # one tqdm line, 10k updates, no newline
+        out.feed(b"\r %3d%%|###| %d/10000" % (i // 100, i))
+    assert len(out.pending) < 100
+    assert out.take() == (None, "  99%|###| 9999/10000")
+    out.feed(b"\n")
+    assert out.take() == (b"  99%|###| 9999/10000", None)
+    assert out.take_log() == b"  99%|###| 9999/10000\n"
+    for i in range(3):                       # print(i, end="\r")
+        out.feed(b"%d\r" % i)
+    assert out.take() == (None, "2")
+
+
+def test_shorten_lines_is_exact_for_short_lines_and_marks_long_ones():
+    short = b"a\nbb\nccc"
+    assert shorten_lines(short) is short
+    long = b"a\n" + "é".encode() * 3000 + b"\nz"
+    lines = shorten_lines(long).split(b"\n")
+    assert lines[0] == b"a" and lines[2] == b"z"
+    assert lines[1].decode("utf-8").startswith("é" * 2000)   # cut at a character boundary: still UTF-8
+    assert len(lines[1]) <= VIEW_LINE_BYTES
+    assert b"more bytes of this line are in the rank's log" in lines[1]
 
 
 def _lines(a: int, b: int) -> bytes:

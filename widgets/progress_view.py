@@ -25,19 +25,33 @@ from typing import Optional
 
 import ipywidgets as w
 
-_TQDM = re.compile(r"(?:(?P<desc>[^\r\n]*?):\s*)?(?P<pct>\d{1,3})%\|.*?\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>[\d.]+[kMG]?)")
-_FRACTION = re.compile(r"(?P<n>\d+)\s*/\s*(?P<total>\d+)")
+_FRACTION = re.compile(r"(?<!\d)(?P<n>\d+)\s*/\s*(?P<total>\d+)")   # starts only at a number's start: linear
 
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
                 "stopped": "#ff7f0e"}
 
 
+PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
+
+
 def parse_progress(text: str) -> Optional[tuple[float, str]]:
-    """(fraction, description) from a tqdm-like line, or None."""
-    m = _TQDM.search(text)
-    if m:
-        return min(1.0, int(m.group("pct")) / 100), (m.group("desc") or "").strip()
-    m = _FRACTION.search(text)
+    """(fraction, description) from a tqdm-like line, or None.
+
+    Linear and bounded: only the line's last ``PROGRESS_TAIL`` characters are
+    read, with string searches (no backtracking regex), so a rank printing
+    megabyte-long lines costs the kernel nothing here.
+    """
+    tail = text[-PROGRESS_TAIL:]
+    bar = tail.rfind("%|")
+    if bar > 0:
+        start = bar
+        while start > 0 and bar - start < 3 and tail[start - 1].isdigit():
+            start -= 1
+        if start < bar and tail.find("|", bar + 2) > 0:
+            head = tail[:start].rstrip()
+            desc = head[:-1].strip() if head.endswith(":") else ""
+            return min(1.0, int(tail[start:bar]) / 100), desc
+    m = _FRACTION.search(tail) if "/" in tail else None
     if m and int(m.group("total")) > 0:
         return min(1.0, int(m.group("n")) / int(m.group("total"))), ""
     return None
