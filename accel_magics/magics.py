@@ -70,20 +70,35 @@ def launch_options(func):
     return func
 
 
+def _given(values: dict, name: str, default):
+    """The value of ``name``, or ``default`` only where none was given (0 is a value)."""
+    value = values.get(name)
+    return default if value is None else value
+
+
 def _launch_config(values: dict) -> LaunchConfig:
-    num_nodes = values.get("num_nodes") or 1
+    num_nodes = _given(values, "num_nodes", 1)
     port = values.get("master_port")
     return LaunchConfig(
         num_processes=values["num_processes"],
         num_nodes=num_nodes,
-        node_rank=values.get("node_rank") or 0,
-        master_addr=values.get("master_addr") or "127.0.0.1",
+        node_rank=_given(values, "node_rank", 0),
+        master_addr=_given(values, "master_addr", "127.0.0.1"),
         master_port=port if port is not None else (29500 if num_nodes > 1 else None),
-        max_restarts=values.get("max_restarts") or 0,
+        max_restarts=_given(values, "max_restarts", 0),
         mixed_precision=values.get("mixed_precision"),
         timeout=values.get("timeout"),
-        rendezvous_timeout=values.get("rendezvous_timeout") or 300.0,
+        rendezvous_timeout=_given(values, "rendezvous_timeout", 300.0),
     )
+
+
+def _parse(magic, line: str):
+    """parse_argstring, with a malformed line (an unbalanced quote) as a UsageError."""
+    try:
+        return parse_argstring(magic, line)
+    except ValueError as exc:   # shlex: "No closing quotation"
+        raise UsageError(f"cannot read the options {line!r}: {exc}. Check the quotes.\n"
+                         "Nothing was launched.") from None
 
 
 def config_summary(values: dict) -> str:
@@ -193,22 +208,24 @@ class DistributedMagics(Magics):
             dist.init_process_group("gloo")
             acc = train(model_fn, data)
         """
-        args = parse_argstring(self.distributed, line)
+        args = _parse(self.distributed, line)
         cfg = self._config(args)
         return_names = _return_names(args.return_names)
         self._preflight()
 
         source = self._source(line, cell)
         payload = self._payload(source, return_names)
-
-        in_kernel = getattr(self.shell, "kernel", None) is not None
-        mode = args.output or self.defaults.get("output", "auto")
-        presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}")
         try:
-            result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
-                             log_dir=presenter.log_dir, excerpt=presenter.excerpt)
+            in_kernel = getattr(self.shell, "kernel", None) is not None
+            mode = args.output or self.defaults.get("output", "auto")
+            presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}")
+            try:
+                result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
+                                 log_dir=presenter.log_dir, excerpt=presenter.excerpt)
+            finally:
+                presenter.finish()
         finally:
-            presenter.finish()
+            payload.release()   # also when interrupted before the run started
 
         user_ns = self.shell.user_ns
         user_ns.update(result.returns)
@@ -236,7 +253,7 @@ class DistributedMagics(Magics):
 
             %distributed_config --num_nodes 2 --node_rank 1 --master_addr 10.0.0.5 --master_port 29500
         """
-        args = parse_argstring(self.distributed_config, line)
+        args = _parse(self.distributed_config, line)
         if args.reset:
             self.defaults.clear()
         given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
@@ -326,7 +343,11 @@ class DistributedMagics(Magics):
             # Shown like IPython shows a syntax error in an ordinary cell; the
             # line numbers are the notebook cell's (line 1 is the magic).
             text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
-            raise UsageError(f"the cell has a syntax error:\n{text}\nNothing was launched.") from None
+            hint = ""
+            if "'await' outside" in str(exc.msg) or "asynchronous comprehension outside" in str(exc.msg):
+                hint = ("\nTop-level await does not work in a %%distributed cell (each rank runs the cell as a "
+                        "script): put the code in an async function and call asyncio.run(main()).")
+            raise UsageError(f"the cell has a syntax error:\n{text}{hint}\nNothing was launched.") from None
 
     def close(self) -> None:
         self.tracker.uninstall()

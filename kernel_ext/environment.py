@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DEFAULT_MULTINODE_PORT = 29500
+MAX_RESTARTS = 1000
+MAX_SECONDS = 10_000_000          # ~116 days: longer "timeouts" are mistakes (and overflow timers)
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 
 
@@ -83,17 +85,22 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
         )
     if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
         raise ConfigError(f"--master_port must be between 1 and 65535 (got {cfg.master_port}).")
-    if cfg.max_restarts < 0:
-        raise ConfigError(f"--max_restarts must be 0 or more (got {cfg.max_restarts}).")
-    if cfg.rendezvous_timeout <= 0:
-        raise ConfigError(f"--rendezvous_timeout must be a positive number of seconds (got {cfg.rendezvous_timeout}).")
-    if cfg.timeout is not None and cfg.timeout <= 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds (got {cfg.timeout}).")
+    if not 0 <= cfg.max_restarts <= MAX_RESTARTS:
+        raise ConfigError(f"--max_restarts must be between 0 and {MAX_RESTARTS} (got {cfg.max_restarts}).")
+    _check_seconds("--rendezvous_timeout", cfg.rendezvous_timeout)
+    if cfg.timeout is not None:
+        _check_seconds("--timeout", cfg.timeout)
     if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ConfigError(
             f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)} (got {cfg.mixed_precision!r})."
         )
-    resolve_host(cfg.master_addr)
+    address = resolve_host(cfg.master_addr)
+    if cfg.num_nodes == 1 and not _is_local(address):
+        raise ConfigError(
+            f"--master_addr {cfg.master_addr} is not an address of this machine, and a one-node run's "
+            "rendezvous listens on it. Leave --master_addr out (127.0.0.1), or for several nodes also "
+            "pass --num_nodes and --node_rank."
+        )
     if cfg.num_nodes > 1 and cfg.max_restarts:
         raise ConfigError(
             "--max_restarts is not supported for multi-node runs yet: restarts are not coordinated "
@@ -107,6 +114,17 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
             )
 
 
+def _check_seconds(flag: str, value) -> None:
+    """A duration flag: a finite number of seconds, > 0 and at most MAX_SECONDS."""
+    import math
+
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+            or not 0 < value <= MAX_SECONDS:
+        raise ConfigError(
+            f"{flag} must be a positive number of seconds, at most {MAX_SECONDS:,} (got {value!r})."
+        )
+
+
 def resolve_host(host: str) -> str:
     """The address ``host`` resolves to, or ConfigError naming it."""
     try:
@@ -116,7 +134,7 @@ def resolve_host(host: str) -> str:
         pass
     try:
         return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
-    except (socket.gaierror, UnicodeError) as exc:
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
         raise ConfigError(
             f"--master_addr {host!r} does not resolve ({exc}); give node 0's IP address or a host name "
             "that every node can resolve."

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,8 +44,12 @@ class Payload:
 
 
 def parse(source: str, filename: str) -> ast.Module:
-    """Parse the cell, raising SyntaxError with the cell's own line numbers."""
-    return ast.parse(source, filename=filename, mode="exec")
+    """Parse and compile the cell, raising SyntaxError with the cell's own line
+    numbers.  Compiling (not only parsing) catches what only the compiler
+    rejects ('await' or 'return' outside a function) before any rank starts."""
+    tree = ast.parse(source, filename=filename, mode="exec")
+    compile(tree, filename, "exec", dont_inherit=True)
+    return tree
 
 
 class _NameCollector(ast.NodeVisitor):
@@ -168,12 +175,16 @@ def build_payload(
 
     shipped = {n: namespace[n] for n in wanted}
     arena = SharedArena()
-    try:
-        blob = _dumps(shipped, arena)
-    except Exception:
-        arena.close()
-        _raise_for_unpicklable(shipped)
-        raise
+    with _noting_interrupts() as interrupts:
+        try:
+            blob = _dumps(shipped, arena)
+        except BaseException as exc:
+            arena.close()   # whatever happened, the shared memory of big globals is freed now
+            if isinstance(exc, KeyboardInterrupt) and interrupts.seen:
+                raise           # the user's interrupt (the stop button): not a pickling problem
+            _raise_for_unpicklable(shipped, interrupts)
+            raise PayloadError(f"the cell's variables could not be sent to the ranks: "
+                               f"{_exc_text(exc)}") from None
     if not arena.used:
         arena.close()
         arena = None
@@ -227,6 +238,8 @@ class SharedArena:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    __del__ = close   # a payload dropped without release() still frees its memory
 
 
 def _map_shared(ref: tuple):
@@ -289,18 +302,56 @@ def _dumps(value, arena: SharedArena) -> bytes:
     return buf.getvalue()
 
 
-def _raise_for_unpicklable(shipped: dict) -> None:
+class _Interrupts:
+    seen = False
+
+
+@contextlib.contextmanager
+def _noting_interrupts():
+    """Tell the user's interrupt (SIGINT) from a KeyboardInterrupt (or
+    SystemExit) that a value's ``__reduce__`` raises while it is pickled."""
+    state = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        state.seen = True
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _exc_text(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except BaseException:
+        text = "<str() of the exception failed>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _raise_for_unpicklable(shipped: dict, interrupts: Optional[_Interrupts] = None) -> None:
     """Find which variable(s) cannot be pickled and raise PayloadError naming them."""
     bad = []
     for name, value in shipped.items():
         try:
             cloudpickle.dumps(value, protocol=5)
-        except Exception as exc:  # any pickling failure, whatever its type
+        except BaseException as exc:  # any pickling failure, whatever its type (SystemExit too)
+            if isinstance(exc, KeyboardInterrupt) and interrupts is not None and interrupts.seen:
+                raise
             bad.append((name, value, exc))
     if not bad:
         return
     lines = [
-        f"cannot send variable '{name}' ({_describe(value)}) to the ranks: {type(exc).__name__}: {exc}"
+        f"cannot send variable '{name}' ({_describe(value)}) to the ranks: {_exc_text(exc)}"
         for name, value, exc in bad
     ]
     first = bad[0][0]

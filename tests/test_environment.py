@@ -42,7 +42,7 @@ def test_gpu_machine_does_not_force_cpu():
     ({"num_processes": 1, "num_nodes": 0}, "--num_nodes must be at least 1"),
     ({"num_processes": 1, "num_nodes": 2, "node_rank": 2}, "--node_rank must be between 0 and"),
     ({"num_processes": 1, "master_port": 70000}, "between 1 and 65535"),
-    ({"num_processes": 1, "max_restarts": -1}, "--max_restarts must be 0 or more"),
+    ({"num_processes": 1, "max_restarts": -1}, "--max_restarts must be between 0 and 1000"),
     ({"num_processes": 1, "timeout": 0}, "--timeout must be a positive"),
     ({"num_processes": 1, "master_addr": "no-such-host.invalid"}, "does not resolve"),
     ({"num_processes": 1, "num_nodes": 2, "max_restarts": 1, "master_port": 29500},

@@ -116,3 +116,96 @@ def test_an_exception_whose_str_raises_is_reported_as_the_cells_error(clean_kern
     assert "could not start the rank" not in res.error_text
     assert res.error["evalue"].startswith("rank 0 failed: Weird")
     assert "line 5, in <module>" in res.error_text
+
+
+def _spare(k) -> set:
+    """The launcher's spare supervisor: a dispatched run would consume it."""
+    from kernel_harness import children
+    return children(k.launcher_pid())
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ("--timeout nan", "--timeout must be a positive number of seconds"),
+    ("--timeout inf", "--timeout must be a positive number of seconds"),
+    ("--timeout 1e308", "--timeout must be a positive number of seconds"),
+    ("--timeout -0.5", "--timeout must be a positive number of seconds"),
+    ("--rendezvous_timeout nan", "--rendezvous_timeout must be a positive number"),
+    ("--rendezvous_timeout 0", "--rendezvous_timeout must be a positive number"),
+    ("--num_nodes 0", "--num_nodes must be at least 1"),
+    ("--max_restarts 1000000", "--max_restarts must be between 0 and 1000"),
+    ('--master_addr "unbalanced', "Check the quotes"),
+    ("--master_addr 192.0.2.1", "is not an address of this machine"),
+])
+def test_bad_values_are_a_usage_error_before_anything_starts(clean_kernel, flags, needle):
+    """Item 6 and 'raw errors': these crashed the magic with raw ValueError /
+    OverflowError / OSError (some after launching), or were silently replaced."""
+    spare = _spare(clean_kernel)
+    res = clean_kernel.run(f"%%distributed -n 2 {flags}\nraise SystemExit('must not run')\n")
+    assert res.error["ename"] == "UsageError", res.error_text
+    assert needle in res.error["evalue"] and "Nothing was launched" in res.error["evalue"]
+    assert _spare(clean_kernel) == spare, "a run was dispatched"
+
+
+def test_a_bad_default_is_refused_and_later_cells_still_work(clean_kernel):
+    """Item 6: `%distributed_config --timeout nan` was accepted and broke every later cell."""
+    k = clean_kernel
+    res = k.run("%distributed_config --timeout nan")
+    assert res.error["ename"] == "UsageError" and "The defaults were not changed" in res.error["evalue"]
+    assert "[rank 1] fine" in k.ok("%%distributed -n 2 --output text\nprint('fine')").stdout
+
+
+def test_top_level_await_is_refused_before_launch(clean_kernel):
+    spare = _spare(clean_kernel)
+    res = clean_kernel.run("%%distributed -n 2\nimport asyncio\nawait asyncio.sleep(0)\n")
+    assert res.error["ename"] == "UsageError", res.error_text
+    assert "'await' outside function" in res.error["evalue"] and "asyncio.run(main())" in res.error["evalue"]
+    assert _spare(clean_kernel) == spare
+
+
+def _memfds(pid: int) -> int:
+    import os
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:accel_magics-globals")
+        except OSError:
+            pass
+    return count
+
+
+def test_interrupting_while_a_big_global_is_shipped_frees_its_shared_memory(clean_kernel):
+    """Item 7: ~1.5 GB of memfd leaked per stop, until the kernel restarted."""
+    k = clean_kernel
+    k.ok("import numpy as np, time\n"
+         "big = np.ones(20_000_000)   # 160 MB: shipped through shared memory\n"
+         "class SlowToSend:\n"
+         "    def __reduce__(self):\n"
+         "        print('reducing', flush=True)\n"
+         "        time.sleep(60)\n"
+         "        return (SlowToSend, ())\n"
+         "slow = SlowToSend()\n")
+    seen = []
+
+    def on_output(text):
+        if "reducing" in text and not seen:
+            seen.append(_memfds(k.pid))   # 'big' is in shared memory by now
+            k.interrupt()
+
+    res = k.run("%%distributed -n 2 --output text\nprint(big.sum(), slow)\n", on_output=on_output, timeout=60)
+    assert seen == [1], "the test did not interrupt while the big global was in shared memory"
+    assert res.error["ename"] == "KeyboardInterrupt", res.error_text
+    assert _memfds(k.pid) == 0, "the shared memory of the big global leaked"
+    k.ok("del big, slow, SlowToSend")
+
+
+@pytest.mark.parametrize("raised", ["SystemExit(3)", "KeyboardInterrupt()"])
+def test_a_reducer_raising_systemexit_or_keyboardinterrupt_is_a_usage_error(clean_kernel, raised):
+    """Also seen: these escaped raw into the kernel."""
+    k = clean_kernel
+    k.ok(f"class Odd:\n    def __reduce__(self):\n        raise {raised}\nodd = Odd()\n")
+    spare = _spare(k)
+    res = k.run("%%distributed -n 2\nprint(odd)\n")
+    assert res.error["ename"] == "UsageError", res.error_text
+    assert f"cannot send variable 'odd'" in res.error["evalue"] and raised.split("(")[0] in res.error["evalue"]
+    assert _spare(k) == spare
+    k.ok("del odd, Odd")

@@ -104,7 +104,7 @@ def test_reading_stdin_is_a_clear_error(clean_kernel):
     ("--num_processes 1000", "more than 4x"),
     ("--master_addr no-such-host.invalid", "does not resolve"),
     ("--master_port 70000", "between 1 and 65535"),
-    ("--max_restarts -1", "--max_restarts must be 0 or more"),
+    ("--max_restarts -1", "--max_restarts must be between 0 and 1000"),
     ("--timeout -5", "--timeout must be a positive"),
     ("--mixed_precision fp7", "invalid choice: 'fp7'"),
     ("--return 1abc", "--return expects variable names"),
