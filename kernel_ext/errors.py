@@ -90,33 +90,41 @@ def format_stacks(stacks: dict[int, str]) -> str:
     return "".join(parts)
 
 
+def forced_note(why: str) -> str:
+    """What the kernel says when it had to kill a run's supervisor itself."""
+    return (f"\n(the run's supervisor did not respond: {why}; the kernel killed it and its ranks, "
+            "so there are no stacks)")
+
+
 class DistributedTimeoutError(ReportedError, TimeoutError):
     """The run exceeded --timeout; carries where each unfinished rank was."""
 
-    def __init__(self, timeout: float, stacks: dict[int, str], unfinished: list[int]) -> None:
+    def __init__(self, timeout: float, stacks: dict[int, str], unfinished: list[int], note: str = "") -> None:
         self.stacks = stacks
         self.unfinished = unfinished
+        self.note = note
         super().__init__(
             f"the run exceeded --timeout {timeout:g}s; rank(s) {', '.join(map(str, unfinished)) or '-'} "
             "had not finished and were stopped"
         )
 
     def report(self) -> str:
-        return super().report() + "\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return super().report() + self.note + "\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
 class RunInterrupted(ReportedError, KeyboardInterrupt):
     """The run was stopped by the kernel's interrupt; every rank was stopped."""
 
-    def __init__(self, stacks: dict[int, str], unfinished: list[int]) -> None:
+    def __init__(self, stacks: dict[int, str], unfinished: list[int], note: str = "") -> None:
         self.stacks = stacks
         self.unfinished = unfinished
+        self.note = note
         super().__init__(
             f"interrupted: rank(s) {', '.join(map(str, unfinished)) or '-'} were stopped"
         )
 
     def report(self) -> str:
-        return f"KeyboardInterrupt: {self}\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return f"KeyboardInterrupt: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
 class RendezvousError(ReportedError, RuntimeError):

@@ -26,23 +26,12 @@ from typing import Iterator, Optional
 
 import zmq
 
-from . import wire
+from . import process_tree, wire
 from .environment import LaunchConfig, free_port, rank_environment
 from .errors import LauncherError
 from .payload import Payload
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold SIGINT (the kernel's interrupt) back for a short critical section."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
+from .run_handle import RunHandle
+from .sigint import sigint_deferred
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
@@ -83,6 +72,10 @@ class Launcher:
         self.pull.bind(self.events_addr)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        # Every process of this launcher carries the marker (ranks keep it too),
+        # so whatever escapes the process tree is still found and killed (close).
+        self.token = uuid.uuid4().hex
+        env[process_tree.MARKER] = self.token
         self.log_path = os.path.join(self.dir, "launcher.log")
         log = open(self.log_path, "ab")
         try:
@@ -129,6 +122,9 @@ class Launcher:
             except ProcessLookupError:
                 pass
             proc.wait()
+        # Anything of this launcher still alive escaped its tree (setsid and
+        # double fork, after its supervisor was killed): end it too.
+        process_tree.kill_marked(self.token)
         proc.stdout.close()
         self.pull.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -155,17 +151,18 @@ class Launcher:
             return ""
 
     # -- control pipe -------------------------------------------------------
-    def _send(self, obj) -> None:
-        """Write one control frame, whole: an interrupt waits until it is written.
+    def _send(self, *frames) -> None:
+        """Write control frames, whole: an interrupt waits until they are written.
 
         A frame cut in half by KeyboardInterrupt would desynchronise the
         pipe for good, so SIGINT is blocked while writing (it is delivered
         right after).  A frame that fails midway retires the launcher; the
         next run starts a fresh one.
         """
-        with _sigint_deferred():
+        with sigint_deferred():
             try:
-                wire.write_frame(self.proc.stdin.fileno(), obj)
+                for obj in frames:
+                    wire.write_frame(self.proc.stdin.fileno(), obj)
             except (BrokenPipeError, OSError) as exc:
                 tail = self.launch_log_tail()
                 self.close()
@@ -260,151 +257,23 @@ class Launcher:
             "log_dir": log_dir,
             "excerpt": excerpt,
         }
+        rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
         with self._lock:
-            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes, "key": key,
-                        "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)})
+            # The key travels in a frame of its own, read by the launcher only
+            # after it has forked the run's supervisor (and the supervisor its
+            # ranks): no process that runs user code ever holds it.
+            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes,
+                        "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)}, {"key": key})
             try:
                 reply = self._reply("run_started", 30)
             except KeyboardInterrupt:  # the run exists now: stop it before giving up
                 reply = self._reply("run_started", 30)
-                handle = RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout)
-                handle.kill()
-                handle.close()
+                if "pid" in reply:
+                    handle = RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv)
+                    handle.kill()
+                    handle.force_kill()
+                    handle.close()
                 raise
-        return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout)
-
-
-class RunHandle:
-    """One run: verified messages in order, and the means to stop it."""
-
-    def __init__(self, launcher: Launcher, run_id: str, key: bytes, supervisor_pid: int,
-                 master_port: int, timeout: Optional[float]) -> None:
-        self.launcher = launcher
-        self.run_id = run_id
-        self.session = launcher.session_for(key)
-        self.supervisor_pid = supervisor_pid
-        self.master_port = master_port
-        self.finished = False
-        self.interrupted = 0
-        self.backstop = time.monotonic() + timeout + 30 if timeout else None
-        try:
-            self._pidfd = os.pidfd_open(supervisor_pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
-
-    def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
-        """Yield the run's messages (content dicts) until it finishes.
-
-        With ``heartbeat`` (seconds), a ``{"kind": "heartbeat"}`` message is
-        yielded whenever nothing arrived for that long, so views can refresh.
-        Raises LauncherError if the supervisor dies without finishing.
-        KeyboardInterrupt propagates to the caller, who decides to
-        :meth:`interrupt` and keep reading.
-        """
-        poller = zmq.Poller()
-        pull = self.launcher.pull
-        poller.register(pull, zmq.POLLIN)
-        if self._pidfd is not None:
-            poller.register(self._pidfd, zmq.POLLIN)
-        gone_deadline = None  # set once the supervisor has exited: drain, then give up
-        try:
-            while not self.finished:
-                deadlines = [d for d in (self.backstop, gone_deadline) if d is not None]
-                timeout_ms = None if self._pidfd is not None else 500
-                if heartbeat is not None:
-                    beat = int(heartbeat * 1000)
-                    timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
-                if deadlines:
-                    left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
-                    timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
-                ready = dict(poller.poll(timeout_ms))
-                if pull in ready:
-                    while True:
-                        msg = self._recv()
-                        if msg is None:
-                            break
-                        if msg.get("kind") == "finished":
-                            self.finished = True
-                        yield msg
-                        if self.finished:
-                            return
-                    continue
-                now = time.monotonic()
-                if heartbeat is not None and not ready:
-                    yield {"kind": "heartbeat"}
-                if gone_deadline is None and self._supervisor_gone():
-                    # Its last messages may still be in flight: drain briefly.
-                    gone_deadline = now + 2.0
-                    if self._pidfd is not None:
-                        poller.unregister(self._pidfd)
-                elif gone_deadline is not None and now >= gone_deadline:
-                    raise LauncherError(
-                        "the run's supervisor process exited without finishing the run.\n"
-                        + self.launcher.launch_log_tail()
-                    )
-                if self.backstop is not None and now >= self.backstop:
-                    self.kill()
-                    self.backstop = None
-        finally:
-            poller.unregister(pull)
-
-    def close(self) -> None:
-        self._pidfd_close()
-
-    def __del__(self) -> None:
-        self._pidfd_close()
-
-    def _recv(self) -> Optional[dict]:
-        pull = self.launcher.pull
-        while True:
-            # A message taken off the socket is processed whole (an interrupt
-            # waits): losing "finished" would turn a clean stop into an error.
-            with _sigint_deferred():
-                try:
-                    frames = pull.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return None
-                try:
-                    _, frames = self.session.feed_identities(frames)
-                    msg = self.session.deserialize(frames)
-                except Exception:
-                    msg = None
-            if msg is None:
-                # Wrong or missing signature, replay, or a stale run: never unpickled.
-                self.launcher.dropped += 1
-                continue
-            content = msg["content"]
-            if content.get("run_id") != self.run_id:
-                self.launcher.dropped += 1
-                continue
-            return content
-
-    def _supervisor_gone(self) -> bool:
-        try:
-            os.kill(self.supervisor_pid, 0)
-        except ProcessLookupError:
-            return True
-        if self._pidfd is not None:
-            return bool(zmq.select([self._pidfd], [], [], 0)[0])
-        return False
-
-    def _pidfd_close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-    def interrupt(self) -> None:
-        """First press: stacks, then SIGTERM, then SIGKILL. Later presses: kill now."""
-        self.interrupted += 1
-        self._signal(signal.SIGUSR1 if self.interrupted == 1 else signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def _signal(self, sig: int) -> None:
-        if self.finished:
-            return
-        try:
-            os.kill(self.supervisor_pid, sig)
-        except ProcessLookupError:
-            pass
+        if "error" in reply:
+            raise LauncherError(f"the launcher could not start the run: {reply['error']}")
+        return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv)

@@ -18,6 +18,7 @@ from typing import NoReturn, Optional
 
 from . import wire, worker
 from .output_batch import Excerpt, OutputBatch
+from .process_tree import descendants
 
 PIPE_BYTES = 1 << 20      # a rank's output pipe (see widen_pipe)
 
@@ -57,9 +58,16 @@ class RankProcess:
             pass
 
     def signal_group(self, sig: int) -> None:
-        """The rank and what it started in its process group (stop, kill)."""
+        """The rank and everything it started (stop, kill): by pid, the rank and
+        its descendants (a process can leave its process group, even the rank
+        itself), and by group, what is in the rank's process group."""
         if self.status is None:
             self.signalled = True
+        for pid in [self.pid, *descendants(self.pid)]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -118,37 +126,6 @@ def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int,
         except OSError:
             pass
     worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent)
-
-
-def kill_orphans(ranks: set[int]) -> None:
-    """Kill this process's children that are not ranks: the orphans of exited
-    ranks, reparented here because the supervisor is a subreaper."""
-    for pid in children() - ranks:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def children() -> set[int]:
-    """This process's children (the kernel's list when it keeps one, else /proc)."""
-    me = os.getpid()
-    try:
-        with open(f"/proc/{me}/task/{me}/children") as f:
-            return {int(pid) for pid in f.read().split()}
-    except OSError:
-        pass
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        found.add(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
 
 
 _OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')

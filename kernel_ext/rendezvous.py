@@ -30,6 +30,28 @@ class RendezvousTimeout(Exception):
     pass
 
 
+def _bounded(call, timeout: float):
+    """``call()`` in a daemon thread; TimeoutError if it does not return in time."""
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="accel_magics-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class NodeRendezvous:
     def __init__(self, host: str, port: int, num_nodes: int, node_rank: int, timeout: float) -> None:
         self.host, self.port = host, port
@@ -37,6 +59,7 @@ class NodeRendezvous:
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self.store = None
+        self.silent = False   # an attempt found the address mute (accepts, never answers)
         self.joined_self = False
         self.listener: Optional[socket.socket] = None
 
@@ -90,14 +113,23 @@ class NodeRendezvous:
             self.listener = None
 
     def try_connect(self, attempt_timeout: float = 1.0) -> bool:
-        """Other nodes: one bounded attempt to reach node 0's store."""
+        """Other nodes: one bounded attempt to reach node 0's store.
+
+        Bounded for real: torch's client can block far past its timeout when
+        the address accepts TCP connections but never answers (measured:
+        > 110 s in its first ping), so the attempt runs in a helper thread and
+        is abandoned (the thread left blocked) once it takes too long.
+        """
         from torch.distributed import TCPStore
 
         if time.monotonic() >= self.deadline:
             raise RendezvousTimeout(self.timeout_message(0))
         try:
-            self.store = TCPStore(self.host, self.port, None, False, timedelta(seconds=attempt_timeout))
-        except Exception:   # not listening yet, unreachable, refused: try again until the deadline
+            self.store = _bounded(lambda: TCPStore(self.host, self.port, None, False,
+                                                   timedelta(seconds=attempt_timeout)),
+                                  attempt_timeout + 1.0)
+        except Exception:   # not listening yet, unreachable, refused, mute: try again until the deadline
+            self.silent = True
             return False
         self.store.set_timeout(timedelta(seconds=30))
         return True
@@ -110,8 +142,12 @@ class NodeRendezvous:
         return int(self.store.add(JOINED, 0))
 
     def timeout_message(self, joined: int) -> str:
-        who = ("node 0's store was not reachable" if self.store is None
-               else f"only {joined} of {self.num_nodes} nodes joined")
+        if self.store is not None:
+            who = f"only {joined} of {self.num_nodes} nodes joined"
+        elif self.silent:
+            who = "node 0's address accepted the connection but never answered (is it node 0's store?)"
+        else:
+            who = "node 0's store was not reachable"
         return (f"rendezvous at {self.address} timed out after {self.timeout:g}s: {who}. Check that the "
                 f"%%distributed cell runs on every node with the same --num_nodes, --master_addr and "
                 f"--master_port, that node 0's cell was started, and that port {self.port} on "

@@ -16,8 +16,9 @@ from typing import Any, Callable, Optional
 from . import events as ev
 from .environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedTimeoutError, LauncherError, RendezvousError,
-                     RunInterrupted, root_cause)
-from .launcher import Launcher, RunHandle
+                     RunInterrupted, forced_note, root_cause)
+from .launcher import Launcher
+from .run_handle import RunHandle
 from .payload import Payload
 from .worker import loads_value
 
@@ -44,6 +45,7 @@ class _Outcome:
     unfinished: list
     rendezvous_error: Optional[str] = None
     departed: dict = field(default_factory=dict)   # rank -> (how it finished, when)
+    forced: Optional[str] = None   # the kernel killed the run itself: why
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -63,6 +65,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     unfinished: list[int] = []
     result = None
     reason = None
+    forced = None
+    exited: set[int] = set()
     interrupted = False
     rendezvous_error = None
     remote = None
@@ -106,6 +110,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     emit(ev.RankStacks(msg["rank"], msg["text"]))
                 elif kind == "exit":
                     rank = msg["rank"]
+                    exited.add(rank)
                     failure = failures.get(rank)
                     if msg["stopped"] and failure is None:
                         others[rank] = f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})"
@@ -131,6 +136,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
                 elif kind == "finished":
                     reason = msg["reason"]
+                    forced = msg.get("forced")
             except KeyboardInterrupt:
                 # The stop button: stop every rank (stacks first), keep reading
                 # until the supervisor reports them all gone.
@@ -143,6 +149,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         handle.close()
     if interrupted:
         reason = "interrupt"
+    if forced:
+        unfinished = sorted(set(unfinished) | (set(ranks) - exited))
     failure_list = sorted(failures.values(), key=lambda f: f.rank)
     if remote is not None:   # another node failed first: its cause is the root cause
         failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
@@ -161,7 +169,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "ok"
     finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
     emit(finished)
-    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed)
+    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced)
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
@@ -192,12 +200,15 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
             raise RunInterrupted({}, []) from None
         outcome = _collect(handle, cfg, attempt, emit, heartbeat)
         finished = outcome.finished
+        note = forced_note(outcome.forced) if outcome.forced else ""
         if finished.status == "interrupted":
-            raise RunInterrupted(finished.stacks, outcome.unfinished) from None
+            raise RunInterrupted(finished.stacks, outcome.unfinished, note) from None
         if finished.status == "rendezvous_failed":
-            raise RendezvousError(outcome.rendezvous_error or "the rendezvous failed")
+            raise RendezvousError(outcome.rendezvous_error or (
+                f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
+                f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
         if finished.status == "timeout":
-            raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished)
+            raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)
         if finished.status == "failed":
             if attempt < cfg.max_restarts:
                 continue

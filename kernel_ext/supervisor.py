@@ -29,7 +29,8 @@ from typing import NoReturn, Optional
 from . import wire, worker
 from .output_batch import Excerpt, bound_text, shorten_lines
 from .rank_logs import RankLogs
-from .rank_process import RankProcess, fork_idle_rank, kill_orphans, set_nonblocking, user_stack
+from .process_tree import kill_orphans
+from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -103,6 +104,10 @@ class Supervisor:
             self._kill_all(signal.SIGKILL)
             self._discard_idle(len(self.idle))
             try:
+                kill_orphans(set())
+            except BaseException:
+                pass
+            try:
                 import traceback
                 self._send({"kind": "supervisor_error", "traceback": traceback.format_exc(),
                             "message": f"{type(exc).__name__}: {exc}"})
@@ -135,10 +140,18 @@ class Supervisor:
         for r in self.ranks:
             if r.status is None:
                 r.signal_group(signal.SIGKILL)
-        kill_orphans({r.pid for r in self.ranks})
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
+        self._sweep_orphans()
+
+    def _sweep_orphans(self, wait: float = 2.0) -> None:
+        """Kill what the ranks left behind until nothing is left: a chain of
+        daemons reaches this subreaper one process at a time, as each parent dies."""
+        deadline = time.monotonic() + wait
+        ranks = {r.pid for r in self.ranks if r.status is None}
+        while kill_orphans(ranks) and time.monotonic() < deadline:
+            self._poll(0.02)   # reaps them (SIGCHLD); the next generation is reparented here
 
     def _release_all(self) -> None:
         for r in self.ranks:
@@ -214,6 +227,8 @@ class Supervisor:
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
                     "supervisor": os.getpid()})
         self._rendezvous(spec)
+        if spec["num_nodes"] > 1 and self.stopping is None:
+            self._send({"kind": "released"})   # the kernel's rendezvous backstop ends here
         for r in self.ranks:
             if self.stopping is None:
                 try:
@@ -499,7 +514,11 @@ class Supervisor:
             summary = bound_text(summary, head=20, tail=20)
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
+            # The rank's last event: stop reading its event and stack pipes
+            # now, a process the cell started may hold them open for long.
             r.done = True
+            for kind in ("ev", "st"):
+                self._close_pipe(r, kind)
         self._send({"kind": "rank_event", "rank": r.rank, "event": event})
         if event.get("kind") == "failed" and self.stopping is None:
             self._stop("failed", stacks=False)
@@ -544,10 +563,14 @@ class Supervisor:
                     break
 
     def _close_pipes(self, r: RankProcess) -> None:
-        for fd in r.fds.values():
+        for kind in list(r.fds):
+            self._close_pipe(r, kind)
+
+    def _close_pipe(self, r: RankProcess, kind: str) -> None:
+        fd = r.fds.pop(kind, None)
+        if fd is not None:
             self.sel.unregister(fd)
             os.close(fd)
-        r.fds.clear()
 
     def _report_exit(self, r: RankProcess) -> None:
         self._close_pipes(r)   # give up on pipes a stray process holds

@@ -27,7 +27,7 @@ from typing import NoReturn, Optional
 
 import cloudpickle
 
-from . import pg_guard, wire
+from . import pg_guard, process_tree, wire
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
@@ -73,6 +73,18 @@ def emit(event: dict) -> bool:
         return False
     wire.write_frame(_event_fd, event)
     return True
+
+
+def _emit_last(event: dict) -> None:
+    """The rank's final event (its result): everything it printed goes first, so
+    the supervisor may end the rank's story there, even if a process the cell
+    started still holds the rank's pipes (a daemon inherits them)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    emit(event)
 
 
 def in_rank() -> bool:
@@ -318,6 +330,9 @@ def _execute(spec: dict, local_rank: int) -> int:
     before = set(sys.modules)
     env = dict(spec["env"])
     env.update(spec["rank_env"][local_rank])
+    marker = os.environ.get(process_tree.MARKER)
+    if marker:   # kept, so processes the cell starts can be found and stopped with the run
+        env[process_tree.MARKER] = marker
     # The kernel's environment, as a diff: it is mostly what this process
     # inherited already, and each change is a putenv.
     for name in [n for n in os.environ if n not in env]:
@@ -352,7 +367,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         value = eval(last, ns) if last is not None else None
     except SystemExit as exc:
         if exc.code in (None, 0):
-            emit({"kind": "result", "exited": True, "timestamp": time.time()})
+            _emit_last({"kind": "result", "exited": True, "timestamp": time.time()})
             return 0
         emit({
             "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
@@ -376,7 +391,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         result["returns"] = returns
         result["missing"] = missing
         result["new_modules"] = _new_modules(before)
-    emit(result)
+    _emit_last(result)
     return 0
 
 

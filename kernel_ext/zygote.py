@@ -13,6 +13,7 @@ it, when stdin reaches EOF or the kernel process exits (kill -9 included).
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import os
@@ -28,8 +29,10 @@ from typing import Optional
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
 from . import payload, pg_guard, rank_stdio, supervisor, wire, worker  # noqa: F401
+from .process_tree import children, kill_orphans
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+PR_SET_CHILD_SUBREAPER = 36
 END_WAIT = 15.0   # how long a new run waits for the processes of earlier runs to end
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
@@ -123,6 +126,12 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # What a killed supervisor's ranks leave behind is reparented here, not
+        # to init: this process kills it (see reap), so nothing outlives the run.
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - non-Linux
+            pass
         self.sel.register(self.control_fd, selectors.EVENT_READ, "control")
         self.sel.register(r, selectors.EVENT_READ, "signal")
         try:
@@ -178,7 +187,13 @@ class Zygote:
             return False
         op = msg["op"]
         if op == "run":
-            pid = self.dispatch(msg)
+            try:
+                pid = self.dispatch(msg)
+            except EOFError:
+                return False
+            except Exception as exc:
+                self.reply({"kind": "run_started", "run_id": msg["run_id"], "error": f"{type(exc).__name__}: {exc}"})
+                return True
             self.reply({"kind": "run_started", "run_id": msg["run_id"], "pid": pid})
         elif op == "preload":
             self.drop_spare()   # it lacks the new modules
@@ -192,28 +207,33 @@ class Zygote:
     def dispatch(self, msg: dict) -> int:
         """Hand the run to the spare supervisor (forking one now if none is ready).
 
-        The key travels beside the spec, not in it: the spare needs it to sign,
-        the ranks (which run user code) never see it.
+        The key comes in the next control frame, read only once the spare
+        exists: the spare gets it after it forked its ranks, and it is never
+        in this process's memory at a fork, so no rank (which runs user code)
+        ever holds it.
         """
         self.end_previous_runs()
-        for _ in range(2):
-            if self.spare is not None and self.spare[2] < msg["num_processes"]:
-                self.drop_spare()
-            if self.spare is None:
-                self.fork_spare(msg["num_processes"])
-            pid, control, _ = self.spare
-            self.spare = None
-            try:
-                wire.write_frame(control, (msg["key"], msg["spec"]))
-            except BrokenPipeError:   # the spare died meanwhile: reap it, fork another
-                os.close(control)
-                self.reap()
-                continue
+        if self.spare is not None and self.spare[2] < msg["num_processes"]:
+            self.drop_spare()
+        if self.spare is None:
+            self.fork_spare(msg["num_processes"])
+        pid, control, _ = self.spare
+        self.spare = None
+        key = wire.read_frame(self.control_fd)
+        if key is None:
             os.close(control)
+            raise EOFError("the kernel closed the control pipe")
+        try:
+            wire.write_frame(control, (key["key"], msg["spec"]))
+        except BrokenPipeError:   # the spare died meanwhile: reaped like any supervisor
+            raise RuntimeError("the run's supervisor exited before the run reached it; run the cell again") \
+                from None
+        finally:
+            os.close(control)
+            del key
             self.supervisors[pid] = msg["run_id"]
-            self.expected_ranks = msg["num_processes"]
-            return pid
-        raise RuntimeError("could not hand the run to a supervisor")
+        self.expected_ranks = msg["num_processes"]
+        return pid
 
     def end_previous_runs(self) -> None:
         """A run starts only once every process of the earlier runs is gone.
@@ -289,17 +309,20 @@ class Zygote:
             self.supervisors[pid] = "spare"   # reaped like any supervisor
 
     def reap(self) -> None:
+        """Reap exited children; kill the orphans a dead supervisor's ranks left."""
         while True:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
-                return
+                break
             self.supervisors.pop(pid, None)
             if self.spare is not None and self.spare[0] == pid:
                 os.close(self.spare[1])
                 self.spare = None
+        keep = set(self.supervisors) | ({self.spare[0]} if self.spare is not None else set())
+        kill_orphans(keep)
 
     def shutdown(self) -> None:
         """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""
@@ -310,7 +333,13 @@ class Zygote:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.reap()
+        self.supervisors.clear()
+        deadline = time.monotonic() + 3.0
+        while True:   # orphans arrive here one generation at a time: until none is left
+            self.reap()
+            if not children() or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
 

@@ -65,7 +65,22 @@ class LoadedKernel(KernelSession):
     def wait_quiet(self, timeout: float = 10) -> None:
         wait_until(self.idle_tree, timeout, "every process of finished runs to exit")
 
+    def launcher_token(self) -> str:
+        """The marker every process of this kernel's launcher carries in its environment."""
+        with open(f"/proc/{self.zygote}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"ACCEL_MAGICS_LAUNCHER="):
+                    return item.split(b"=", 1)[1].decode()
+        raise AssertionError("the launcher has no ACCEL_MAGICS_LAUNCHER marker")
+
+    def escaped(self) -> set[int]:
+        """Processes of this kernel's launcher that left its process tree (setsid,
+        double fork, a killed parent): a leak even if reparented to init."""
+        from kernel_ext.process_tree import marked_processes
+        return set(marked_processes(self.launcher_token())) - descendants(self.pid)
+
     def assert_no_leaks(self) -> None:
+        wait_until(lambda: not self.escaped(), 10, "processes that escaped the launcher's tree to exit")
         self.wait_quiet()
         assert self.launcher_pid() == self.zygote, "the launcher was restarted"
         # A run's store stops listening right after the run reports "finished".

@@ -209,3 +209,176 @@ def test_a_reducer_raising_systemexit_or_keyboardinterrupt_is_a_usage_error(clea
     assert f"cannot send variable 'odd'" in res.error["evalue"] and raised.split("(")[0] in res.error["evalue"]
     assert _spare(k) == spare
     k.ok("del odd, Odd")
+
+
+def _mute_server():
+    """A TCP address that accepts connections and never answers."""
+    import socket
+    import threading
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, held
+
+
+def test_a_mute_node_0_address_ends_at_the_rendezvous_timeout(clean_kernel):
+    """Item 3: a node-0 address that accepts TCP but never answers kept the
+    cell in TCPStore's ping for > 110 s; the stop button was ignored."""
+    server, held = _mute_server()
+    try:
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        res = clean_kernel.run(
+            f"%%distributed -n 1 --num_nodes 2 --node_rank 1 --master_addr 127.0.0.1 --master_port {port} "
+            "--rendezvous_timeout 5 --output text\nprint('never')\n", timeout=60)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert res.error["ename"] == "RendezvousError", res.error_text
+    assert took < 5 + 10, f"the cell took {took:.1f}s with --rendezvous_timeout 5"
+
+
+def _stop_supervisor_cell(flags: str) -> str:
+    return (f"%%distributed -n 2 --output text {flags}\n"
+            "import os, signal, time\n"
+            "if os.environ['RANK'] == '0':\n"
+            "    print('stopping my supervisor', flush=True)\n"
+            "    os.kill(os.getppid(), signal.SIGSTOP)\n"
+            "time.sleep(120)\n")
+
+
+def test_a_sigstopped_supervisor_cannot_outlast_the_timeout(clean_kernel):
+    """Item 3: with the supervisor SIGSTOPped, --timeout 5 never ended the cell."""
+    from kernel_harness import descendants
+    before = descendants(clean_kernel.pid)
+    started = time.monotonic()
+    res = clean_kernel.run(_stop_supervisor_cell("--timeout 5"), timeout=60)
+    took = time.monotonic() - started
+    assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert "supervisor did not respond" in res.error_text
+    assert took < 5 + 10, f"the cell took {took:.1f}s with --timeout 5"
+    assert before  # the fixture's leak check: every process of the run is gone
+
+
+def _stopped_supervisor(k):
+    """The run's supervisor, once it is SIGSTOPped (state T), else None."""
+    from kernel_harness import children
+    for pid in children(k.launcher_pid()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return pid
+        except OSError:
+            pass
+    return None
+
+
+def test_the_stop_button_ends_a_run_whose_supervisor_is_sigstopped(clean_kernel):
+    """Item 3: the stop button was ignored (twice)."""
+    import threading
+
+    from kernel_harness import wait_until
+    k = clean_kernel
+    pressed = []
+
+    def press_stop_once_stopped():
+        wait_until(lambda: _stopped_supervisor(k) is not None, 30, "the supervisor to be SIGSTOPped")
+        pressed.append(time.monotonic())
+        k.interrupt()
+
+    presser = threading.Thread(target=press_stop_once_stopped)
+    presser.start()
+    res = k.run(_stop_supervisor_cell(""), timeout=60)
+    presser.join()
+    took = time.monotonic() - pressed[0]
+    assert res.error["ename"] == "RunInterrupted", res.error_text
+    assert "supervisor did not respond" in res.error_text
+    assert took < 12, f"the stop took {took:.1f}s"
+
+
+def test_a_rank_that_leaves_its_process_group_is_still_stopped(clean_kernel):
+    """Item 4: stops used killpg only; a rank that joined another group was never stopped."""
+    started = time.monotonic()
+    res = clean_kernel.run(
+        "%%distributed -n 2 --output text --timeout 3\n"
+        "import os, time\n"
+        "os.setpgid(0, os.getppid())   # leave my own process group\n"
+        "time.sleep(600)\n", timeout=60)
+    assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert time.monotonic() - started < 3 + 8
+
+
+DAEMONS = r"""
+import os, time
+def start_daemons(depth, report):
+    '''A chain: each level setsids and double-forks, so each survivor is an orphan.'''
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(report, b"%d\n" % os.getpid())
+            if depth > 1:
+                start_daemons(depth - 1, report)
+            time.sleep(600)
+        os._exit(0)
+
+def read_pids(r, n):
+    data = b""
+    while data.count(b"\n") < n:
+        data += os.read(r, 64)
+    return [int(p) for p in data.split()]
+"""
+
+
+def _alive(pids) -> list:
+    import os
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_a_chain_of_setsid_daemons_dies_with_the_run(clean_kernel):
+    """Item 8: a chain of daemons that each setsid outlived the run, the kernel even."""
+    from kernel_harness import wait_until
+    k = clean_kernel
+    k.ok(DAEMONS)
+    res = k.ok("%%distributed -n 1 --output text\n"
+               "r, w = os.pipe()\nstart_daemons(3, w)\n"
+               "print('daemons', *read_pids(r, 3))\n")
+    pids = [int(p) for p in res.stdout.split("daemons", 1)[1].split()]
+    assert len(pids) == 3
+    wait_until(lambda: not _alive(pids), 10, f"the daemons {pids} to be killed")
+
+
+def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
+    """Item 8: a detached child of a rank whose supervisor was SIGKILLed was left under init."""
+    from kernel_harness import wait_until
+    k = clean_kernel
+    k.ok(DAEMONS)
+    res = k.run("%%distributed -n 1 --output text --timeout 30\n"
+                "import signal\n"
+                "r, w = os.pipe()\nstart_daemons(1, w)\n"
+                "print('daemon', *read_pids(r, 1), flush=True)\n"
+                "time.sleep(0.5)   # let the line reach the kernel\n"
+                "os.kill(os.getppid(), signal.SIGKILL)\n"
+                "time.sleep(600)\n", timeout=60)
+    assert res.error is not None and "supervisor" in res.error_text, res.error_text
+    pid = int(res.stdout.split("daemon", 1)[1].split()[0])
+    wait_until(lambda: not _alive([pid]), 10, f"the detached child {pid} to be killed")

@@ -1,0 +1,241 @@
+"""Kernel side of one run: its verified messages, and stopping it for sure.
+
+:class:`RunHandle` reads the run's messages off the launcher's ZMQ socket
+(each verified by the per-run ``Session`` before it is unpickled) and owns the
+escalation that makes the stop button and ``--timeout`` always work, even when
+the run's supervisor cannot answer (SIGSTOPped, stuck in a blocking call):
+
+* stop (first press): the supervisor collects stacks, then stops the ranks;
+* no end after ``STOP_WAIT`` (or a second press): SIGTERM, the supervisor
+  kills its ranks at once;
+* no end after ``KILL_WAIT`` more (or a third press): the kernel itself
+  SIGKILLs the supervisor and every rank it knows of, and the run ends as
+  "forced" (the launcher process reaps them and kills their orphans).
+
+``--timeout`` and the multi-node rendezvous get the same backstop, started at
+``timeout`` + ``TIMEOUT_SLACK`` (the supervisor's own stop normally ends the
+run well before).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Iterator, Optional
+
+import zmq
+
+from .errors import LauncherError
+from .sigint import sigint_deferred
+
+STOP_WAIT = 7.0        # after a stop, how long the supervisor gets to end the run by itself
+KILL_WAIT = 2.0        # after SIGTERM, how long before the kernel SIGKILLs everything
+TIMEOUT_SLACK = 4.0    # past --timeout (or the rendezvous timeout), when the kernel steps in
+GONE_DRAIN = 2.0       # after the supervisor exited, how long its last messages may take
+
+
+class RunHandle:
+    """One run: verified messages in order, and the means to stop it."""
+
+    def __init__(self, launcher, run_id: str, key: bytes, supervisor_pid: int,
+                 master_port: int, timeout: Optional[float], rendezvous_timeout: Optional[float] = None) -> None:
+        self.launcher = launcher
+        self.run_id = run_id
+        self.session = launcher.session_for(key)
+        self.supervisor_pid = supervisor_pid
+        self.master_port = master_port
+        self.rank_pids: set[int] = set()
+        self.finished = False
+        self.interrupted = 0
+        self.forced: Optional[str] = None   # why the kernel had to kill the run itself
+        now = time.monotonic()
+        self.timeout_at = now + timeout + TIMEOUT_SLACK if timeout else None
+        # Several nodes: until the ranks are released, the wait is bounded by the rendezvous timeout.
+        self.rendezvous_at = now + rendezvous_timeout + TIMEOUT_SLACK if rendezvous_timeout else None
+        self.term_at: Optional[float] = None    # send SIGTERM then
+        self.kill_at: Optional[float] = None    # SIGKILL everything then
+        self._reason = "interrupt"
+        try:
+            self._pidfd = os.pidfd_open(supervisor_pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    # -- messages --------------------------------------------------------------
+    def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
+        """Yield the run's messages (content dicts) until it finishes.
+
+        With ``heartbeat`` (seconds), a ``{"kind": "heartbeat"}`` message is
+        yielded whenever nothing arrived for that long, so views can refresh.
+        If the kernel had to kill the run, the last message is a "finished"
+        with ``forced`` set.  Raises LauncherError if the supervisor died
+        without finishing.  KeyboardInterrupt propagates to the caller, who
+        decides to :meth:`interrupt` and keep reading.
+        """
+        poller = zmq.Poller()
+        pull = self.launcher.pull
+        poller.register(pull, zmq.POLLIN)
+        if self._pidfd is not None:
+            poller.register(self._pidfd, zmq.POLLIN)
+        gone_deadline = None  # set once the supervisor has exited: drain, then give up
+        try:
+            while not self.finished:
+                deadlines = [d for d in (self.timeout_at, self.rendezvous_at, self.term_at, self.kill_at,
+                                         gone_deadline) if d is not None]
+                timeout_ms = None if self._pidfd is not None else 500
+                if heartbeat is not None:
+                    beat = int(heartbeat * 1000)
+                    timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
+                if deadlines:
+                    left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
+                    timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
+                ready = dict(poller.poll(timeout_ms))
+                if pull in ready:
+                    while True:
+                        msg = self._recv()
+                        if msg is None:
+                            break
+                        self._note(msg)
+                        yield msg
+                        if self.finished:
+                            return
+                    continue
+                now = time.monotonic()
+                if heartbeat is not None and not ready:
+                    yield {"kind": "heartbeat"}
+                if gone_deadline is None and self._supervisor_gone():
+                    # Its last messages may still be in flight: drain briefly
+                    # (not when the kernel killed it: nothing more is coming).
+                    gone_deadline = now + (0.2 if self.forced else GONE_DRAIN)
+                    if self._pidfd is not None:
+                        poller.unregister(self._pidfd)
+                elif gone_deadline is not None and now >= gone_deadline:
+                    if self.forced:
+                        self.finished = True
+                        yield {"kind": "finished", "reason": self._reason, "forced": self.forced}
+                        return
+                    raise LauncherError(
+                        "the run's supervisor process exited without finishing the run.\n"
+                        + self.launcher.launch_log_tail()
+                    )
+                self._escalate(now)
+        finally:
+            poller.unregister(pull)
+
+    def _note(self, msg: dict) -> None:
+        kind = msg.get("kind")
+        if kind == "finished":
+            self.finished = True
+        elif kind == "started":
+            self.rank_pids = set(msg.get("pids", {}).values())
+        elif kind in ("released", "output", "rank_event"):
+            self.rendezvous_at = None   # past the rendezvous: the ranks run
+
+    def _escalate(self, now: float) -> None:
+        if self.timeout_at is not None and now >= self.timeout_at:
+            self.timeout_at = None
+            self._reason = "timeout" if not self.interrupted else self._reason
+            self._begin_kill("it did not stop the run at --timeout")
+        if self.rendezvous_at is not None and now >= self.rendezvous_at:
+            self.rendezvous_at = None
+            self._reason = "rendezvous" if not self.interrupted else self._reason
+            self._begin_kill("it did not end the rendezvous at --rendezvous_timeout")
+        if self.term_at is not None and now >= self.term_at:
+            self.term_at = None
+            self._begin_kill("it did not end the run within "
+                             f"{STOP_WAIT:g}s of the stop")
+        if self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
+            self.force_kill()
+
+    def _begin_kill(self, why: str) -> None:
+        """SIGTERM now (the supervisor kills its ranks at once); SIGKILL after KILL_WAIT."""
+        self._why = why
+        self._signal(signal.SIGTERM)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + KILL_WAIT
+
+    def force_kill(self) -> None:
+        """SIGKILL the supervisor and every rank it reported (and their groups)."""
+        if self.finished:
+            return
+        self.forced = getattr(self, "_why", "it did not answer")
+        for pid in (self.supervisor_pid, *self.rank_pids):
+            for kill in (os.kill, os.killpg):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def close(self) -> None:
+        self._pidfd_close()
+
+    def __del__(self) -> None:
+        self._pidfd_close()
+
+    def _recv(self) -> Optional[dict]:
+        pull = self.launcher.pull
+        while True:
+            # A message taken off the socket is processed whole (an interrupt
+            # waits): losing "finished" would turn a clean stop into an error.
+            with sigint_deferred():
+                try:
+                    frames = pull.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return None
+                try:
+                    _, frames = self.session.feed_identities(frames)
+                    msg = self.session.deserialize(frames)
+                except Exception:
+                    msg = None
+            if msg is None:
+                # Wrong or missing signature, replay, or a stale run: never unpickled.
+                self.launcher.dropped += 1
+                continue
+            content = msg["content"]
+            if content.get("run_id") != self.run_id:
+                self.launcher.dropped += 1
+                continue
+            return content
+
+    def _supervisor_gone(self) -> bool:
+        try:
+            os.kill(self.supervisor_pid, 0)
+        except ProcessLookupError:
+            return True
+        if self._pidfd is not None:
+            return bool(zmq.select([self._pidfd], [], [], 0)[0])
+        return False
+
+    def _pidfd_close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    # -- stopping --------------------------------------------------------------
+    def interrupt(self) -> None:
+        """The stop button.  First press: stacks, then the ranks are stopped;
+        second: kill the ranks now; third: the kernel kills everything itself.
+        Unanswered presses escalate by themselves (see the module doc)."""
+        self.interrupted += 1
+        self._reason = "interrupt"
+        if self.interrupted == 1:
+            self._signal(signal.SIGUSR1)
+            self.term_at = time.monotonic() + STOP_WAIT
+        elif self.interrupted == 2:
+            self.term_at = None
+            self._begin_kill("it did not answer the stop")
+        else:
+            self._why = "it did not answer the stop"
+            self.force_kill()
+
+    def kill(self) -> None:
+        """Stop now: SIGTERM, then SIGKILL if that is not answered."""
+        self._begin_kill("it did not answer")
+
+    def _signal(self, sig: int) -> None:
+        if self.finished:
+            return
+        try:
+            os.kill(self.supervisor_pid, sig)
+        except ProcessLookupError:
+            pass
