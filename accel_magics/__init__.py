@@ -34,8 +34,13 @@ def load_ipython_extension(ip) -> None:
     ip.register_magics(magics)
     ip.events.register("post_run_cell", magics.post_run_cell)
     magics.tracker.install()
-    magics.launcher.start()   # torch loads in the background meanwhile
     _magics = magics
+    try:
+        magics.launcher.start()   # torch loads in the background meanwhile
+    except Exception as exc:      # the first cell tries again, and says why if it fails
+        import warnings
+
+        warnings.warn(f"accel_magics: {exc}", RuntimeWarning, stacklevel=2)
 
 
 def unload_ipython_extension(ip) -> None:

@@ -9,6 +9,7 @@ engine (``kernel_ext.run.execute``); this module only adapts it to IPython.
 from __future__ import annotations
 
 import re
+import sys
 import traceback
 from typing import Optional
 
@@ -21,7 +22,7 @@ from kernel_ext.errors import ReportedError
 from kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
 from kernel_ext.launcher import Launcher
 from kernel_ext.payload import PayloadError, build_payload
-from kernel_ext.run import execute
+from kernel_ext.run import RemoteRepr, execute
 
 from .presenter import Presenter
 
@@ -36,6 +37,10 @@ class PreflightError(ReportedError, UsageError):
 
 class ReturnNameError(ReportedError, NameError):
     """A ``--return`` name that rank 0 did not define; the run itself succeeded."""
+
+
+class ReturnValueError(ReportedError, ValueError):
+    """A ``--return`` value that could not travel to the kernel; the run itself succeeded."""
 
 
 LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
@@ -234,7 +239,17 @@ class DistributedMagics(Magics):
                 f"--return: rank 0 did not define {', '.join(repr(n) for n in result.missing)} "
                 "(the run itself succeeded; its output is above)."
             )
+        if result.unloadable:
+            raise ReturnValueError(
+                "--return: " + "; ".join(f"{name!r} could not be brought back ({value.error}); rank 0 had "
+                                         f"{value!r}" for name, value in result.unloadable.items())
+                + ". It was not assigned. The run itself succeeded; the other names were assigned. Return "
+                "plain data (numbers, tensors, arrays, dicts), or save the object to a file in the cell."
+            )
         if result.has_value:
+            if isinstance(result.value, RemoteRepr):
+                print(f"accel_magics: rank 0's result could not be brought back ({result.value.error}); "
+                      "shown is its repr.", file=sys.stderr)
             return result.value
         return None
 

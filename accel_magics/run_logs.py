@@ -1,4 +1,4 @@
-"""Where a run's full log goes: ``<log root>/<time>-In<N>/rank<N>.log``.
+"""Where a run's full log goes: ``<log root>/<time>-In<N>-<random>/rank<N>.log``.
 
 The views keep only a rank's first and last lines; its complete output is
 written, by the run's supervisor, to a file per rank in the run's directory
@@ -9,6 +9,7 @@ written, by the run's supervisor, to a file per rank in the run's directory
 from __future__ import annotations
 
 import os
+import secrets
 import time
 
 
@@ -21,5 +22,7 @@ def log_root() -> str:
 
 
 def run_log_dir(label: str) -> str:
-    """The directory for a run started now (made at its first line: quiet runs leave none)."""
-    return os.path.join(log_root(), time.strftime("%Y%m%d-%H%M%S-") + label)
+    """The directory for a run started now (made at its first line: quiet runs
+    leave none).  The random part keeps two kernels' runs of the same second
+    and cell number apart."""
+    return os.path.join(log_root(), time.strftime("%Y%m%d-%H%M%S-") + label + "-" + secrets.token_hex(4))

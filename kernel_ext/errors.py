@@ -127,6 +127,10 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         return f"KeyboardInterrupt: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
+class RunTerminated(ReportedError, RuntimeError):
+    """The run's supervisor got SIGTERM from outside accel_magics; every rank was stopped."""
+
+
 class RendezvousError(ReportedError, RuntimeError):
     """The nodes did not all meet at the rendezvous; nothing ran."""
 

@@ -43,6 +43,37 @@ def _close_all() -> None:
         launcher.close()
 
 
+DISPATCH_WAIT = 15.0   # seconds the launcher gets to answer a run (it takes milliseconds)
+PRELOAD_WAIT = 60.0    # seconds it gets to import the modules it was asked to preload
+SUN_PATH_MAX = 107   # bytes in an AF_UNIX socket path (Linux: 108 with the final NUL)
+
+
+def _private_dir() -> str:
+    """A new private (0700) directory for the run channel's ipc:// socket.
+
+    In the temp directory, unless its path is too long for a socket (a long
+    ``TMPDIR``): then in /tmp or the user's runtime directory.
+    """
+    tried = []
+    for base in (None, "/tmp", os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+        base = base or tempfile.gettempdir()
+        if base in tried:
+            continue
+        tried.append(base)
+        if len(os.fsencode(os.path.join(base, "accel_magics-xxxxxxxx", "events"))) > SUN_PATH_MAX:
+            continue
+        try:
+            path = tempfile.mkdtemp(prefix="accel_magics-", dir=base)   # 0700, whatever the umask
+        except OSError:
+            continue
+        os.chmod(path, 0o700)
+        return path
+    raise LauncherError(
+        f"no directory for the launcher's socket: {', '.join(tried)} are not writable or their path is longer "
+        f"than a socket path may be ({SUN_PATH_MAX} bytes). Set TMPDIR to a short, writable directory."
+    )
+
+
 class Launcher:
     """The kernel's handle on its launcher process."""
 
@@ -52,18 +83,45 @@ class Launcher:
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
         self.dropped = 0          # messages that failed verification (forged, stale)
+        self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.Lock()
         self._preloaded: set[str] = set()
         self._denied: set[str] = set()
         self._pending_preload: list[str] = []
+        self._preload_files: dict[str, tuple[int, int]] = {}   # what the launcher imported for runs
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
         """Start the launcher process; returns at once (torch loads meanwhile)."""
         if self.proc is not None:
             return
-        self.dir = tempfile.mkdtemp(prefix="accel_magics-")
-        os.chmod(self.dir, 0o700)
+        self.dir = _private_dir()
+        self.pull = None
+        try:
+            self._start()
+        except BaseException as exc:   # leave nothing behind: no socket, directory or process
+            self._abandon_start()
+            if isinstance(exc, (LauncherError, KeyboardInterrupt)):
+                raise
+            raise LauncherError(f"could not start the launcher process: {type(exc).__name__}: {exc}") from exc
+
+    def _abandon_start(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        if self.pull is not None:
+            self.pull.close()
+            self.pull = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start(self) -> None:
         self.events_addr = f"ipc://{self.dir}/events"
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -105,8 +163,12 @@ class Launcher:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def close(self) -> None:
-        """Stop the launcher and every run; remove the private directory."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the launcher and every run; remove the private directory.
+
+        ``kill``: it does not answer (frozen, stuck): SIGKILL it and its runs
+        at once instead of asking it to stop them.
+        """
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -115,7 +177,7 @@ class Launcher:
         except OSError:
             pass
         try:
-            proc.wait(5)
+            proc.wait(0 if kill else 5)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -130,11 +192,17 @@ class Launcher:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.info = {}
         self._pending_preload = []
+        self._preload_files = {}
+        self._preloaded.clear()   # a new launcher preloads from scratch
         _live_launchers.discard(self)
 
     def ensure_running(self) -> dict:
         if self._pending_preload:
             self._settle_preload()
+        if self.alive and self._stale_preload():
+            # A module it keeps imported changed on disk (pip upgraded it): a
+            # run must never see old code, so a fresh launcher imports it anew.
+            self.close()
         if self.proc is not None and not self.alive:
             warnings.warn(f"the launcher process had exited (code {self.proc.returncode}); starting a new one. "
                           f"Its log:\n{self.launch_log_tail()}", RuntimeWarning, stacklevel=2)
@@ -142,6 +210,16 @@ class Launcher:
         if self.proc is None:
             self.start()
         return self.wait_ready()
+
+    def _stale_preload(self) -> bool:
+        for path, (mtime, size) in self._preload_files.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                return True
+            if st.st_mtime_ns != mtime or st.st_size != size:
+                return True
+        return False
 
     def launch_log_tail(self, n: int = 20) -> str:
         try:
@@ -218,13 +296,42 @@ class Launcher:
         pending, self._pending_preload = self._pending_preload, []
         if not pending or not self.alive:
             return
-        reply = self._reply("preloaded", 120)
+        try:
+            reply = self._reply("preloaded", PRELOAD_WAIT)
+        except LauncherError:   # an import that hangs (or kills it): never preload these again
+            self._denied.update(pending)
+            self._preloaded.difference_update(pending)
+            self.close(kill=True)
+            return
+        self._preload_files.update(reply.get("files", {}))
         if reply.get("taint"):
             self._denied.update(pending)
             self._preloaded.difference_update(pending)
             self.close()
 
     # -- runs -------------------------------------------------------------
+    def _dispatch(self, run_id: str, num_processes: int, spec: dict, key: bytes) -> Optional[dict]:
+        """Hand a run to the launcher: its "run_started" reply, None if it gave none."""
+        # The key travels in a frame of its own, read by the launcher only
+        # after it has forked the run's supervisor (and the supervisor its
+        # ranks): no process that runs user code ever holds it.
+        self._send({"op": "run", "run_id": run_id, "num_processes": num_processes,
+                    "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)}, {"key": key})
+        try:
+            return self._reply("run_started", DISPATCH_WAIT)
+        except KeyboardInterrupt:  # the run exists now: stop it before giving up
+            reply = self._reply("run_started", DISPATCH_WAIT)
+            if "pid" in reply:
+                handle = RunHandle(self, run_id, key, reply["pid"], spec["master_port"], None)
+                handle.kill()
+                handle.force_kill()
+                handle.close()
+            raise
+        except LauncherError:
+            if self.alive:    # frozen or stuck, not gone
+                return None
+            raise
+
     def launch(self, cfg: LaunchConfig, payload: Payload, *, attempt: int = 0, grace: float = 3.0,
                log_dir: str = "", excerpt: Optional[tuple[int, int]] = None) -> "RunHandle":
         """Hand the run to the launcher; ``log_dir`` and ``excerpt``: see ``run.execute``."""
@@ -259,21 +366,18 @@ class Launcher:
         }
         rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
         with self._lock:
-            # The key travels in a frame of its own, read by the launcher only
-            # after it has forked the run's supervisor (and the supervisor its
-            # ranks): no process that runs user code ever holds it.
-            self._send({"op": "run", "run_id": run_id, "num_processes": cfg.num_processes,
-                        "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)}, {"key": key})
-            try:
-                reply = self._reply("run_started", 30)
-            except KeyboardInterrupt:  # the run exists now: stop it before giving up
-                reply = self._reply("run_started", 30)
-                if "pid" in reply:
-                    handle = RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv)
-                    handle.kill()
-                    handle.force_kill()
-                    handle.close()
-                raise
+            reply = self._dispatch(run_id, cfg.num_processes, spec, key)
+            if reply is None:   # it did not answer: a fresh launcher gets the run
+                warnings.warn("accel_magics: the launcher process did not answer; it was replaced by a new one "
+                              f"(its log:\n{self.launch_log_tail()})", RuntimeWarning, stacklevel=3)
+                self.close(kill=True)
+                self.ensure_running()
+                spec["events_addr"] = self.events_addr
+                reply = self._dispatch(run_id, cfg.num_processes, spec, key)
+                if reply is None:
+                    self.close(kill=True)
+                    raise LauncherError(f"the launcher process did not answer within {DISPATCH_WAIT:g}s, twice.")
+        self.runs_started += 1
         if "error" in reply:
             raise LauncherError(f"the launcher could not start the run: {reply['error']}")
         return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv)

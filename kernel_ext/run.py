@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from . import events as ev
 from .environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedTimeoutError, LauncherError, RendezvousError,
-                     RunInterrupted, forced_note, root_cause)
+                     RunInterrupted, RunTerminated, forced_note, root_cause)
 from .launcher import Launcher
 from .run_handle import RunHandle
 from .payload import Payload
@@ -31,6 +31,7 @@ class RunResult:
     has_value: bool = False
     returns: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)  # --return names rank 0 did not define
+    unloadable: dict = field(default_factory=dict)  # --return name -> RemoteRepr (its value could not travel)
     new_modules: list = field(default_factory=list)  # imported by rank 0, not preloaded
     attempts: int = 1
     elapsed: float = 0.0
@@ -163,6 +164,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "rendezvous_failed"
     elif reason == "timeout":
         status = "timeout"
+    elif reason == "terminated":
+        status = "terminated"
     elif cause is not None:
         status = "failed"
     else:
@@ -207,6 +210,11 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
             raise RendezvousError(outcome.rendezvous_error or (
                 f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
                 f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
+        if finished.status == "terminated":
+            raise RunTerminated(
+                "the run's supervisor was sent SIGTERM by another process (a rank's os.kill, the system, a "
+                f"job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
+                " had not finished.")
         if finished.status == "timeout":
             raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)
         if finished.status == "failed":
@@ -220,7 +228,12 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
         if packed is not None:
             res.has_value = True
             res.value = _unpack(packed)
-        res.returns = {name: _unpack(p) for name, p in event.get("returns", {}).items()}
+        for name, packed_value in event.get("returns", {}).items():
+            value = _unpack(packed_value)
+            if isinstance(value, RemoteRepr):   # never a silent stand-in: the caller says so
+                res.unloadable[name] = value
+            else:
+                res.returns[name] = value
         res.missing = list(event.get("missing", []))
         res.new_modules = list(event.get("new_modules", []))
         launcher.learn_modules(res.new_modules)
@@ -238,7 +251,8 @@ def _departed_before(outcome: _Outcome) -> dict:
 
 
 class RemoteRepr:
-    """Stands in for a rank's value that could not travel: shows its repr."""
+    """Stands in for a rank's value that could not travel (pickled in the rank,
+    or unpickled in the kernel): shows its repr, says why in ``error``."""
 
     def __init__(self, text: str, error: str) -> None:
         self.text, self.error = text, error
@@ -251,4 +265,5 @@ def _unpack(packed: dict):
     try:
         return loads_value(packed)
     except Exception as exc:
-        return RemoteRepr(packed.get("repr", f"<value that could not be loaded: {exc}>"), str(exc))
+        text = packed.get("repr") or f"<{packed.get('type', 'a value')} object that could not be loaded>"
+        return RemoteRepr(text, f"{type(exc).__name__}: {exc}" if "blob" in packed else str(exc))

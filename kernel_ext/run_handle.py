@@ -6,7 +6,7 @@ escalation that makes the stop button and ``--timeout`` always work, even when
 the run's supervisor cannot answer (SIGSTOPped, stuck in a blocking call):
 
 * stop (first press): the supervisor collects stacks, then stops the ranks;
-* no end after ``STOP_WAIT`` (or a second press): SIGTERM, the supervisor
+* no end after ``STOP_WAIT`` (or a second press): SIGUSR2, the supervisor
   kills its ranks at once;
 * no end after ``KILL_WAIT`` more (or a third press): the kernel itself
   SIGKILLs the supervisor and every rank it knows of, and the run ends as
@@ -148,9 +148,9 @@ class RunHandle:
             self.force_kill()
 
     def _begin_kill(self, why: str) -> None:
-        """SIGTERM now (the supervisor kills its ranks at once); SIGKILL after KILL_WAIT."""
+        """SIGUSR2 now (the supervisor kills its ranks at once); SIGKILL after KILL_WAIT."""
         self._why = why
-        self._signal(signal.SIGTERM)
+        self._signal(signal.SIGUSR2)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + KILL_WAIT
 
@@ -229,7 +229,7 @@ class RunHandle:
             self.force_kill()
 
     def kill(self) -> None:
-        """Stop now: SIGTERM, then SIGKILL if that is not answered."""
+        """Stop now: SIGUSR2, then SIGKILL if that is not answered."""
         self._begin_kill("it did not answer")
 
     def _signal(self, sig: int) -> None:

@@ -9,7 +9,8 @@ a rank's exit is reported only after everything the rank wrote was read.
 Its event loop (one thread, ``selectors``) watches, per rank, the merged
 stdout/stderr pipe, the event pipe and the stack pipe (``rank_process``
 forks a rank with them), plus a signal wake-up pipe (SIGCHLD for exits,
-SIGUSR1 = interrupt, SIGTERM = stop now).
+SIGUSR1 = interrupt, SIGUSR2 = the kernel's "stop now", SIGTERM = terminated
+from outside: the run fails saying so).
 
 Stopping follows torchrun: stacks first (SIGUSR1 -> faulthandler, which works
 inside a blocked collective), then SIGTERM to each rank's process group, then
@@ -34,7 +35,7 @@ from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_sta
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
-SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
 REMOTE_CHECK = 0.5        # seconds between looks at other nodes' failure flag
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
@@ -164,7 +165,7 @@ class Supervisor:
         set_nonblocking(w)
         self.wakeup_r, self.wakeup_w = r, w
         signal.set_wakeup_fd(w)
-        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
@@ -409,9 +410,11 @@ class Supervisor:
                 self._reap()
             elif signum == signal.SIGUSR1:
                 self._stop("interrupt", stacks=True)
-            elif signum == signal.SIGTERM:
+            elif signum in (signal.SIGUSR2, signal.SIGTERM):
+                # SIGUSR2: the kernel's "stop now".  SIGTERM comes from elsewhere
+                # (a rank, the system, the launcher ending): the run says so.
                 if self.stopping is None:
-                    self.stopping = "interrupt"
+                    self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
                 self.stack_deadline = None
                 self._kill_all(signal.SIGKILL)
 

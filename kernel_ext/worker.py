@@ -320,10 +320,42 @@ def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
     }
 
 
+def _installed_roots() -> tuple[str, ...]:
+    """Where installed code lives (the standard library, site-packages): code
+    there does not change under the user, unlike modules next to a notebook
+    or an editable install."""
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except AttributeError:   # pragma: no cover - a virtualenv's old site.py
+        pass
+    roots.discard(None)
+    return tuple({os.path.join(form, "") for r in roots for form in (os.path.abspath(r), os.path.realpath(r))})
+
+
+_INSTALLED = _installed_roots()
+
+
+def preloadable(module) -> bool:
+    """Whether the launcher may keep ``module`` imported for later runs: only
+    installed code (stdlib, site-packages) and built-in modules.  A module the
+    user can edit is imported afresh by every run, so a run never uses old code."""
+    paths = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else \
+        list(getattr(module, "__path__", []) or [])
+    if not paths:
+        return getattr(module, "__spec__", None) is not None and module.__spec__.origin in ("built-in", "frozen")
+    return all(p.startswith(_INSTALLED) or os.path.realpath(p).startswith(_INSTALLED) for p in paths)
+
+
 def _new_modules(before: set) -> list[str]:
-    """Modules this rank imported that the launcher did not have: worth preloading."""
+    """Installed modules this rank imported that the launcher did not have: worth preloading."""
     return sorted(m for m in set(sys.modules) - before
-                  if not m.startswith(("__main__", "_distutils_hack")) and sys.modules.get(m) is not None)
+                  if not m.startswith(("__main__", "_distutils_hack")) and sys.modules.get(m) is not None
+                  and preloadable(sys.modules[m]))
 
 
 def _execute(spec: dict, local_rank: int) -> int:
@@ -398,7 +430,8 @@ def _execute(spec: dict, local_rank: int) -> int:
 def _pack_value(value) -> dict:
     """The value pickled for the kernel, or its repr if it cannot travel."""
     try:
-        return {"blob": dumps_result(value)}
+        kind = type(value)
+        return {"blob": dumps_result(value), "type": f"{kind.__module__}.{kind.__qualname__}"}
     except Exception as exc:
         try:
             text = repr(value)

@@ -31,7 +31,7 @@ from typing import Optional
 from . import payload, pg_guard, rank_stdio, supervisor, wire, worker  # noqa: F401
 from .process_tree import children, kill_orphans
 
-SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD}
+SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
 END_WAIT = 15.0   # how long a new run waits for the processes of earlier runs to end
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
@@ -100,8 +100,12 @@ class Zygote:
         self.extra_fds: list[int] = []           # fds a forked child must close
         self.failed_preload: dict[str, str] = {}
         self.terminating = False
+        self.kernel_gone = False
 
-    def preload(self, modules) -> None:
+    def preload(self, modules) -> dict:
+        """Import ``modules``; returns {file: (mtime_ns, size)} of every module
+        this imported, so the kernel can tell when one changed on disk."""
+        before = set(sys.modules)
         for name in modules:
             if name in sys.modules or name in self.failed_preload:
                 continue
@@ -113,6 +117,16 @@ class Zygote:
         pg_guard.install()   # inherited by every rank (see pg_guard)
         gc.collect()
         gc.freeze()
+        files = {}
+        for name in set(sys.modules) - before:
+            path = getattr(sys.modules.get(name), "__file__", None)
+            if path:
+                try:
+                    st = os.stat(path)
+                    files[path] = (st.st_mtime_ns, st.st_size)
+                except OSError:
+                    pass
+        return files
 
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
@@ -164,6 +178,7 @@ class Zygote:
                     self.fork_spare()   # idle time: the next run's fork is done now
                 for key, _ in self.sel.select():
                     if key.data == "kernel":
+                        self.kernel_gone = True
                         return
                     if key.data == "signal":
                         try:
@@ -197,8 +212,8 @@ class Zygote:
             self.reply({"kind": "run_started", "run_id": msg["run_id"], "pid": pid})
         elif op == "preload":
             self.drop_spare()   # it lacks the new modules
-            self.preload(msg["modules"])
-            self.reply({"kind": "preloaded", "preloaded": self.preloaded,
+            files = self.preload(msg["modules"])
+            self.reply({"kind": "preloaded", "preloaded": self.preloaded, "files": files,
                         "failed": self.failed_preload, "taint": taint(self.baseline_threads)})
         elif op == "ping":
             self.reply({"kind": "pong"})
@@ -340,7 +355,10 @@ class Zygote:
             if not children() or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        shutil.rmtree(self.private_dir, ignore_errors=True)
+        # The kernel owns the private directory (its log tells why this
+        # process ended); only when the kernel is gone is nobody left to remove it.
+        if self.kernel_gone:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
 def main() -> None:

@@ -118,10 +118,10 @@ def test_an_exception_whose_str_raises_is_reported_as_the_cells_error(clean_kern
     assert "line 5, in <module>" in res.error_text
 
 
-def _spare(k) -> set:
-    """The launcher's spare supervisor: a dispatched run would consume it."""
-    from kernel_harness import children
-    return children(k.launcher_pid())
+def _runs_started(k) -> int:
+    """How many runs the kernel's launcher has started so far."""
+    return int(k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started)"
+                    ).stdout)
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -139,11 +139,11 @@ def _spare(k) -> set:
 def test_bad_values_are_a_usage_error_before_anything_starts(clean_kernel, flags, needle):
     """Item 6 and 'raw errors': these crashed the magic with raw ValueError /
     OverflowError / OSError (some after launching), or were silently replaced."""
-    spare = _spare(clean_kernel)
+    runs = _runs_started(clean_kernel)
     res = clean_kernel.run(f"%%distributed -n 2 {flags}\nraise SystemExit('must not run')\n")
     assert res.error["ename"] == "UsageError", res.error_text
     assert needle in res.error["evalue"] and "Nothing was launched" in res.error["evalue"]
-    assert _spare(clean_kernel) == spare, "a run was dispatched"
+    assert _runs_started(clean_kernel) == runs, "a run was dispatched"
 
 
 def test_a_bad_default_is_refused_and_later_cells_still_work(clean_kernel):
@@ -155,11 +155,11 @@ def test_a_bad_default_is_refused_and_later_cells_still_work(clean_kernel):
 
 
 def test_top_level_await_is_refused_before_launch(clean_kernel):
-    spare = _spare(clean_kernel)
+    runs = _runs_started(clean_kernel)
     res = clean_kernel.run("%%distributed -n 2\nimport asyncio\nawait asyncio.sleep(0)\n")
     assert res.error["ename"] == "UsageError", res.error_text
     assert "'await' outside function" in res.error["evalue"] and "asyncio.run(main())" in res.error["evalue"]
-    assert _spare(clean_kernel) == spare
+    assert _runs_started(clean_kernel) == runs
 
 
 def _memfds(pid: int) -> int:
@@ -203,11 +203,11 @@ def test_a_reducer_raising_systemexit_or_keyboardinterrupt_is_a_usage_error(clea
     """Also seen: these escaped raw into the kernel."""
     k = clean_kernel
     k.ok(f"class Odd:\n    def __reduce__(self):\n        raise {raised}\nodd = Odd()\n")
-    spare = _spare(k)
+    runs = _runs_started(k)
     res = k.run("%%distributed -n 2\nprint(odd)\n")
     assert res.error["ename"] == "UsageError", res.error_text
     assert f"cannot send variable 'odd'" in res.error["evalue"] and raised.split("(")[0] in res.error["evalue"]
-    assert _spare(k) == spare
+    assert _runs_started(k) == runs
     k.ok("del odd, Odd")
 
 
@@ -382,3 +382,266 @@ def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
     assert res.error is not None and "supervisor" in res.error_text, res.error_text
     pid = int(res.stdout.split("daemon", 1)[1].split()[0])
     wait_until(lambda: not _alive([pid]), 10, f"the detached child {pid} to be killed")
+
+
+def test_an_edited_helper_module_runs_its_new_code(clean_kernel, tmp_path):
+    """Item 5: a module next to the notebook, imported in a cell, edited, and
+    imported again in the next cell printed the old value (it was preloaded)."""
+    k = clean_kernel
+    module = tmp_path / "helper_mod_item5.py"
+    module.write_text("VALUE = 'first'\n")
+    k.ok(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})")
+    cell = "%%distributed -n 2 --output text\nimport helper_mod_item5\nprint('value', helper_mod_item5.VALUE)\n"
+    assert "[rank 1] value first" in k.ok(cell).stdout
+    assert "[rank 1] value first" in k.ok(cell).stdout   # a run in between: the launcher learnt what was imported
+    module.write_text("VALUE = 'second, edited'\n")
+    assert "[rank 1] value second, edited" in k.ok(cell).stdout
+    k.ok(f"sys.path.remove({str(tmp_path)!r})")
+
+
+def test_an_upgraded_installed_module_is_not_served_stale(tmp_path):
+    """Item 5: installed code the launcher keeps imported is re-imported once its
+    file changes (a pip upgrade during the session), by a fresh launcher."""
+    import sys as _sys
+
+    from conftest import LoadedKernel
+    # A user site-packages directory (PYTHONUSERBASE) counts as installed code.
+    site = tmp_path / "lib" / f"python{_sys.version_info[0]}.{_sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "installed_mod_item5.py").write_text("VALUE = 1\n")
+    k = LoadedKernel(extra_env={"PYTHONUSERBASE": str(tmp_path), "PYTHONPATH": str(site)})
+    try:
+        k.ok("launcher = get_ipython().magics_manager.registry['DistributedMagics'].launcher")
+        cell = "%%distributed -n 2 --output text\nimport installed_mod_item5\nprint('value', installed_mod_item5.VALUE)\n"
+        assert "[rank 1] value 1" in k.ok(cell).stdout
+        assert "[rank 1] value 1" in k.ok(cell).stdout
+        assert k.ok("print(any(p.endswith('installed_mod_item5.py') for p in launcher._preload_files))"
+                    ).stdout == "True\n"   # the launcher keeps it imported
+        first = k.launcher_pid()
+        (site / "installed_mod_item5.py").write_text("VALUE = 22  # upgraded\n")
+        assert "[rank 1] value 22" in k.ok(cell).stdout
+        assert k.launcher_pid() != first, "the stale launcher was not replaced"
+    finally:
+        k.shutdown()
+
+
+def _accel_dirs(base: str) -> set:
+    import os
+    return {e for e in os.listdir(base) if e.startswith("accel_magics-")}
+
+
+def test_a_long_tmpdir_falls_back_to_a_short_private_directory(tmp_path):
+    """Item 9: a TMPDIR whose ipc path exceeds 107 bytes made %load_ext and every
+    cell raise a raw ZMQError, leaking a temp dir and fds per attempt."""
+    import os
+
+    from conftest import LoadedKernel
+    long_dir = tmp_path / ("d" * 60) / ("e" * 60)
+    long_dir.mkdir(parents=True)
+    before = _accel_dirs("/tmp")
+    k = LoadedKernel(extra_env={"TMPDIR": str(long_dir)})
+    try:
+        assert "[rank 1] fine" in k.ok("%%distributed -n 2 --output text\nprint('fine')").stdout
+        created = _accel_dirs("/tmp") - before
+        assert len(created) == 1
+        assert os.stat(f"/tmp/{created.pop()}").st_mode & 0o777 == 0o700
+    finally:
+        k.shutdown()
+    from kernel_harness import wait_until
+    wait_until(lambda: _accel_dirs("/tmp") == before, 10, "the launcher's directory to be removed")
+    assert not os.listdir(long_dir)
+
+
+def test_a_launcher_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Item 9: each failed start leaked a temp dir and fds."""
+    import gc
+    import os
+
+    from kernel_ext.errors import LauncherError
+    from kernel_ext.launcher import Launcher
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    counts = []
+    for _ in range(4):
+        with pytest.raises(LauncherError, match="could not start the launcher process"):
+            Launcher(python=str(tmp_path / "no-such-python")).start()
+        gc.collect()   # sockets of earlier tests' clients, closed when collected
+        counts.append(len(os.listdir("/proc/self/fd")))
+    assert not os.listdir(tmp_path)
+    assert counts[1:] == counts[:1] * 3, f"open fds per attempt: {counts}"   # (the first made ZMQ's context)
+
+
+def test_logs_are_private_whatever_the_umask(tmp_path):
+    """Item 11: log dirs were 0755 and files 0644 (0777/0666 with umask 000);
+    another local user read an HF_TOKEN a rank printed."""
+    import glob
+    import os
+
+    from conftest import LoadedKernel
+    old = os.umask(0)   # the kernel, its launcher and ranks inherit it
+    try:
+        k = LoadedKernel(extra_env={"ACCEL_MAGICS_LOG_DIR": str(tmp_path / "logs")})
+    finally:
+        os.umask(old)
+    try:
+        k.ok("%%distributed -n 2 --output text\nprint('HF_TOKEN=hf_secret')\n")
+        runs = glob.glob(str(tmp_path / "logs" / "*"))
+        assert len(runs) == 1
+        assert os.stat(tmp_path / "logs").st_mode & 0o777 == 0o700
+        assert os.stat(runs[0]).st_mode & 0o777 == 0o700
+        files = glob.glob(runs[0] + "/*") + glob.glob(runs[0] + "/.*")
+        assert files and all(os.stat(f).st_mode & 0o777 == 0o600 for f in files), \
+            {f: oct(os.stat(f).st_mode) for f in files}
+    finally:
+        k.shutdown()
+
+
+def _tiny_run(launcher, log_dir: str, timeout: float = 30):
+    from kernel_ext.environment import LaunchConfig
+    from kernel_ext.payload import build_payload
+    from kernel_ext.run import execute
+    return execute(launcher, LaunchConfig(num_processes=2, timeout=timeout),
+                   build_payload("print('secret line')\n", {}), log_dir=log_dir)
+
+
+def test_a_planted_symlink_or_fifo_is_never_followed(launcher, tmp_path):
+    """Item 12: a symlink planted where the next run's log goes was followed (a
+    victim's 0600 file got the run's output appended); a FIFO hung the cell."""
+    import os
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "rank0.log").write_text("precious\n")
+    root = tmp_path / "runs"
+    root.mkdir()
+    os.symlink(victim, root / "run-a")                    # the run's directory is a symlink
+    started = time.monotonic()
+    _tiny_run(launcher, str(root / "run-a"))
+    planted = root / "run-b"                              # a directory someone else made, with a FIFO
+    planted.mkdir()
+    os.mkfifo(planted / "rank0.log")
+    _tiny_run(launcher, str(planted))
+    assert time.monotonic() - started < 20                # the FIFO did not hang the run
+    assert (victim / "rank0.log").read_text() == "precious\n"
+    assert os.listdir(victim) == ["rank0.log"]
+    assert sorted(os.listdir(planted)) == ["rank0.log"]  # nothing written there either
+
+
+def test_two_runs_in_the_same_second_get_their_own_directories():
+    """Item 12: two kernels in the same second wrote into one log (time + In[N] only)."""
+    from accel_magics.run_logs import run_log_dir
+    assert len({run_log_dir("In3") for _ in range(50)}) == 50
+
+
+def test_pruning_removes_only_its_own_finished_runs(launcher, tmp_path):
+    """Item 13: pruning deleted directories it did not create, and the log of a
+    run still in progress in another kernel."""
+    import fcntl
+    import os
+
+    from kernel_ext.rank_logs import KEEP_RUNS, MARKER
+    root = tmp_path / "runs"
+    root.mkdir()
+    (root / "00000000-my-own-data").mkdir()              # sorts first, looks old: not ours
+    (root / "00000000-my-own-data" / "notes.txt").write_text("keep me")
+    (root / "00000001-In1-deadbeef").mkdir()             # our name pattern, no marker: not ours
+    live = root / "10000000-In0-run"                     # the oldest, but still in progress elsewhere
+    _tiny_run(launcher, str(live))
+    lock = os.open(live / MARKER, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)                      # as its supervisor holds it while it writes
+    try:
+        for i in range(1, KEEP_RUNS + 5):                 # finished runs of ours
+            _tiny_run(launcher, str(root / f"1000{i:04d}-In{i}-run"))
+        _tiny_run(launcher, str(root / "20000000-In99-run"))
+    finally:
+        os.close(lock)
+    left = sorted(os.listdir(root))
+    assert "00000000-my-own-data" in left and (root / "00000000-my-own-data" / "notes.txt").exists()
+    assert "00000001-In1-deadbeef" in left
+    assert "10000000-In0-run" in left
+    ours = [d for d in left if d.endswith("-run") and d != "10000000-In0-run"]
+    assert len(ours) == KEEP_RUNS
+    assert ours[-1] == "20000000-In99-run"
+
+
+KEY_SCAN = r"""
+import re
+found = set()
+pattern = re.compile(rb"[0-9a-f]{64}")
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        parts = line.split()
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if not parts[1].startswith("rw") or end - start > 1 << 30 or parts[-1] in ("[vvar]", "[vsyscall]"):
+            continue
+        try:
+            mem.seek(start)
+            found.update(m.decode() for m in pattern.findall(mem.read(end - start)))
+        except (OSError, ValueError, OverflowError):
+            pass
+found = sorted(found)
+"""
+
+
+def test_no_rank_ever_holds_the_key_that_signs_its_supervisors_messages(clean_kernel):
+    """Also seen: a rank forged a line and a "finished" message with the run key,
+    which was in its memory when the spare supervisor was forked at dispatch."""
+    k = clean_kernel
+    k.ok("import kernel_ext.wire as _w\nkeys = []\n_new_key = _w.new_key\n"
+         "_w.new_key = lambda: keys.append(_new_key()) or keys[-1]")
+    try:
+        # 3 ranks: the spare has 2, so this run's supervisor is forked at dispatch.
+        k.ok("%%distributed -n 3 --output text --return found\n" + KEY_SCAN, timeout=120)
+        assert k.ok("print(len(keys), len(found) > 0, keys[-1] in found)").stdout == "1 True False\n"
+    finally:
+        k.ok("_w.new_key = _new_key")
+
+
+def test_a_return_value_that_cannot_come_back_is_an_error_not_a_stand_in(clean_kernel):
+    """Also seen: a --return value that failed to unpickle in the kernel silently became a placeholder."""
+    k = clean_kernel
+    res = k.run("%%distributed -n 2 --output text --return good bomb lock\n"
+                "import threading\n"
+                "class Bomb:\n    def __reduce__(self):\n        return (eval, ('1/0',))\n"
+                "good, bomb, lock = 42, Bomb(), threading.Lock()\n")
+    assert res.error["ename"] == "ReturnValueError", res.error_text
+    assert "'bomb' could not be brought back (ZeroDivisionError" in res.error["evalue"]
+    assert "'lock' could not be brought back (TypeError" in res.error["evalue"]
+    assert k.ok("print(good, 'bomb' in dir(), 'lock' in dir())").stdout == "42 False False\n"
+
+
+def test_a_rank_that_sigterms_its_supervisor_is_not_reported_as_an_interrupt(clean_kernel):
+    """Also seen: it was reported as KeyboardInterrupt."""
+    res = clean_kernel.run("%%distributed -n 2 --output text --timeout 30\n"
+                           "import os, signal, time\n"
+                           "if os.environ['RANK'] == '1':\n    os.kill(os.getppid(), signal.SIGTERM)\n"
+                           "time.sleep(60)\n", timeout=60)
+    assert res.error["ename"] == "RunTerminated", res.error_text
+    assert "sent SIGTERM by another process" in res.error["evalue"]
+
+
+def test_a_frozen_or_dead_launcher_is_replaced_and_says_why():
+    """Also seen: a frozen launcher was never replaced; a dying launcher deleted
+    its own log, so its LauncherError said nothing."""
+    import os
+    import signal
+
+    from conftest import LoadedKernel
+    from kernel_harness import wait_until
+    k = LoadedKernel()
+    try:
+        frozen = k.launcher_pid()
+        os.kill(frozen, signal.SIGSTOP)
+        started = time.monotonic()
+        res = k.ok("%%distributed -n 2 --output text\nprint('after a freeze')", timeout=120)
+        assert "[rank 1] after a freeze" in res.stdout
+        assert "the launcher process did not answer; it was replaced" in res.stderr
+        assert time.monotonic() - started < 40
+        assert not _alive([frozen])
+        dying = k.launcher_pid()
+        os.kill(dying, signal.SIGTERM)
+        wait_until(lambda: not _alive([dying]), 10, "the launcher to exit")
+        res = k.ok("%%distributed -n 2 --output text\nprint('after a death')", timeout=120)
+        assert "[rank 1] after a death" in res.stdout
+        assert "the launcher process had exited" in res.stderr and "accel_magics launcher:" in res.stderr
+    finally:
+        k.shutdown()

@@ -23,7 +23,7 @@ FLOOD = ("%%distributed -n 2 --output text\n"
 def run_dir(res) -> str:
     """The log directory of the run a cell made (named after its In[N])."""
     root = os.environ["ACCEL_MAGICS_LOG_DIR"]
-    found = [d for d in os.listdir(root) if d.endswith(f"-In{res.execution_count}")]
+    found = [d for d in os.listdir(root) if f"-In{res.execution_count}-" in d]
     assert len(found) == 1, (found, os.listdir(root))
     return os.path.join(root, found[0])
 
