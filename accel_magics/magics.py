@@ -44,7 +44,8 @@ class ReturnValueError(ReportedError, ValueError):
 
 
 LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
-                       "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout")
+                       "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout",
+                       "stall_timeout")
 
 
 def launch_options(func):
@@ -69,6 +70,9 @@ def launch_options(func):
                  help="Stop the run after this many seconds and show where each rank was."),
         argument("--rendezvous_timeout", type=float, default=None,
                  help="Multi-node: how long the nodes wait for each other before giving up (default 300)."),
+        argument("--stall_timeout", type=float, default=None,
+                 help="Stop the run when a rank, after another rank finished the cell, uses no CPU and prints "
+                      "nothing for this many seconds, and show where it is stuck (default 30; 0: never)."),
     ]
     for decorate in reversed(decorators):
         func = decorate(func)
@@ -94,6 +98,7 @@ def _launch_config(values: dict) -> LaunchConfig:
         mixed_precision=values.get("mixed_precision"),
         timeout=values.get("timeout"),
         rendezvous_timeout=_given(values, "rendezvous_timeout", 300.0),
+        stall_timeout=_given(values, "stall_timeout", 30.0),
     )
 
 
@@ -112,7 +117,7 @@ def config_summary(values: dict) -> str:
 
 
 _BUILTIN_DEFAULTS = {"num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "max_restarts": 0,
-                     "output": "auto", "rendezvous_timeout": 300.0}
+                     "output": "auto", "rendezvous_timeout": 300.0, "stall_timeout": 30.0}
 
 
 def command_line(values: dict) -> str:

@@ -33,6 +33,7 @@ class LaunchConfig:
     mixed_precision: Optional[str] = None
     timeout: Optional[float] = None
     rendezvous_timeout: float = 300.0     # how long nodes wait for each other
+    stall_timeout: float = 30.0           # a rank idle this long after another finished is stuck (0: never)
     extra_env: dict = field(default_factory=dict)
 
     @property
@@ -88,6 +89,8 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
     if not 0 <= cfg.max_restarts <= MAX_RESTARTS:
         raise ConfigError(f"--max_restarts must be between 0 and {MAX_RESTARTS} (got {cfg.max_restarts}).")
     _check_seconds("--rendezvous_timeout", cfg.rendezvous_timeout)
+    if cfg.stall_timeout != 0:
+        _check_seconds("--stall_timeout", cfg.stall_timeout)
     if cfg.timeout is not None:
         _check_seconds("--timeout", cfg.timeout)
     if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:

@@ -112,6 +112,23 @@ class DistributedTimeoutError(ReportedError, TimeoutError):
         return super().report() + self.note + "\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
+class DistributedStallError(ReportedError, TimeoutError):
+    """A rank stayed in the cell, with no CPU time and no output, after other ranks finished it."""
+
+    def __init__(self, stalled: list[int], finished: list[int], seconds: float, stacks: dict[int, str]) -> None:
+        self.stalled, self.finished, self.stacks = stalled, finished, stacks
+        which = ", ".join(map(str, stalled))
+        super().__init__(
+            f"rank(s) {which} stalled: no CPU time and no output for {seconds:g}s after rank(s) "
+            f"{', '.join(map(str, finished))} finished the cell, so the run was stopped. Where each was is "
+            "below (native frames included). If a rank was waiting on purpose, raise --stall_timeout "
+            "(0 turns this check off)."
+        )
+
+    def report(self) -> str:
+        return super().report() + "\n" + (format_stacks(self.stacks) if self.stacks else "")
+
+
 class RunInterrupted(ReportedError, KeyboardInterrupt):
     """The run was stopped by the kernel's interrupt; every rank was stopped."""
 

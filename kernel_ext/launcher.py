@@ -358,6 +358,7 @@ class Launcher:
             "num_nodes": cfg.num_nodes,
             "node_rank": cfg.node_rank,
             "rdzv_timeout": cfg.rendezvous_timeout,
+            "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
             "grace": grace,
             "attempt": attempt,
             "max_restarts": cfg.max_restarts,

@@ -40,6 +40,11 @@ class RankProcess:
     failed: bool = False               # it reported a failure of its own
     done: bool = False                 # it reported its result (it exits with 0 right after)
     reported: bool = False
+    native: str = ""                   # its native stack (py-spy) when a diagnosis was asked for
+    done_time: float = 0.0             # when it reported its result
+    last_output: float = 0.0           # when it last wrote to its output
+    cpu_seen: Optional[float] = None   # CPU seconds at cpu_since (stall detection)
+    cpu_since: float = 0.0
     go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
                                        # lets a rank that succeeded (parked) exit
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from . import events as ev
 from .environment import LaunchConfig
-from .errors import (DistributedRunError, DistributedTimeoutError, LauncherError, RendezvousError,
+from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError, RendezvousError,
                      RunInterrupted, RunTerminated, forced_note, root_cause)
 from .launcher import Launcher
 from .run_handle import RunHandle
@@ -47,6 +47,7 @@ class _Outcome:
     rendezvous_error: Optional[str] = None
     departed: dict = field(default_factory=dict)   # rank -> (how it finished, when)
     forced: Optional[str] = None   # the kernel killed the run itself: why
+    stalled: Optional[dict] = None  # the supervisor's "stalled" report
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -67,6 +68,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     result = None
     reason = None
     forced = None
+    stalled = None
     exited: set[int] = set()
     interrupted = False
     rendezvous_error = None
@@ -130,6 +132,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     emit(ev.Waiting(msg["joined"], msg["expected"], msg["address"]))
                 elif kind == "rendezvous_failed":
                     rendezvous_error = msg["message"]
+                elif kind == "stalled":
+                    stalled = msg
                 elif kind == "remote_failure":
                     remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
                                             timestamp=0.0)
@@ -166,13 +170,15 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "timeout"
     elif reason == "terminated":
         status = "terminated"
+    elif reason == "stalled":
+        status = "stalled"
     elif cause is not None:
         status = "failed"
     else:
         status = "ok"
     finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
     emit(finished)
-    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced)
+    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced, stalled)
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
@@ -210,6 +216,10 @@ def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> R
             raise RendezvousError(outcome.rendezvous_error or (
                 f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
                 f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
+        if finished.status == "stalled":
+            info = outcome.stalled or {}
+            raise DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
+                                        info.get("seconds", cfg.stall_timeout), finished.stacks)
         if finished.status == "terminated":
             raise RunTerminated(
                 "the run's supervisor was sent SIGTERM by another process (a rank's os.kill, the system, a "

@@ -27,7 +27,7 @@ import signal
 import time
 from typing import NoReturn, Optional
 
-from . import wire, worker
+from . import native_stacks, wire, worker
 from .output_batch import Excerpt, bound_text, shorten_lines
 from .rank_logs import RankLogs
 from .process_tree import kill_orphans
@@ -46,7 +46,10 @@ READ_BYTES = 1 << 20
 STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
 STACK_QUIET = 0.1
 DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
-RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
+RELEASE_DELAY = 0.05
+STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
+STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as moving
+NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall      # after "finished", ranks that succeeded stay parked this long
 
 
 class Supervisor:
@@ -73,6 +76,7 @@ class Supervisor:
         self._fds: list[int] = []          # every fd a rank must not inherit
         self.rdzv = None
         self.remote_check: Optional[float] = None
+        self.stall_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self._discarded: set[int] = set()
         self.logs = RankLogs("")
@@ -92,6 +96,8 @@ class Supervisor:
             self._start(key, spec_bytes)
             if self.spec["num_nodes"] > 1 and self.stopping is None:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
+            elif self.spec.get("stall_timeout"):
+                self.stall_check = time.monotonic() + STALL_CHECK
             self._loop()
             self._finish_nodes()
             self.logs.close()   # complete on disk before the kernel hears "finished"
@@ -302,6 +308,35 @@ class Supervisor:
         self.stopping = "rendezvous"
         self.kill_deadline = time.monotonic() + self.grace
 
+    def _check_stall(self, now: float) -> None:
+        """One node: a rank still in the cell after another finished it, with no
+        CPU time and no output for ``stall_timeout`` seconds, is stuck (a
+        deadlock at teardown, a collective its peers left): stop the run and
+        show where it is, native frames included, instead of hanging for good.
+        One rank busy is enough to wait: the others may be waiting for it."""
+        self.stall_check = now + STALL_CHECK
+        if self.stopping is not None:
+            self.stall_check = None
+            return
+        finished = [r for r in self.ranks if r.done]
+        running = [r for r in self.ranks if r.status is None and not r.done]
+        if not finished or not running:
+            return
+        since_finish = min(r.done_time for r in finished)
+        for r in running:
+            cpu = native_stacks.cpu_seconds(r.pid)
+            if cpu is None:
+                return
+            if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
+                r.cpu_seen, r.cpu_since = cpu, now
+        quiet = [now - max(r.cpu_since, r.last_output, since_finish) for r in running]
+        limit = self.spec["stall_timeout"]
+        if min(quiet) < limit:
+            return
+        self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
+                    "finished": [r.rank for r in finished]})
+        self._stop("stalled", stacks=True)
+
     def _check_remote(self) -> None:
         """Several nodes: stop when another node reports a failure; report ours."""
         self.remote_check = time.monotonic() + REMOTE_CHECK
@@ -362,7 +397,7 @@ class Supervisor:
     def _next_timeout(self) -> Optional[float]:
         now = time.monotonic()
         due = [d for d in (self.flush_due, self.stack_deadline, self.kill_deadline,
-                           self.timeout_deadline, self.remote_check) if d is not None]
+                           self.timeout_deadline, self.remote_check, self.stall_check) if d is not None]
         due += [r.exit_time + DRAIN_WAIT for r in self.ranks if r.status is not None and not r.reported]
         if self.stack_deadline is not None:
             due.append(now + STACK_QUIET)
@@ -372,6 +407,8 @@ class Supervisor:
         now = time.monotonic()
         if self.remote_check is not None and now >= self.remote_check:
             self._check_remote()
+        if self.stall_check is not None and now >= self.stall_check:
+            self._check_stall(now)
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)
@@ -478,6 +515,7 @@ class Supervisor:
     # -- output -------------------------------------------------------------
     def _on_output(self, r: RankProcess, data: bytes) -> None:
         r.output.feed(data)
+        r.last_output = time.monotonic()
         if self.flush_due is None:
             self.flush_due = time.monotonic() + FLUSH_INTERVAL
         if r.output.bytes > MAX_BATCH_BYTES:
@@ -517,6 +555,7 @@ class Supervisor:
             summary = bound_text(summary, head=20, tail=20)
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
+            r.done_time = time.monotonic()
             # The rank's last event: stop reading its event and stack pipes
             # now, a process the cell started may hold them open for long.
             r.done = True
@@ -535,6 +574,12 @@ class Supervisor:
             if not secondary:   # a consequence of another node's failure is not news to it
                 self.rdzv.report_failure(self.spec["node_rank"], rank, summary)
         live = self._working()
+        if stacks and live and reason in ("timeout", "stalled"):
+            # A diagnosis was asked for: native frames too (a rank stuck in a
+            # destructor or a collective shows one line of Python otherwise).
+            native = native_stacks.dump([r.pid for r in live], NATIVE_WAIT)
+            for r in live:
+                r.native = native.get(r.pid, "")
         if stacks and live:
             for r in live:
                 r.signal(signal.SIGUSR1)
@@ -579,10 +624,10 @@ class Supervisor:
         self._close_pipes(r)   # give up on pipes a stray process holds
         r.output.end()
         self._flush()
-        if r.stack:
-            stack = user_stack(r.stack.decode("utf-8", "replace"))
+        if r.stack or r.native:
+            stack = r.native or user_stack(r.stack.decode("utf-8", "replace"))
             self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + stack)
-            self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack)})
+            self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack), "native": bool(r.native)})
         status = r.status if r.status is not None else 0
         if r.status is None:
             r.exit_time = time.monotonic()

@@ -27,7 +27,7 @@ from typing import NoReturn, Optional
 
 import cloudpickle
 
-from . import pg_guard, process_tree, wire
+from . import native_stacks, pg_guard, process_tree, wire
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
@@ -220,6 +220,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
     """
     try:
         set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
+        native_stacks.allow_supervisor_to_trace(parent)
         os.setpgid(0, 0)
         _reset_signals(stack_fd)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])   # blocked across the fork

@@ -645,3 +645,50 @@ def test_a_frozen_or_dead_launcher_is_replaced_and_says_why():
         assert "the launcher process had exited" in res.stderr and "accel_magics launcher:" in res.stderr
     finally:
         k.shutdown()
+
+
+STUCK_IN_NATIVE = ("import ctypes\n"
+                   "def wait_in_native_code():\n"
+                   "    ctypes.PyDLL(None).pause()   # blocks in C, holding the GIL, as a deadlocked destructor does\n")
+
+
+def test_a_rank_stuck_after_its_peers_finished_is_reported_with_its_native_stack(clean_kernel):
+    """Item 0: a rank stuck after the others finished (a teardown deadlock) hung
+    the cell forever without --timeout; now it is detected and shown natively."""
+    k = clean_kernel
+    k.ok(STUCK_IN_NATIVE)
+    started = time.monotonic()
+    res = k.run("%%distributed -n 2 --output text --stall_timeout 3\n"
+                "import os\n"
+                "if os.environ['RANK'] == '1':\n"
+                "    wait_in_native_code()\n", timeout=60)
+    took = time.monotonic() - started
+    assert res.error["ename"] == "DistributedStallError", res.error_text
+    assert res.error["evalue"].startswith("rank(s) 1 stalled: no CPU time and no output for 3s after rank(s) 0")
+    stack = res.error_text.split("rank 1:", 1)[1]
+    assert "pause" in stack and "libc" in stack             # the native frame it is blocked in
+    assert "wait_in_native_code" in stack                    # and the notebook's Python frame
+    assert "kernel_ext" not in stack
+    assert took < 3 + 10, f"took {took:.1f}s"
+
+
+def test_a_busy_rank_after_its_peers_finished_is_not_a_stall(clean_kernel):
+    res = clean_kernel.ok("%%distributed -n 2 --output text --stall_timeout 1\n"
+                          "import os, time\n"
+                          "if os.environ['RANK'] == '0':\n"
+                          "    end = time.monotonic() + 3\n"
+                          "    while time.monotonic() < end:\n"
+                          "        pass                      # rank-0-only work, no output\n"
+                          "print('finished')\n", timeout=60)
+    assert "[rank 0] finished" in res.stdout
+
+
+def test_a_timeout_shows_native_frames(clean_kernel):
+    """Item 0: the timeout's stack showed only '<%%distributed In[8]>, line 2'."""
+    k = clean_kernel
+    k.ok(STUCK_IN_NATIVE)
+    res = k.run("%%distributed -n 2 --output text --timeout 3\nwait_in_native_code()\n", timeout=60)
+    assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    for rank in ("rank 0:", "rank 1:"):
+        stack = res.error_text.split(rank, 1)[1]
+        assert "pause" in stack and "wait_in_native_code" in stack

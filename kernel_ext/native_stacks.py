@@ -1,0 +1,146 @@
+"""Supervisor side: where a rank is, native frames included, and whether it moves.
+
+A rank stuck in native code (a GIL deadlock in a destructor, a collective
+that never completes) shows nothing useful in its Python stack: one line of
+the cell.  :func:`dump` asks py-spy (``py-spy dump --native``), else gdb, for
+every thread's native and Python frames, for several ranks at once, bounded
+in time.  The rank allows its supervisor's helpers to attach
+(:func:`allow_supervisor_to_trace`, for Yama's ptrace_scope 1).
+
+:func:`cpu_seconds` is how the supervisor tells a stalled rank (no CPU, no
+output) from a busy one.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from .process_tree import descendants
+
+PR_SET_PTRACER = 0x59616D61
+_PLAIN_ENV = {**{k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")},
+              "NO_COLOR": "1", "TERM": "dumb"}
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_OWN = (os.path.dirname(os.path.abspath(__file__)) + os.sep, "kernel_ext/", "<frozen runpy>")
+
+
+def allow_supervisor_to_trace(supervisor_pid: int) -> None:
+    """In a rank: let the supervisor and its children (py-spy) attach to it."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PTRACER, supervisor_pid, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux; no Yama: not needed
+        pass
+
+
+def tool() -> Optional[list[str]]:
+    """The command prefix that dumps a process's native stacks, or None."""
+    spy = shutil.which("py-spy") or _beside_python("py-spy")
+    if spy:
+        return [spy, "dump", "--native", "--pid"]
+    gdb = shutil.which("gdb")
+    if gdb:
+        return [gdb, "-batch", "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt", "-p"]
+    return None
+
+
+def _beside_python(name: str) -> Optional[str]:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def dump(pids: list[int], timeout: float = 2.5) -> dict[int, str]:
+    """{pid: native stack text} for each pid that could be dumped within ``timeout``."""
+    command = tool()
+    if not command or not pids:
+        return {}
+    procs = {}
+    for pid in pids:
+        try:
+            procs[pid] = subprocess.Popen(command + [str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True, env=_PLAIN_ENV)
+        except OSError:
+            continue
+    deadline = time.monotonic() + timeout
+    out = {}
+    for pid, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            continue
+        if proc.returncode == 0 and text:
+            out[pid] = trim(text.decode("utf-8", "replace"))
+    return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SYMBOL_CHARS = 160
+
+
+def trim(text: str) -> str:
+    """py-spy's dump without its header, colours and accel_magics' own frames,
+    with C++ template arguments folded (a pybind11 frame is kilobytes long)."""
+    lines = []
+    for line in _ANSI.sub("", text).splitlines():
+        stripped = line.strip()
+        if line.startswith(("Process ", "Python v")) or not stripped:
+            continue
+        if any(own in stripped for own in _OWN):
+            continue
+        lines.append(_fold_templates(line))
+    return "\n".join(lines) + "\n"
+
+
+def _fold_templates(line: str) -> str:
+    """``f<a<b>, c>::g`` -> ``f<...>::g``; long lines cut."""
+    if "<" in line and len(line) > _SYMBOL_CHARS:
+        out, depth = [], 0
+        for ch in line:
+            if ch == "<":
+                if depth == 0:
+                    out.append("<...>")
+                depth += 1
+            elif ch == ">" and depth:
+                depth -= 1
+            elif depth == 0:
+                out.append(ch)
+        line = "".join(out)
+    return line if len(line) <= _SYMBOL_CHARS * 2 else line[:_SYMBOL_CHARS * 2] + "..."
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """CPU time of ``pid``, its live descendants and the children it reaped; None if gone."""
+    total = _stat_cpu(pid, children_too=True)
+    if total is None:
+        return None
+    for child in descendants(pid):
+        total += _stat_cpu(child) or 0.0
+    return total
+
+
+def state(pid: int) -> str:
+    """The process state letter (R, S, D, T, Z), or '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _stat_cpu(pid: int, children_too: bool = False) -> Optional[float]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    ticks = int(fields[11]) + int(fields[12])          # utime, stime
+    if children_too:
+        ticks += int(fields[13]) + int(fields[14])     # cutime, cstime: children it waited for
+    return ticks / _TICK
