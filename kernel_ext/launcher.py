@@ -9,7 +9,6 @@ interrupt or kill the run.  Nothing here imports IPython.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import pickle
 import shutil
@@ -22,7 +21,7 @@ import time
 import uuid
 import warnings
 import weakref
-from typing import Iterator, Optional
+from typing import Optional
 
 import zmq
 

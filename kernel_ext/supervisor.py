@@ -46,10 +46,10 @@ READ_BYTES = 1 << 20
 STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
 STACK_QUIET = 0.1
 DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
-RELEASE_DELAY = 0.05
+RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as moving
-NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall      # after "finished", ranks that succeeded stay parked this long
+NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
 
 
 class Supervisor:

@@ -35,11 +35,12 @@ class CellResult:
 
 
 class KernelSession:
-    def __init__(self, extra_env: Optional[dict] = None, km: Optional[KernelManager] = None) -> None:
+    def __init__(self, extra_env: Optional[dict] = None, km: Optional[KernelManager] = None,
+                 cwd: Optional[str] = None) -> None:
         env = dict(os.environ)
         env.update(extra_env or {})
         self.km = km or KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env)
+        self.km.start_kernel(env=env, **({"cwd": cwd} if cwd else {}))
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)

@@ -6,28 +6,9 @@ import time
 
 import pytest
 
+from cases import DAEMONS, DDP_TRAIN, STUCK_IN_NATIVE, alive, memfds, stopped_supervisor
+
 pytestmark = pytest.mark.timeout(300)
-
-DDP_TRAIN = """
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-
-def train():
-    dist.init_process_group("gloo")
-    model = DDP(torch.nn.Linear(10, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = TensorDataset(torch.randn(64, 10), torch.randn(64, 1))
-    for x, y in DataLoader(data, batch_size=8):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    print("done", dist.get_rank(), total.item())
-    dist.destroy_process_group()
-"""
-
 
 def test_plain_ddp_function_never_hangs_at_teardown(clean_kernel):
     """Item 0: ~1 cell in 4 hung here in ~Reducer -> ~ProcessGroupGloo (GIL deadlock)."""
@@ -162,17 +143,6 @@ def test_top_level_await_is_refused_before_launch(clean_kernel):
     assert _runs_started(clean_kernel) == runs
 
 
-def _memfds(pid: int) -> int:
-    import os
-    count = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:accel_magics-globals")
-        except OSError:
-            pass
-    return count
-
-
 def test_interrupting_while_a_big_global_is_shipped_frees_its_shared_memory(clean_kernel):
     """Item 7: ~1.5 GB of memfd leaked per stop, until the kernel restarted."""
     k = clean_kernel
@@ -188,13 +158,13 @@ def test_interrupting_while_a_big_global_is_shipped_frees_its_shared_memory(clea
 
     def on_output(text):
         if "reducing" in text and not seen:
-            seen.append(_memfds(k.pid))   # 'big' is in shared memory by now
+            seen.append(memfds(k.pid))   # 'big' is in shared memory by now
             k.interrupt()
 
     res = k.run("%%distributed -n 2 --output text\nprint(big.sum(), slow)\n", on_output=on_output, timeout=60)
     assert seen == [1], "the test did not interrupt while the big global was in shared memory"
     assert res.error["ename"] == "KeyboardInterrupt", res.error_text
-    assert _memfds(k.pid) == 0, "the shared memory of the big global leaked"
+    assert memfds(k.pid) == 0, "the shared memory of the big global leaked"
     k.ok("del big, slow, SlowToSend")
 
 
@@ -206,7 +176,7 @@ def test_a_reducer_raising_systemexit_or_keyboardinterrupt_is_a_usage_error(clea
     runs = _runs_started(k)
     res = k.run("%%distributed -n 2\nprint(odd)\n")
     assert res.error["ename"] == "UsageError", res.error_text
-    assert f"cannot send variable 'odd'" in res.error["evalue"] and raised.split("(")[0] in res.error["evalue"]
+    assert "cannot send variable 'odd'" in res.error["evalue"] and raised.split("(")[0] in res.error["evalue"]
     assert _runs_started(k) == runs
     k.ok("del odd, Odd")
 
@@ -272,19 +242,6 @@ def test_a_sigstopped_supervisor_cannot_outlast_the_timeout(clean_kernel):
     assert before  # the fixture's leak check: every process of the run is gone
 
 
-def _stopped_supervisor(k):
-    """The run's supervisor, once it is SIGSTOPped (state T), else None."""
-    from kernel_harness import children
-    for pid in children(k.launcher_pid()):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    return pid
-        except OSError:
-            pass
-    return None
-
-
 def test_the_stop_button_ends_a_run_whose_supervisor_is_sigstopped(clean_kernel):
     """Item 3: the stop button was ignored (twice)."""
     import threading
@@ -294,7 +251,7 @@ def test_the_stop_button_ends_a_run_whose_supervisor_is_sigstopped(clean_kernel)
     pressed = []
 
     def press_stop_once_stopped():
-        wait_until(lambda: _stopped_supervisor(k) is not None, 30, "the supervisor to be SIGSTOPped")
+        wait_until(lambda: stopped_supervisor(k) is not None, 30, "the supervisor to be SIGSTOPped")
         pressed.append(time.monotonic())
         k.interrupt()
 
@@ -320,40 +277,6 @@ def test_a_rank_that_leaves_its_process_group_is_still_stopped(clean_kernel):
     assert time.monotonic() - started < 3 + 8
 
 
-DAEMONS = r"""
-import os, time
-def start_daemons(depth, report):
-    '''A chain: each level setsids and double-forks, so each survivor is an orphan.'''
-    if os.fork() == 0:
-        os.setsid()
-        if os.fork() == 0:
-            os.write(report, b"%d\n" % os.getpid())
-            if depth > 1:
-                start_daemons(depth - 1, report)
-            time.sleep(600)
-        os._exit(0)
-
-def read_pids(r, n):
-    data = b""
-    while data.count(b"\n") < n:
-        data += os.read(r, 64)
-    return [int(p) for p in data.split()]
-"""
-
-
-def _alive(pids) -> list:
-    import os
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
-
-
 def test_a_chain_of_setsid_daemons_dies_with_the_run(clean_kernel):
     """Item 8: a chain of daemons that each setsid outlived the run, the kernel even."""
     from kernel_harness import wait_until
@@ -364,7 +287,7 @@ def test_a_chain_of_setsid_daemons_dies_with_the_run(clean_kernel):
                "print('daemons', *read_pids(r, 3))\n")
     pids = [int(p) for p in res.stdout.split("daemons", 1)[1].split()]
     assert len(pids) == 3
-    wait_until(lambda: not _alive(pids), 10, f"the daemons {pids} to be killed")
+    wait_until(lambda: not alive(pids), 10, f"the daemons {pids} to be killed")
 
 
 def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
@@ -381,22 +304,24 @@ def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
                 "time.sleep(600)\n", timeout=60)
     assert res.error is not None and "supervisor" in res.error_text, res.error_text
     pid = int(res.stdout.split("daemon", 1)[1].split()[0])
-    wait_until(lambda: not _alive([pid]), 10, f"the detached child {pid} to be killed")
+    wait_until(lambda: not alive([pid]), 10, f"the detached child {pid} to be killed")
 
 
-def test_an_edited_helper_module_runs_its_new_code(clean_kernel, tmp_path):
+def test_an_edited_helper_module_runs_its_new_code(tmp_path):
     """Item 5: a module next to the notebook, imported in a cell, edited, and
     imported again in the next cell printed the old value (it was preloaded)."""
-    k = clean_kernel
+    from conftest import LoadedKernel
     module = tmp_path / "helper_mod_item5.py"
     module.write_text("VALUE = 'first'\n")
-    k.ok(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})")
-    cell = "%%distributed -n 2 --output text\nimport helper_mod_item5\nprint('value', helper_mod_item5.VALUE)\n"
-    assert "[rank 1] value first" in k.ok(cell).stdout
-    assert "[rank 1] value first" in k.ok(cell).stdout   # a run in between: the launcher learnt what was imported
-    module.write_text("VALUE = 'second, edited'\n")
-    assert "[rank 1] value second, edited" in k.ok(cell).stdout
-    k.ok(f"sys.path.remove({str(tmp_path)!r})")
+    k = LoadedKernel(cwd=str(tmp_path))   # the notebook's directory: the kernel's and the launcher's cwd
+    try:
+        cell = "%%distributed -n 2 --output text\nimport helper_mod_item5\nprint('value', helper_mod_item5.VALUE)\n"
+        assert "[rank 1] value first" in k.ok(cell).stdout
+        assert "[rank 1] value first" in k.ok(cell).stdout   # a run in between: the launcher learnt the imports
+        module.write_text("VALUE = 'second, edited'\n")
+        assert "[rank 1] value second, edited" in k.ok(cell).stdout
+    finally:
+        k.shutdown()
 
 
 def test_an_upgraded_installed_module_is_not_served_stale(tmp_path):
@@ -591,7 +516,7 @@ def test_no_rank_ever_holds_the_key_that_signs_its_supervisors_messages(clean_ke
     try:
         # 3 ranks: the spare has 2, so this run's supervisor is forked at dispatch.
         k.ok("%%distributed -n 3 --output text --return found\n" + KEY_SCAN, timeout=120)
-        assert k.ok("print(len(keys), len(found) > 0, keys[-1] in found)").stdout == "1 True False\n"
+        assert k.ok("print(len(keys), len(found) > 0, keys[-1].decode() in found)").stdout == "1 True False\n"
     finally:
         k.ok("_w.new_key = _new_key")
 
@@ -636,20 +561,15 @@ def test_a_frozen_or_dead_launcher_is_replaced_and_says_why():
         assert "[rank 1] after a freeze" in res.stdout
         assert "the launcher process did not answer; it was replaced" in res.stderr
         assert time.monotonic() - started < 40
-        assert not _alive([frozen])
+        assert not alive([frozen])
         dying = k.launcher_pid()
         os.kill(dying, signal.SIGTERM)
-        wait_until(lambda: not _alive([dying]), 10, "the launcher to exit")
+        wait_until(lambda: not alive([dying]), 10, "the launcher to exit")
         res = k.ok("%%distributed -n 2 --output text\nprint('after a death')", timeout=120)
         assert "[rank 1] after a death" in res.stdout
         assert "the launcher process had exited" in res.stderr and "accel_magics launcher:" in res.stderr
     finally:
         k.shutdown()
-
-
-STUCK_IN_NATIVE = ("import ctypes\n"
-                   "def wait_in_native_code():\n"
-                   "    ctypes.PyDLL(None).pause()   # blocks in C, holding the GIL, as a deadlocked destructor does\n")
 
 
 def test_a_rank_stuck_after_its_peers_finished_is_reported_with_its_native_stack(clean_kernel):
