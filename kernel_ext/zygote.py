@@ -148,6 +148,7 @@ class Zygote:
             pass
         self.sel.register(self.control_fd, selectors.EVENT_READ, "control")
         self.sel.register(r, selectors.EVENT_READ, "signal")
+        self.kernel_pid = init["kernel_pid"]
         try:
             kernel = os.pidfd_open(init["kernel_pid"])
             self.sel.register(kernel, selectors.EVENT_READ, "kernel")
@@ -357,8 +358,17 @@ class Zygote:
             time.sleep(0.01)
         # The kernel owns the private directory (its log tells why this
         # process ended); only when the kernel is gone is nobody left to remove it.
-        if self.kernel_gone:
+        if self.kernel_gone or not _alive(self.kernel_pid):
             shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, a kernel that just died, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def main() -> None:

@@ -15,7 +15,34 @@ from kernel_harness import (  # noqa: E402
 )
 
 
+def _launcher_dirs() -> set:
+    found = set()
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        try:
+            found |= {os.path.join(base, e) for e in os.listdir(base) if e.startswith("accel_magics-")}
+        except OSError:
+            pass
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole session must leave no launcher directory behind (whichever
+    test leaked it): a failure of the run if one is left."""
+    before = getattr(session.config, "_launcher_dirs", None)
+    if before is None:
+        return
+    import time
+    deadline = time.monotonic() + 10
+    while _launcher_dirs() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _launcher_dirs() - before
+    if left:
+        print(f"\nLEAK: launcher directories left behind by this test session: {sorted(left)}")
+        session.exitstatus = 1
+
+
 def pytest_configure(config):
+    config._launcher_dirs = _launcher_dirs()
     # Run logs of every kernel the tests start (nbval's included) go to a
     # directory of this session, never to the user's ~/.cache.
     if "ACCEL_MAGICS_LOG_DIR" not in os.environ:

@@ -612,3 +612,21 @@ def test_a_timeout_shows_native_frames(clean_kernel):
     for rank in ("rank 0:", "rank 1:"):
         stack = res.error_text.split(rank, 1)[1]
         assert "pause" in stack and "wait_in_native_code" in stack
+
+
+def test_a_killed_kernel_leaves_no_launcher_directory():
+    """Leak found in CI: when the kernel was killed, the launcher saw its control
+    pipe close before the kernel's death and left its private directory."""
+    import os
+    import shutil
+
+    from conftest import LoadedKernel
+    from kernel_harness import wait_until
+    k = LoadedKernel()
+    try:
+        assert _accel_dirs(k.tmpdir)
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=True)   # SIGKILL: no atexit in the kernel
+        wait_until(lambda: not _accel_dirs(k.tmpdir), 10, "the launcher's private directory to be removed")
+    finally:
+        shutil.rmtree(k.tmpdir, ignore_errors=True)
