@@ -138,7 +138,7 @@ class Supervisor:
         moment after "finished" (signals are still served meanwhile).
         """
         deadline = time.monotonic() + RELEASE_DELAY
-        while time.monotonic() < deadline and self.stopping != "interrupt":
+        while time.monotonic() < deadline and self.stopping not in ("interrupt", "terminated"):
             self._poll(deadline - time.monotonic())
         self._release_all()
         deadline = time.monotonic() + REAP_WAIT
@@ -368,7 +368,7 @@ class Supervisor:
         deadline = time.monotonic() + FINISH_WAIT
         while self.rdzv.finished() < self.spec["num_nodes"] and time.monotonic() < deadline:
             self._poll(0.2)
-            if self.stopping == "interrupt":
+            if self.stopping in ("interrupt", "terminated"):
                 return
 
     def _connect(self, events_addr: str) -> None:
