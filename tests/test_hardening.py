@@ -2,6 +2,7 @@
 kernel, nothing stale runs, nothing leaks.  Each test failed before its fix."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -95,7 +96,8 @@ def test_an_exception_whose_str_raises_is_reported_as_the_cells_error(clean_kern
         "raise Weird()\n", timeout=60)
     assert res.error["ename"] == "DistributedRunError", res.error_text
     assert "could not start the rank" not in res.error_text
-    assert res.error["evalue"].startswith("rank 0 failed: Weird")
+    # Both ranks raise; whichever failed first is the root cause.
+    assert re.match(r"rank [01] failed: Weird", res.error["evalue"]), res.error["evalue"]
     assert "line 5, in <module>" in res.error_text
 
 
@@ -617,7 +619,6 @@ def test_a_timeout_shows_native_frames(clean_kernel):
 def test_a_killed_kernel_leaves_no_launcher_directory():
     """Leak found in CI: when the kernel was killed, the launcher saw its control
     pipe close before the kernel's death and left its private directory."""
-    import os
     import shutil
 
     from conftest import LoadedKernel
