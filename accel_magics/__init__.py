@@ -61,6 +61,6 @@ def progress(n: float, total: Optional[float] = None, desc: str = "") -> None:
     Outside a ``%%distributed`` cell it does nothing, so code that calls it
     runs unchanged anywhere.
     """
-    from kernel_ext import worker
+    from accel_magics.kernel_ext import worker
 
     worker.emit({"kind": "progress", "n": n, "total": total, "desc": desc})

@@ -17,12 +17,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from kernel_ext import preflight
-from kernel_ext.errors import ReportedError
-from kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
-from kernel_ext.launcher import Launcher
-from kernel_ext.payload import PayloadError, build_payload
-from kernel_ext.run import RemoteRepr, execute
+from accel_magics.kernel_ext import preflight
+from accel_magics.kernel_ext.errors import ReportedError
+from accel_magics.kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
+from accel_magics.kernel_ext.launcher import Launcher
+from accel_magics.kernel_ext.payload import PayloadError, build_payload
+from accel_magics.kernel_ext.run import RemoteRepr, execute
 
 from .presenter import Presenter
 
@@ -155,6 +155,14 @@ class DistributedMagics(Magics):
     def _is_cell_file(self, filename: str) -> bool:
         return filename in getattr(self.shell.compile, "_filename_map", {})
 
+    def _cell_label(self, filename: str) -> Optional[str]:
+        """``Cell In[2]`` for code compiled from a notebook cell, as IPython's
+        tracebacks name it; None for code from a file."""
+        if not self._is_cell_file(filename):
+            return None
+        label = self.shell.compile.format_code_name(filename)
+        return f"{label[0]} {label[1]}" if label else None
+
     def _describe_site(self, site: preflight.InitSite) -> str:
         if site.frames:
             frame = site.frames[-1]
@@ -280,7 +288,7 @@ class DistributedMagics(Magics):
         if not given and not args.reset:
             if getattr(self.shell, "kernel", None) is not None:
                 from IPython.display import display
-                from widgets.config_form import ConfigForm
+                from accel_magics.widgets.config_form import ConfigForm
 
                 self.ensure_defaults_known()
                 form = ConfigForm(self.effective_defaults(), check=self._check_defaults, apply=self._apply_defaults,
@@ -355,7 +363,7 @@ class DistributedMagics(Magics):
         try:
             return build_payload(
                 source, self.shell.user_ns, filename=f"<%%distributed In[{count}]>",
-                exclude=exclude, return_names=return_names,
+                exclude=exclude, return_names=return_names, code_label=self._cell_label,
             )
         except PayloadError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None

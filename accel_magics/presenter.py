@@ -45,7 +45,7 @@ class Presenter:
         self.text = None
         if mode == "widget":
             from IPython.display import display
-            from widgets.progress_view import RunView
+            from accel_magics.widgets.progress_view import RunView
 
             self.view = RunView(log_dir=log_dir)
             self.handle = display(self.view.widget, display_id=True)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Optional, TextIO
 
-from kernel_ext import events as ev
+from accel_magics.kernel_ext import events as ev
 
 
 class StreamLive:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from kernel_harness import KernelSession  # noqa: E402
 
-from kernel_ext.environment import free_port  # noqa: E402
+from accel_magics.kernel_ext.environment import free_port  # noqa: E402
 
 TRAINING_DEFS = '''
 import torch

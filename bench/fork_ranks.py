@@ -19,7 +19,7 @@ import torch
 import torch.distributed  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-from kernel_ext.environment import free_port
+from accel_magics.kernel_ext.environment import free_port
 
 
 def main() -> None:

@@ -179,6 +179,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+#: Set by ipykernel for its own (terminal-like) output, wrong for a rank's:
+#: forced colour and cursor control make rich/click-based progress draw
+#: terminal escapes into the run's record.
+_TERMINAL_ONLY = ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+
+
+def rank_base_environment(kernel_env: dict) -> dict[str, str]:
+    """The kernel's environment as a rank gets it: a rank writes to a pipe
+    that the run view shows as plain lines (carriage returns update a bar in
+    place), not to a terminal, so it says so (``TERM=dumb``, no forced
+    colour), and it has no inline matplotlib display (``MPLBACKEND=Agg``
+    unless the user chose a non-inline backend)."""
+    env = {k: v for k, v in kernel_env.items() if k not in _TERMINAL_ONLY}
+    env["TERM"] = "dumb"
+    if env.get("MPLBACKEND", "").startswith("module://"):   # matplotlib_inline: the kernel's display
+        env["MPLBACKEND"] = "Agg"
+    return env
+
+
 def rank_environment(
     cfg: LaunchConfig,
     local_rank: int,

@@ -26,7 +26,7 @@ from typing import Optional
 import zmq
 
 from . import process_tree, wire
-from .environment import LaunchConfig, free_port, rank_environment
+from .environment import LaunchConfig, free_port, rank_base_environment, rank_environment
 from .errors import LauncherError
 from .payload import Payload
 from .run_handle import RunHandle
@@ -137,7 +137,7 @@ class Launcher:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "kernel_ext.zygote"],
+                [self.python, "-m", "accel_magics.kernel_ext.zygote"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 env=env, start_new_session=True, close_fds=True,
             )
@@ -344,7 +344,10 @@ class Launcher:
             "events_addr": self.events_addr,
             "num_processes": cfg.num_processes,
             "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
-            "env": dict(os.environ),
+            "env": rank_base_environment(os.environ),
+            # What sys.argv[0] is in the kernel (ipykernel's launcher), without
+            # the kernel's own flags: argparse in a rank sees no arguments.
+            "argv": [os.path.abspath(sys.argv[0])] if sys.argv and sys.argv[0] else [""],
             "rank_env": [
                 rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus)
                 for i in cfg.local_ranks

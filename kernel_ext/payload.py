@@ -16,7 +16,9 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+import marshal
+import types
+from typing import Callable, Optional
 
 import cloudpickle
 
@@ -35,6 +37,23 @@ class Payload:
     sys_path: list[str] = field(default_factory=list)
     cwd: str = ""
     shared: Optional["SharedArena"] = None   # big arrays, shipped once through shared memory
+
+    def load_into(self, namespace: dict) -> None:
+        """In a rank: put the shipped globals into ``namespace`` (the rank's
+        ``__main__``, already in ``sys.modules``), with every notebook
+        definition the shipped code can reach, and the source of notebook
+        cells into linecache, so tracebacks show the cell and its line."""
+        import linecache
+
+        loaded = cloudpickle.loads(self.globals_blob)
+        if not (isinstance(loaded, tuple) and len(loaded) == 3):   # a plain {name: value} blob
+            namespace.update(loaded)
+            return
+        shipped, definitions, sources = loaded
+        for filename, text in sources.items():
+            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        namespace.update(definitions)
+        namespace.update(shipped)
 
     def release(self) -> None:
         """Free the shared memory of big globals (after the run)."""
@@ -69,6 +88,13 @@ class _NameCollector(ast.NodeVisitor):
                 self.top_level_loaded.add(node.id)
         else:
             self.bound.add(node.id)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        if isinstance(node.target, ast.Name):   # ``x += 1`` reads x first
+            self.loaded.add(node.target.id)
+            if self._depth == 0:
+                self.top_level_loaded.add(node.target.id)
+        self.generic_visit(node)
 
     def _function(self, node) -> None:
         self.bound.add(node.name)
@@ -136,6 +162,58 @@ class _NameCollector(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def own_names(tree: ast.Module) -> set[str]:
+    """Names the cell binds, unconditionally, before it reads them: the cell's
+    own, never the kernel's (``log = open(...)`` in the cell shadows the
+    kernel's ``log``).  Statements run in order: a top-level assignment,
+    import, ``def``, ``class`` or ``with ... as`` binds its names; loads
+    anywhere in a statement (function bodies included: they may run at once)
+    count before the statement's own bindings, and a name read first is
+    the kernel's.  Branches and loops bind nothing here (they may not run)."""
+    own: set[str] = set()
+    read: set[str] = set()
+
+    def loads_in(node) -> set[str]:
+        collector = _NameCollector()
+        collector.visit(node)
+        return collector.loaded
+
+    def bound_by(target) -> list[str]:
+        if isinstance(target, ast.Name):
+            return [target.id]
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return [n for elt in target.elts for n in bound_by(elt)]
+        if isinstance(target, ast.Starred):
+            return bound_by(target.value)
+        return []
+
+    def bind(new: list[str]) -> None:
+        own.update(n for n in new if n not in read)
+
+    def walk(body: list) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.With):
+                for item in stmt.items:
+                    read.update(loads_in(item.context_expr) - own)
+                    if item.optional_vars is not None:
+                        read.update(loads_in(item.optional_vars) - own)
+                        bind(bound_by(item.optional_vars))
+                walk(stmt.body)
+                continue
+            read.update(loads_in(stmt) - own)
+            if isinstance(stmt, ast.Assign):
+                bind([n for target in stmt.targets for n in bound_by(target)])
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                bind(bound_by(stmt.target))
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                bind([(a.asname or a.name).split(".")[0] for a in stmt.names if a.name != "*"])
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bind([stmt.name])
+
+    walk(tree.body)
+    return own
+
+
 def _describe(value) -> str:
     kind = type(value)
     return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
@@ -148,18 +226,22 @@ def build_payload(
     filename: str = "<distributed cell>",
     exclude: set | frozenset = frozenset(),
     return_names: list[str] | None = None,
+    code_label: Optional[Callable[[str], Optional[str]]] = None,
 ) -> Payload:
     """Check the cell and ship the globals it references.
 
     ``exclude`` holds names that belong to the frontend (IPython's ``In``,
-    ``Out``, ``get_ipython``...) and must never travel.
+    ``Out``, ``get_ipython``...) and must never travel.  ``code_label`` names
+    the notebook cell a code object's filename belongs to (IPython's
+    ``Cell In[2]``), or None for code that is not a cell's.
     """
     tree = parse(source, filename)
     names = _NameCollector()
     names.visit(tree)
+    own = own_names(tree)
 
     builtin_names = set(dir(builtins))
-    wanted = sorted(n for n in names.loaded if n in namespace and n not in exclude)
+    wanted = sorted(n for n in names.loaded if n in namespace and n not in exclude and n not in own)
     if not names.star_import:
         undefined = sorted(
             n
@@ -177,7 +259,7 @@ def build_payload(
     arena = SharedArena()
     with _noting_interrupts() as interrupts:
         try:
-            blob = _dumps(shipped, arena)
+            blob = _dumps(shipped, arena, namespace, code_label)
         except BaseException as exc:
             arena.close()   # whatever happened, the shared memory of big globals is freed now
             if isinstance(exc, KeyboardInterrupt) and interrupts.seen:
@@ -270,14 +352,75 @@ def _rebuild_tensor(ref: tuple, dtype: str, shape: tuple, requires_grad: bool):
     return flat.reshape(shape).requires_grad_(requires_grad)
 
 
-class _SharingPickler(cloudpickle.Pickler):
-    """cloudpickle, with big contiguous CPU arrays put in the shared arena."""
+class _RankMain:
+    """Stands for "the ``__main__`` namespace of the process that unpickles":
+    functions defined in the notebook get the rank's ``__main__`` as their
+    globals, as they had the kernel's, so the names they use live in
+    ``__main__`` and by-reference pickling (``pickle``, ``torch.save``,
+    ``multiprocessing``) finds them there."""
 
-    def __init__(self, file, arena: SharedArena) -> None:
+    def __reduce__(self):
+        return _rank_main_dict, ()
+
+
+def _rank_main_dict() -> dict:
+    return sys.modules["__main__"].__dict__
+
+
+def _code_from_marshal(data: bytes):
+    return marshal.loads(data)
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    consts = tuple(_with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+class _SharingPickler(cloudpickle.Pickler):
+    """cloudpickle, with big contiguous CPU arrays put in the shared arena,
+    notebook functions bound to the rank's ``__main__``, and code that keeps
+    its cell's name (cloudpickle renames every file ``<dynamic-code>``)."""
+
+    def __init__(self, file, arena: SharedArena, main_ns: Optional[dict] = None,
+                 code_label: Optional[Callable[[str], Optional[str]]] = None) -> None:
         super().__init__(file, protocol=5)
         self.arena = arena
+        self.main_ns = main_ns
+        self.code_label = code_label
+        self.definitions: dict = {}    # notebook functions and classes met on the way, by name
+        self.sources: dict = {}        # cell label -> source, for the ranks' linecache
+
+    def _function_getnewargs(self, func):
+        args = super()._function_getnewargs(func)
+        if self.main_ns is not None and func.__globals__ is self.main_ns:
+            return (args[0], _RankMain()) + tuple(args[2:])
+        return args
+
+    def _note_definition(self, obj) -> None:
+        name = getattr(obj, "__name__", None)
+        if self.main_ns is not None and getattr(obj, "__module__", None) == "__main__" \
+                and isinstance(name, str) and self.main_ns.get(name) is obj:
+            self.definitions[name] = obj
+
+    def _reduce_code(self, code: types.CodeType):
+        filename = code.co_filename
+        label = self.code_label(filename) if self.code_label is not None else None
+        if label:
+            if label not in self.sources:
+                import linecache
+
+                self.sources[label] = "".join(linecache.getlines(filename))
+            code = _with_filename(code, label)
+        try:
+            return _code_from_marshal, (marshal.dumps(code),)
+        except ValueError:   # pragma: no cover - a code object built by hand
+            return NotImplemented
 
     def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)):
+            self._note_definition(obj)
+        elif type(obj) is types.CodeType:
+            return self._reduce_code(obj)
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and obj.nbytes >= SHARE_THRESHOLD \
                 and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):
@@ -294,11 +437,24 @@ class _SharingPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dumps(value, arena: SharedArena) -> bytes:
+class _Found:
+    """Pickled after the shipped values: by then the pickler has met every
+    notebook definition they reach, and each is a reference into the memo."""
+
+    def __init__(self, pickler: _SharingPickler, what: str) -> None:
+        self.pickler, self.what = pickler, what
+
+    def __reduce__(self):
+        return dict, (list(getattr(self.pickler, self.what).items()),)
+
+
+def _dumps(value, arena: SharedArena, main_ns: Optional[dict] = None,
+           code_label: Optional[Callable[[str], Optional[str]]] = None) -> bytes:
     import io
 
     buf = io.BytesIO()
-    _SharingPickler(buf, arena).dump(value)
+    pickler = _SharingPickler(buf, arena, main_ns, code_label)
+    pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
     return buf.getvalue()
 
 

@@ -95,10 +95,24 @@ def is_secondary(exc_type: str, message: str) -> bool:
     return exc_type in _SECONDARY_TYPES or any(text in message for text in _SECONDARY_TEXT)
 
 
+#: Notebook functions and classes that came from the kernel, by name (in a rank).
+_kernel_definitions: dict = {}
+
+
+def _kernel_main_attr(name: str):
+    """In the kernel: one of its notebook definitions, by name."""
+    return getattr(sys.modules["__main__"], name)
+
+
 class _CpuPickler(cloudpickle.Pickler):
-    """Pickles results with tensors moved to the CPU (and detached if needed)."""
+    """Pickles results with tensors moved to the CPU (and detached if needed),
+    and the kernel's own notebook classes and functions by reference."""
 
     def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)):
+            name = getattr(obj, "__name__", None)
+            if isinstance(name, str) and _kernel_definitions.get(name) is obj:
+                return _kernel_main_attr, (name,)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu" or (obj.requires_grad and not obj.is_leaf):
@@ -380,7 +394,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         except OSError:
             pass
     sys.path[:] = payload.sys_path or sys.path
-    sys.argv = [""]
+    sys.argv = list(spec.get("argv") or [""])
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
@@ -392,7 +406,12 @@ def _execute(spec: dict, local_rank: int) -> int:
     )
     body, last = _compile_cell(payload.source, payload.filename)
     ns = main.__dict__
-    ns.update(cloudpickle.loads(payload.globals_blob))
+    payload.load_into(ns)
+    global _kernel_definitions
+    # The kernel's own functions and classes, as they arrived: a result that
+    # holds one goes back by reference, so the kernel gets its own class.
+    _kernel_definitions = {name: value for name, value in ns.items()
+                           if isinstance(value, (type, types.FunctionType)) and value.__module__ == "__main__"}
     reports_values = local_rank == 0
 
     try:

@@ -1,6 +1,6 @@
 """The launcher process: a clean interpreter that forks one supervisor per run.
 
-Started once per kernel (``python -m kernel_ext.zygote``) in its own session,
+Started once per kernel (``python -m accel_magics.kernel_ext.zygote``) in its own session,
 so the kernel's interrupt (SIGINT to its process group) never reaches it.  It
 imports torch and the modules payloads use, freezes the heap (``gc.freeze``,
 so forked ranks do not copy it on their first collection) and then only

@@ -3,14 +3,27 @@
 # The CPU build of torch is installed first: the package asks for a torch range,
 # which on its own would pull a multi-GB CUDA build. Bring your own torch
 # (CUDA/XPU) by installing it into the venv before running this.
+#
+# Re-running is cheap: when the venv was set up from the same pyproject.toml
+# and this script, and still imports, nothing is installed again
+# (ACCEL_MAGICS_REINSTALL=1 forces it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-test,browser}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 . "$VENV/bin/activate"
+stamp="$VENV/.accel_magics-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS ${TORCH_VERSION:-2.13.0}"
+if [ "${ACCEL_MAGICS_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && python -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'accel_magics.kernel_ext.run')))" 2>/dev/null; then
+    exit 0   # up to date
+fi
+rm -f "$stamp"
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e '.[test,browser]'
+python -m pip install -q -e ".[$EXTRAS]"
+echo "$want" > "$stamp"

@@ -103,7 +103,7 @@ class LoadedKernel(KernelSession):
     def escaped(self) -> set[int]:
         """Processes of this kernel's launcher that left its process tree (setsid,
         double fork, a killed parent): a leak even if reparented to init."""
-        from kernel_ext.process_tree import marked_processes
+        from accel_magics.kernel_ext.process_tree import marked_processes
         return set(marked_processes(self.launcher_token())) - descendants(self.pid)
 
     def assert_no_leaks(self) -> None:
@@ -123,7 +123,7 @@ class LoadedKernel(KernelSession):
 @pytest.fixture(scope="module")
 def launcher():
     """The engine's launcher on its own, no kernel (one per test module)."""
-    from kernel_ext.launcher import Launcher
+    from accel_magics.kernel_ext.launcher import Launcher
 
     lau = Launcher()
     lau.start()

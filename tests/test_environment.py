@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate
+from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate
 
 pytestmark = pytest.mark.timeout(30)
 

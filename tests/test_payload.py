@@ -7,7 +7,7 @@ import threading
 import cloudpickle
 import pytest
 
-from kernel_ext.payload import PayloadError, build_payload
+from accel_magics.kernel_ext.payload import PayloadError, build_payload
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,7 +19,8 @@ def test_ships_only_referenced_globals_and_functions_by_value():
     ns = {"FACTOR": 3, "helper": helper, "unused": object(), "np_like": pickle}
     p = build_payload("y = helper(2)\nimport math\nprint(np_like.HIGHEST_PROTOCOL)", ns)
     assert p.shipped_names == ["helper", "np_like"]
-    shipped = cloudpickle.loads(p.globals_blob)
+    shipped = {}
+    p.load_into(shipped)
     assert shipped["np_like"] is pickle            # modules by reference
 
 

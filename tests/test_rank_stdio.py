@@ -21,7 +21,7 @@ def run_case(body: str) -> str:
     """Run ``body`` with ``out``/``err`` writing into a pipe; returns what the pipe got."""
     script = textwrap.dedent('''
         import os, sys, threading, time
-        from kernel_ext.rank_stdio import RankStdout, RankStderr, BURST_LINES
+        from accel_magics.kernel_ext.rank_stdio import RankStdout, RankStderr, BURST_LINES
         r, w = os.pipe()
         out = RankStdout(w)
         err = RankStderr(w, out)
@@ -42,7 +42,7 @@ def run_case(body: str) -> str:
 def test_a_line_is_in_the_pipe_as_soon_as_it_is_printed():
     script = textwrap.dedent('''
         import os
-        from kernel_ext.rank_stdio import RankStdout
+        from accel_magics.kernel_ext.rank_stdio import RankStdout
         r, w = os.pipe()
         os.set_blocking(r, False)
         out = RankStdout(w)

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from kernel_ext import events as ev
-from kernel_ext.environment import LaunchConfig
-from kernel_ext.payload import build_payload
-from kernel_ext.run import execute
+from accel_magics.kernel_ext import events as ev
+from accel_magics.kernel_ext.environment import LaunchConfig
+from accel_magics.kernel_ext.payload import build_payload
+from accel_magics.kernel_ext.run import execute
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,9 +23,11 @@ FLOOD = ("%%distributed -n 2 --output text\n"
 def run_dir(res) -> str:
     """The log directory of the run a cell made (named after its In[N])."""
     root = os.environ["ACCEL_MAGICS_LOG_DIR"]
-    found = [d for d in os.listdir(root) if f"-In{res.execution_count}-" in d]
-    assert len(found) == 1, (found, os.listdir(root))
-    return os.path.join(root, found[0])
+    # Other kernels of this test session had an In[N] too: the newest is this one's.
+    found = sorted((d for d in os.listdir(root) if f"-In{res.execution_count}-" in d),
+                   key=lambda d: os.path.getmtime(os.path.join(root, d)))
+    assert found, os.listdir(root)
+    return os.path.join(root, found[-1])
 
 
 def log_lines(directory: str, rank: int) -> list[str]:
