@@ -4,7 +4,6 @@ from __future__ import annotations
 import pickle
 import threading
 
-import cloudpickle
 import pytest
 
 from accel_magics.kernel_ext.payload import PayloadError, build_payload
