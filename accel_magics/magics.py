@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from accel_magics.kernel_ext import preflight
+from accel_magics.kernel_ext import accelerate_config, preflight
 from accel_magics.kernel_ext.errors import ReportedError
 from accel_magics.kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.launcher import Launcher
@@ -45,7 +45,7 @@ class ReturnValueError(ReportedError, ValueError):
 
 LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
                        "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout",
-                       "stall_timeout")
+                       "stall_timeout", "config_file")
 
 
 def launch_options(func):
@@ -70,6 +70,11 @@ def launch_options(func):
                  help="Stop the run after this many seconds and show where each rank was."),
         argument("--rendezvous_timeout", type=float, default=None,
                  help="Multi-node: how long the nodes wait for each other before giving up (default 300)."),
+        argument("--config_file", default=None, metavar="PATH",
+                 help="An Accelerate config file (`accelerate config`), or `default` for Accelerate's default "
+                      "one: the ranks get the environment `accelerate launch --config_file` would give them "
+                      "(mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless "
+                      "given here."),
         argument("--stall_timeout", type=float, default=None,
                  help="Stop the run when a rank, after another rank finished the cell, uses no CPU and prints "
                       "nothing for this many seconds, and show where it is stuck (default 30; 0: never)."),
@@ -322,6 +327,11 @@ class DistributedMagics(Magics):
     def _check_defaults(self, values: dict) -> str:
         """'' if these defaults can launch, else what is wrong with them."""
         merged = {**self.effective_defaults(), **values}
+        if merged.get("config_file"):
+            try:
+                accelerate_config.resolve(merged["config_file"])
+            except ConfigError as exc:
+                return str(exc)
         cfg = _launch_config(merged)
         try:
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False)
@@ -330,20 +340,55 @@ class DistributedMagics(Magics):
         return ""
 
     def _apply_defaults(self, values: dict) -> None:
-        self.defaults = {k: v for k, v in values.items() if v is not None}
+        kept = {k: v for k, v in self.defaults.items() if k not in values}   # options the form does not show
+        self.defaults = {**kept, **{k: v for k, v in values.items() if v is not None}}
 
     # -- steps ------------------------------------------------------------
     def _config(self, args) -> LaunchConfig:
         self.ensure_defaults_known()
+        explicit = {**self.defaults,
+                    **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
         values = self.effective_defaults()
-        values.update({name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None})
+        extra_env = {}
+        if explicit.get("config_file"):
+            from_file, extra_env = self._from_accelerate_config(explicit)
+            values.update(from_file)
+        values.update(explicit)
         cfg = _launch_config(values)
+        cfg.extra_env = extra_env
         try:
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0),
                      allow_oversubscribe=args.oversubscribe)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
         return cfg
+
+    def _from_accelerate_config(self, explicit: dict) -> tuple[dict, dict]:
+        """The topology and the ranks' environment from ``--config_file``,
+        computed by Accelerate's launch code; options given explicitly win."""
+        value = explicit["config_file"]
+        try:
+            plain = accelerate_config.load(value, {})
+            nodes = explicit.get("num_nodes") or plain.num_machines
+            per_node = explicit.get("num_processes") or plain.processes_per_node
+            flags = {"num_machines": nodes, "mixed_precision": explicit.get("mixed_precision")}
+            if per_node:
+                flags["num_processes"] = per_node * nodes
+            if nodes > 1:
+                flags["machine_rank"] = _given(explicit, "node_rank", plain.machine_rank)
+            launch = accelerate_config.load(value, {k: v for k, v in flags.items() if v is not None})
+        except ConfigError as exc:
+            raise UsageError(f"{exc}\nNothing was launched.") from None
+        topology = {"num_nodes": launch.num_machines, "node_rank": launch.machine_rank}
+        if launch.processes_per_node:
+            topology["num_processes"] = launch.processes_per_node
+        if launch.num_machines > 1:   # a one-node run takes a fresh free port on 127.0.0.1
+            topology.update({k: v for k, v in (("master_addr", launch.main_process_ip),
+                                                ("master_port", launch.main_process_port)) if v})
+        env = dict(launch.env)
+        if env.get("ACCELERATE_USE_CPU", "").lower() in ("false", "0", "no"):
+            env.pop("ACCELERATE_USE_CPU")   # ours: true on a machine without GPUs, absent with them
+        return topology, env
 
     def _source(self, line: str, cell: str) -> str:
         """The cell as the ranks compile it: line numbers match the notebook's."""
