@@ -327,7 +327,7 @@ class DistributedMagics(Magics):
     def _check_defaults(self, values: dict) -> str:
         """'' if these defaults can launch, else what is wrong with them."""
         merged = {**self.effective_defaults(), **values}
-        if merged.get("config_file"):
+        if merged.get("config_file") is not None:
             try:
                 accelerate_config.resolve(merged["config_file"])
             except ConfigError as exc:
@@ -350,7 +350,7 @@ class DistributedMagics(Magics):
                     **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
         values = self.effective_defaults()
         extra_env = {}
-        if explicit.get("config_file"):
+        if explicit.get("config_file") is not None:
             from_file, extra_env = self._from_accelerate_config(explicit)
             values.update(from_file)
         values.update(explicit)

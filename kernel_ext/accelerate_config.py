@@ -72,6 +72,8 @@ def default_config_path() -> str:
 
 def resolve(value: str) -> str:
     """The config file a ``--config_file`` value names, which must exist."""
+    if not value.strip():
+        raise ConfigError("--config_file needs a path (of an Accelerate config file) or `default`.")
     if value == "default":
         path = default_config_path()
         if not os.path.isfile(path):
