@@ -137,7 +137,7 @@ def test_seed_workflow_with_accelerate(clean_kernel):
         "def training_loop(epochs=3, lr=0.05, seed=42):\n"
         "    torch.manual_seed(seed)\n"
         "    accelerator = Accelerator()\n"
-        "    accelerator.print(f'num_processes={accelerator.num_processes} type={accelerator.distributed_type}')\n"
+        "    accelerator.print(f'num_processes={accelerator.num_processes} type={accelerator.distributed_type.name}')\n"
         "    train_dl, eval_dl = get_dataloaders()\n"
         "    model = torch.nn.Linear(8, 2)\n"
         "    optimizer = torch.optim.SGD(model.parameters(), lr=lr)\n"
@@ -158,7 +158,7 @@ def test_seed_workflow_with_accelerate(clean_kernel):
     )
     res = k.ok("%%distributed --num_processes 2 --output text\ntraining_loop(epochs=3)\n", timeout=120)
     out = res.stdout
-    assert "[rank 0] num_processes=2 type=DistributedType.MULTI_CPU" in out
+    assert "[rank 0] num_processes=2 type=MULTI_CPU" in out
     for epoch in range(3):
         epoch_lines = [ln for ln in out.splitlines() if f"epoch {epoch}: accuracy" in ln]
         assert len(epoch_lines) == 1, out           # accelerator.print: main process only
