@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 import traceback
 from typing import Optional
 
@@ -231,17 +232,22 @@ class DistributedMagics(Magics):
             dist.init_process_group("gloo")
             acc = train(model_fn, data)
         """
+        started = time.monotonic()
         args = _parse(self.distributed, line)
-        cfg = self._config(args)
-        return_names = _return_names(args.return_names)
-        self._preflight()
-
-        source = self._source(line, cell)
-        payload = self._payload(source, return_names)
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        mode = args.output or self.defaults.get("output", "auto")
+        presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}", started=started,
+                              launcher_ready=bool(self.launcher.info))
         try:
-            in_kernel = getattr(self.shell, "kernel", None) is not None
-            mode = args.output or self.defaults.get("output", "auto")
-            presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}")
+            cfg = self._config(args)
+            return_names = _return_names(args.return_names)
+            self._preflight()
+            source = self._source(line, cell)
+            payload = self._payload(source, return_names)
+        except BaseException:
+            presenter.discard()   # nothing was launched: no view is left behind
+            raise
+        try:
             try:
                 result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt)

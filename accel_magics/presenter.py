@@ -18,6 +18,7 @@ nbval-executed notebook holds the record.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 from .record import HEAD_LINES, TAIL_LINES, RunRecord
 from .run_logs import run_log_dir
@@ -33,7 +34,8 @@ def widgets_available() -> bool:
 
 
 class Presenter:
-    def __init__(self, mode: str, in_kernel: bool, label: str) -> None:
+    def __init__(self, mode: str, in_kernel: bool, label: str, started: Optional[float] = None,
+                 launcher_ready: bool = True) -> None:
         if mode == "auto":
             mode = "widget" if in_kernel and widgets_available() else "text"
         if mode == "widget" and not in_kernel:
@@ -47,7 +49,10 @@ class Presenter:
             from IPython.display import display
             from accel_magics.widgets.progress_view import RunView
 
-            self.view = RunView(log_dir=log_dir)
+            self.view = RunView(log_dir=log_dir, started=started)
+            if not launcher_ready:   # the first cell waits for it (torch import): say so at once
+                self.view.note = "starting the launcher (it imports torch, once per kernel)"
+                self.view.refresh(force=True)
             self.handle = display(self.view.widget, display_id=True)
         else:
             self.live = DisplayLive() if in_kernel else StreamLive()
@@ -68,6 +73,14 @@ class Presenter:
             self.view(event)
         else:
             self.text(event)
+
+    def discard(self) -> None:
+        """Nothing was launched (a usage error): take the view away again."""
+        if self.view is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.view.close()
+        else:
+            self.live.close()
 
     def finish(self) -> None:
         """The run is over (whatever its outcome): leave the record behind."""

@@ -2,7 +2,9 @@
 
 A consumer of engine events.  It keeps, per rank, the first and the last lines
 (bounded memory however much a rank prints) and renders them grouped by rank,
-``[rank N] ...``, so the text is the same from run to run (live output
+``[rank N] ...``, followed by the final state of the tqdm bars left on
+screen (``leave=True``; inner ``leave=False`` bars leave nothing, as in a
+terminal), so the text is the same from run to run (live output
 interleaves ranks in arrival order; the record does not).  Saved, reopened,
 nbconvert-, papermill- and nbval-executed notebooks all show this text.
 """
@@ -49,6 +51,7 @@ class _RankLog:
 class RunRecord:
     def __init__(self, log_path: str = "") -> None:
         self.logs: dict[int, _RankLog] = {}
+        self.bars: dict[int, dict] = {}    # rank -> bar id -> its latest state, bars left on screen
         self.notes: list[str] = []
         self.log_path = log_path
 
@@ -60,8 +63,15 @@ class RunRecord:
                 self.logs.setdefault(rank, _RankLog())
             if event.attempt:
                 self.logs = {rank: _RankLog() for rank in event.ranks}
+                self.bars = {}
                 self.notes.append(f"[accel_magics] attempt {event.attempt + 1} of {event.max_restarts + 1}: "
                                   "the output below is this attempt's")
+        elif isinstance(event, ev.Bar):
+            kept = self.bars.setdefault(event.rank, {})
+            if event.closed and not event.leave:
+                kept.pop(event.id, None)     # gone from the screen, as in a terminal
+            else:
+                kept[event.id] = event
         elif isinstance(event, ev.RankExited) and event.failure is not None:
             if event.failure.kind in ("signal", "exit"):
                 self.logs.setdefault(event.rank, _RankLog()).add(event.failure.summary)
@@ -77,4 +87,6 @@ class RunRecord:
                 where = f"; the full log is in {self.log_path}" if self.log_path else ""
                 out.append(f"{prefix}... {omitted} lines omitted{where} ...")
             out.extend(prefix + line for line in lines[HEAD_LINES:])
+            # The bars left on screen, in their final state, below the prints (as a terminal ends).
+            out.extend(prefix + bar.text for bar in sorted(self.bars.get(rank, {}).values(), key=lambda b: b.pos))
         return "\n".join(out) + ("\n" if out else "")

@@ -132,6 +132,14 @@ class TextView:
             desc = f"{e.desc}: " if e.desc else ""
             self.live.write([f"[rank {e.rank}] {desc}{e.n:g}{total}"])
 
+    def on_Bar(self, e: ev.Bar) -> None:
+        """A tqdm bar: its state once per ``progress_interval`` per rank, and the
+        final state of a bar left on screen; a closed leave=False bar: nothing."""
+        if e.closed and not e.leave:
+            return
+        if self._throttled(e.rank, force=e.closed):
+            self.live.write([f"[rank {e.rank}] {e.text}"])
+
     def on_RankExited(self, e: ev.RankExited) -> None:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):
             self.live.write([f"[rank {e.rank}] {e.failure.summary}"])

@@ -73,6 +73,33 @@ class Progress:
 
 
 @dataclass
+class Bar:
+    """A tqdm bar in a rank (``kernel_ext.rank_bars``): its latest state.
+
+    ``pos`` is its nesting (0: outermost); a closed bar that is not ``leave``
+    is gone from the screen, a closed ``leave`` bar stays in its final state."""
+    rank: int
+    id: int
+    pos: int
+    desc: str
+    n: float
+    total: Optional[float]
+    stats: str              # tqdm's statistics: "50/300 [00:02<00:12, 19.87it/s, loss=0.1]"
+    leave: bool = True
+    closed: bool = False
+
+    @property
+    def fraction(self) -> Optional[float]:
+        return min(1.0, self.n / self.total) if self.total else None
+
+    @property
+    def text(self) -> str:
+        """The bar as one plain line, as a terminal would keep it."""
+        pct = f"{int(100 * self.fraction):3d}% " if self.fraction is not None else ""
+        return f"{self.desc + ': ' if self.desc else ''}{pct}{self.stats}"
+
+
+@dataclass
 class RankFailure:
     """Why one rank failed, as seen from inside that rank where possible."""
     rank: int

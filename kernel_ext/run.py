@@ -108,6 +108,9 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                             result = event
                     elif event["kind"] == "progress":
                         emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
+                    elif event["kind"] == "bar":
+                        emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],
+                                    event["stats"], event["leave"], event["closed"]))
                 elif kind == "stacks":
                     stacks[msg["rank"]] = msg["text"]
                     emit(ev.RankStacks(msg["rank"], msg["text"]))

@@ -27,7 +27,7 @@ from typing import NoReturn, Optional
 
 import cloudpickle
 
-from . import native_stacks, pg_guard, process_tree, wire
+from . import native_stacks, pg_guard, process_tree, rank_bars, wire
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
@@ -79,6 +79,7 @@ def _emit_last(event: dict) -> None:
     """The rank's final event (its result): everything it printed goes first, so
     the supervisor may end the rank's story there, even if a process the cell
     started still holds the rank's pipes (a daemon inherits them)."""
+    rank_bars.flush()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -400,6 +401,7 @@ def _execute(spec: dict, local_rank: int) -> int:
     sys.modules["__main__"] = main
     _prepare_torch(env, local_rank, spec.get("gpu_count", 0))
     pg_guard.install()   # normally done in the launcher already: then a no-op
+    rank_bars.install(emit)
 
     linecache.cache[payload.filename] = (
         len(payload.source), None, payload.source.splitlines(True), payload.filename,
@@ -428,6 +430,7 @@ def _execute(spec: dict, local_rank: int) -> int:
         })
         return exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
     except BaseException as exc:
+        rank_bars.flush()
         emit(_failure(exc, exc.__traceback__.tb_next))
         return 1
 

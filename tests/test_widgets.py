@@ -39,12 +39,14 @@ def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
         "print('bye from', os.environ['RANK'])\n"
     )
     models = _widget_models(res)
-    bars = {cid: s for cid, s in models.items() if s.get("_model_name") == "FloatProgressModel"}
-    assert len(bars) == 2                                   # one bar per rank
-    for cid, state in bars.items():
-        values = [u["value"] for u in _updates(res, cid) if "value" in u]
-        assert values and values[-1] == 1.0                  # reached 100%
-        assert len(values) < 60                              # throttled, not 400 updates
+    # The rows (one HTML model: every rank's bars and latest printed line).
+    rows = [cid for cid, st in models.items() if st.get("_model_name") == "HTMLModel"
+            and "class='accel-magics-row'" in "".join(str(u.get("value", "")) for u in _updates(res, cid))]
+    assert len(rows) == 1, rows
+    values = [u["value"] for u in _updates(res, rows[0]) if "value" in u]
+    assert "width:100%" in values[-1] and values[-1].count("accel-magics-bar'") == 2   # both reached 100%
+    assert any("width:50%" in v or "width:4" in v for v in values)                     # and advanced
+    assert len(values) < 80                                                            # throttled, not 400
     tabs = [s for s in models.values() if s.get("_model_name") == "TabModel"]
     assert tabs and tabs[0]["titles"][:3] == ["all ranks", "rank 0", "rank 1"]
     # every frontend message of the run: bounded, whatever the ranks print
@@ -59,7 +61,7 @@ def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
     assert "rank 1" in final["text/html"] and "done" in final["text/html"]
     emptied = [m for m in res.messages if m["msg_type"] == "update_display_data"]
     assert emptied[-1]["content"]["data"] == {"text/plain": ""}
-    assert "full logs:" in final["text/html"]
+    assert "full logs (on this machine; the newest 20 runs are kept):" in final["text/html"]
 
 
 def test_widget_view_marks_the_failed_rank(clean_kernel):

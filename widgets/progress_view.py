@@ -1,8 +1,11 @@
 """The live progress view of one run, as ipywidgets, fed plain engine events.
 
-Layout: a header (world size, nodes, master, elapsed time, overall state),
-one row per rank (state, progress bar, latest line) and the ranks' output in
-tabs: "all ranks" interleaved, then one tab per rank.  Memory is bounded: the
+Layout: a header (world size, nodes, master, elapsed time since the cell
+started, overall state), one row per rank (state, its progress bars, nested
+tqdm bars as nested bars, and its latest *printed* line) and the ranks'
+output in tabs: "all ranks" interleaved, then one tab per rank, each
+following its newest line.  Widths are flexible and colours come from the
+theme, so narrow windows and dark themes read as well as wide light ones.  Memory is bounded: the
 panes keep the last ``max_lines`` lines; the full logs live in files (the
 header shows where).
 
@@ -17,7 +20,6 @@ This module imports ipywidgets only; events are duck-typed by class name.
 from __future__ import annotations
 
 import html
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,21 +27,42 @@ from typing import Optional
 
 import ipywidgets as w
 
-_FRACTION = re.compile(r"(?<!\d)(?P<n>\d+)\s*/\s*(?P<total>\d+)")   # starts only at a number's start: linear
-
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
-                "stopped": "#ff7f0e"}
-
+                "stopped": "#ff7f0e", "waiting": "#888"}
 
 PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
+OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many lines, collapsed beyond
+
+# Theme-aware (JupyterLab's CSS variables, with light fallbacks for Notebook 7
+# and static HTML viewers) and flexible: nothing has a fixed width, rows wrap.
+_TRACK = "var(--jp-layout-color3, #d0d0d0)"
+_MUTED = "var(--jp-ui-font-color2, #666)"
+_CSS = (
+    "<style>"
+    ".accel-magics-row{display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;"
+    "font-size:var(--jp-ui-font-size1,13px)}"
+    ".accel-magics-label{flex:0 0 auto;min-width:8.5em;white-space:nowrap}"
+    ".accel-magics-bars{flex:1 1 220px;min-width:140px;max-width:520px}"
+    ".accel-magics-bar{display:flex;align-items:center;gap:6px;min-width:0}"
+    ".accel-magics-track{flex:0 0 auto;width:clamp(60px,30%,160px);height:9px;border-radius:2px;"
+    f"background:{_TRACK};overflow:hidden}}"
+    ".accel-magics-fill{height:100%}"
+    ".accel-magics-bartext{flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
+    "font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px)}"
+    ".accel-magics-latest{flex:2 1 200px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
+    f"font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px);color:{_MUTED}}}"
+    ".accel-magics-pre{margin:0;font-size:var(--jp-code-font-size,12px);white-space:pre-wrap;"
+    "overflow-wrap:anywhere}"
+    "</style>"
+)
 
 
 def parse_progress(text: str) -> Optional[tuple[float, str]]:
-    """(fraction, description) from a tqdm-like line, or None.
+    """(fraction, description) from a tqdm-like carriage-return line, or None.
 
-    Linear and bounded: only the line's last ``PROGRESS_TAIL`` characters are
-    read, with string searches (no backtracking regex), so a rank printing
-    megabyte-long lines costs the kernel nothing here.
+    Only a tqdm meter (``NN%|...|``) counts: an ``n/m`` in ordinary text
+    ("loading shard 3/4") is not progress.  Linear and bounded: only the
+    line's last ``PROGRESS_TAIL`` characters are read, with string searches.
     """
     tail = text[-PROGRESS_TAIL:]
     bar = tail.rfind("%|")
@@ -51,29 +74,62 @@ def parse_progress(text: str) -> Optional[tuple[float, str]]:
             head = tail[:start].rstrip()
             desc = head[:-1].strip() if head.endswith(":") else ""
             return min(1.0, int(tail[start:bar]) / 100), desc
-    m = _FRACTION.search(tail) if "/" in tail else None
-    if m and int(m.group("total")) > 0:
-        return min(1.0, int(m.group("n")) / int(m.group("total"))), ""
     return None
+
+
+@dataclass
+class BarState:
+    """One progress bar of a rank: a tqdm bar, ``accel_magics.progress`` or a
+    carriage-return line that looks like a tqdm meter."""
+    pos: int
+    fraction: Optional[float]
+    text: str
+    order: int = 0
 
 
 @dataclass
 class _RankState:
     rank: int
     state: str = "starting"
-    fraction: Optional[float] = None
-    desc: str = ""
-    latest: str = ""
+    bars: dict = field(default_factory=dict)      # bar id -> BarState, on screen now
+    latest: str = ""                              # the latest *printed* line
+    failure: str = ""
     lines: deque = field(default_factory=deque)
     count: int = 0
     pane_dirty: bool = False
+
+    def shown_bars(self) -> list:
+        return sorted(self.bars.values(), key=lambda b: (b.pos, b.order))
+
+
+def _bar_html(bar: BarState, color: str) -> str:
+    width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
+    fill = (f"<div class='accel-magics-fill' style='width:{width}%;background:{color}'></div>"
+            if bar.fraction is not None else "")
+    return (f"<div class='accel-magics-bar'><div class='accel-magics-track' title='{width}%'>{fill}</div>"
+            f"<span class='accel-magics-bartext'>{html.escape(bar.text[-300:])}</span></div>")
+
+
+def _row_html(s: _RankState) -> str:
+    color = STATE_COLORS.get(s.state, "#888")
+    bars = "".join(_bar_html(b, color) for b in s.shown_bars())
+    latest = s.failure or s.latest
+    return (f"<div class='accel-magics-row'><span class='accel-magics-label'>rank {s.rank} "
+            f"<b style='color:{color}'>{html.escape(s.state)}</b></span>"
+            f"<div class='accel-magics-bars'>{bars}</div>"
+            f"<code class='accel-magics-latest' title='{html.escape(latest[-300:], quote=True)}'>"
+            f"{html.escape(latest[-300:])}</code></div>")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
 
     def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = 1.0,
-                 log_dir: str = "") -> None:
+                 log_dir: str = "", started: Optional[float] = None) -> None:
         self.max_lines = max_lines
         self.interval = interval
         self.pane_interval = pane_interval
@@ -83,19 +139,20 @@ class RunView:
         self.status = "starting"
         self.world = ""
         self.attempt = ""
-        self.started = time.monotonic()
+        self.started = started if started is not None else time.monotonic()   # the cell's start
         self.elapsed = 0.0
         self.error = ""
         self.world_note = ""
         self._last_refresh = 0.0
         self._dirty = True
+        self._bar_order = 0
+        self.note = ""      # what happens before the run starts ("starting the launcher")
 
         self.header = w.HTML()
-        self.rows = w.VBox()
+        self.rows = w.HTML()
         self.tabs = w.Tab()
-        self.widget = w.VBox([self.header, self.rows, self.tabs])
+        self.widget = w.VBox([self.header, self.rows, self.tabs], layout=w.Layout(width="100%"))
         self.widget.add_class("accel-magics-run")
-        self._row_widgets: dict[int, tuple] = {}
         self._pane_widgets: dict[object, w.HTML] = {}
         self._all_dirty = False
         self._last_pane_refresh = 0.0
@@ -115,10 +172,18 @@ class RunView:
             self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines))
         return self.ranks[rank]
 
+    def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str) -> None:
+        if key not in state.bars:
+            self._bar_order += 1
+            state.bars[key] = BarState(pos, fraction, text, self._bar_order)
+        else:
+            bar = state.bars[key]
+            bar.pos, bar.fraction, bar.text = pos, fraction, text
+
     def on_RunStarted(self, e) -> None:
-        self.status = "running"
+        self.status, self.note = "running", ""
         nodes = f"node {e.node_rank} of {e.num_nodes}" if e.num_nodes > 1 else "1 node"
-        self.world = (f"{len(e.ranks)} rank{'s' if len(e.ranks) != 1 else ''} on {nodes} "
+        self.world = (f"{_plural(len(e.ranks), 'rank')} on {nodes} "
                       f"(world size {e.world_size}; ranks {e.ranks[0]}-{e.ranks[-1]}), "
                       f"master {e.master_addr}:{e.master_port}")
         self.attempt = f"attempt {e.attempt + 1} of {e.max_restarts + 1}" if e.max_restarts else ""
@@ -127,7 +192,8 @@ class RunView:
             self.world_note = f"rendezvous at {e.master_addr}:{e.master_port}"
         for rank in e.ranks:
             state = self._rank(rank)
-            state.state, state.fraction, state.latest = "running", None, ""
+            state.state, state.latest, state.failure = "running", "", ""
+            state.bars.clear()
 
     def on_Output(self, e) -> None:
         if self.status == "waiting":
@@ -139,31 +205,33 @@ class RunView:
         state.latest = lines[-1]
         state.pane_dirty = self._all_dirty = True
         self.all_lines.extend(f"[rank {e.rank}] {line}" for line in lines)
-        for line in reversed(lines[-50:]):   # the batch's latest progress line, if any
-            parsed = parse_progress(line)
-            if parsed is not None:
-                state.fraction, state.desc = parsed[0], parsed[1] or state.desc
-                break
+        # A carriage-return line that was then ended by a newline is printed text now.
+        state.bars.pop("cr", None)
 
     def on_ProgressLine(self, e) -> None:
+        """A line a rank rewrites with carriage returns (progress not drawn by tqdm)."""
         state = self._rank(e.rank)
-        state.latest = e.text.strip()
         parsed = parse_progress(e.text)
-        if parsed is not None:
-            state.fraction, state.desc = parsed[0], parsed[1] or state.desc
+        self._set_bar(state, "cr", 1000, parsed[0] if parsed else None, e.text.strip())
 
     def on_Progress(self, e) -> None:
         state = self._rank(e.rank)
-        if e.total:
-            state.fraction = min(1.0, e.n / e.total)
-        state.desc = e.desc or state.desc
-        state.latest = f"{e.desc + ': ' if e.desc else ''}{e.n:g}{'/%g' % e.total if e.total else ''}"
+        fraction = min(1.0, e.n / e.total) if e.total else None
+        text = f"{e.desc + ': ' if e.desc else ''}{e.n:g}{'/%g' % e.total if e.total else ''}"
+        self._set_bar(state, "api", 999, fraction, text)
+
+    def on_Bar(self, e) -> None:
+        state = self._rank(e.rank)
+        if e.closed and not e.leave:
+            state.bars.pop(e.id, None)      # leave=False: gone from the screen, as in a terminal
+            return
+        self._set_bar(state, e.id, e.pos, e.fraction, e.text)
 
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
         if e.failure is not None:
             state.state = "failed"
-            state.latest = e.failure.summary
+            state.failure = e.failure.summary
         elif e.stopped:
             state.state = "stopped"
         else:
@@ -187,7 +255,7 @@ class RunView:
     def _header_html(self, final: bool = False) -> str:
         elapsed = self.elapsed if final else time.monotonic() - self.started
         color = STATE_COLORS.get({"ok": "done"}.get(self.status, self.status), "#d62728")
-        world = html.escape(self.world or "starting")
+        world = html.escape(self.world or self.note or "starting the ranks")
         if self.status == "waiting":
             world += " &middot; " + html.escape(self.world_note)
         parts = [f"<b style='color:{color}'>{html.escape(self.status)}</b>", world,
@@ -198,36 +266,31 @@ class RunView:
         if self.error:
             text += f"<br><span style='color:#d62728'>{html.escape(self.error)}</span>"
         if self.log_dir:
-            text += f"<br><small>full logs: <code>{html.escape(self.log_dir)}</code></small>"
-        return f"<div class='accel-magics-header'>{text}</div>"
+            text += (f"<br><small style='color:{_MUTED}'>full logs (on this machine; the newest 20 runs are "
+                     f"kept): <code>{html.escape(self.log_dir)}</code></small>")
+        return f"{_CSS}<div class='accel-magics-header'>{text}</div>"
+
+    def _rows_html(self) -> str:
+        return "".join(_row_html(self.ranks[rank]) for rank in sorted(self.ranks))
 
     def refresh(self, force: bool = False) -> None:
         if not (self._dirty or force):
             return
         self._dirty = False
         self._last_refresh = time.monotonic()
-        self.header.value = self._header_html(final=self.status not in ("starting", "running"))
-        for rank in sorted(self.ranks):
-            state = self.ranks[rank]
-            if rank not in self._row_widgets:
-                label = w.HTML(layout=w.Layout(width="170px"))
-                bar = w.FloatProgress(min=0.0, max=1.0, value=0.0, layout=w.Layout(width="260px"))
-                latest = w.HTML(layout=w.Layout(flex="1"))
-                self._row_widgets[rank] = (label, bar, latest)
-                self.rows.children = self.rows.children + (w.HBox([label, bar, latest]),)
-            label, bar, latest = self._row_widgets[rank]
-            color = STATE_COLORS.get(state.state, "#888")
-            label.value = (f"rank {rank} <span style='color:{color}'>{state.state}</span>"
-                           + (f" {html.escape(state.desc)}" if state.desc else ""))
-            if state.fraction is not None:
-                bar.value = state.fraction
-            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(state.state, "")
-            latest.value = f"<code>{html.escape(state.latest[-200:])}</code>"
+        self.header.value = self._header_html(final=self.status not in ("starting", "running", "waiting"))
+        rows = self._rows_html()
+        if rows != self.rows.value:
+            self.rows.value = rows
         self._refresh_panes(force)
 
     def _pane(self, key, title: str) -> w.HTML:
         if key not in self._pane_widgets:
-            pane = w.HTML(layout=w.Layout(max_height="300px", overflow="auto"))
+            # column-reverse: the browser keeps the pane scrolled to its newest
+            # line (it follows the output) unless the user scrolled up.
+            pane = w.HTML(layout=w.Layout(max_height="300px", overflow="auto", display="flex",
+                                          flex_flow="column-reverse"))
+            pane.add_class("accel-magics-pane")
             self._pane_widgets[key] = pane
             self.tabs.children = self.tabs.children + (pane,)
             self.tabs.set_title(len(self.tabs.children) - 1, title)
@@ -254,37 +317,34 @@ class RunView:
                 pane.value = _pre(state.lines)
 
     def close(self) -> None:
-        """Close every widget model of this view (the kernel forgets them)."""
-        for row in self.rows.children:
-            for child in row.children:
-                child.close()
-            row.close()
-        for pane in self._pane_widgets.values():
-            pane.close()
-        for widget in (self.header, self.rows, self.tabs, self.widget):
+        """Close every widget model of this view, their layout and style models
+        too (the kernel forgets them, and a notebook saved or executed headless
+        keeps no state of a view it no longer shows)."""
+        for widget in (*self._pane_widgets.values(), self.header, self.rows, self.tabs, self.widget):
+            for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+                if part is not None:
+                    part.close()
             widget.close()
 
     def summary_html(self) -> str:
-        """The run's final state as static HTML: what the notebook keeps."""
-        rows = []
+        """The run's final state as static HTML: what the notebook keeps.
+
+        Per rank its row (state, the bars left on screen, its latest printed
+        line) and its printed lines: shown open when short, collapsed with
+        their count when long."""
+        details = []
         for rank in sorted(self.ranks):
             s = self.ranks[rank]
-            color = STATE_COLORS.get(s.state, "#888")
-            pct = 100 if s.state == "done" and s.fraction is None else int(round((s.fraction or 0) * 100))
-            rows.append(
-                f"<tr><td>rank {rank}</td><td style='color:{color}'>{s.state}</td>"
-                f"<td><div style='width:160px;background:#eee'><div style='width:{pct}%;background:{color};"
-                f"height:10px'></div></div></td><td>{pct}%</td><td><code>{html.escape(s.latest[-120:])}</code></td></tr>"
-            )
-        details = "".join(
-            f"<details><summary>rank {rank} output ({self.ranks[rank].count} lines"
-            f"{', last %d shown' % len(self.ranks[rank].lines) if self.ranks[rank].count > len(self.ranks[rank].lines) else ''})"
-            f"</summary>{_pre(self.ranks[rank].lines)}</details>"
-            for rank in sorted(self.ranks)
-        )
+            if not s.count:
+                continue
+            shown = len(s.lines)
+            more = f", the last {shown} shown" if s.count > shown else ""
+            opened = " open" if s.count <= OPEN_RECORD_LINES else ""
+            details.append(f"<details{opened}><summary>rank {rank} output ({_plural(s.count, 'line')}{more})"
+                           f"</summary>{_pre(s.lines)}</details>")
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
-                f"<table>{''.join(rows)}</table>{details}</div>")
+                f"{self._rows_html()}{''.join(details)}</div>")
 
 
 def _pre(lines) -> str:
-    return "<pre style='margin:0;font-size:12px'>" + html.escape("\n".join(lines)) + "</pre>"
+    return "<pre class='accel-magics-pre'>" + html.escape("\n".join(lines)) + "</pre>"

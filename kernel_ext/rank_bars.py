@@ -1,0 +1,161 @@
+"""tqdm bars as events (in a rank): what each bar is, not what it draws.
+
+A tqdm bar drawn into a pipe is a stream of carriage returns, padding and
+cursor-up escapes (nested bars); interpreted after the fact it garbles the
+view, and a print inside the loop lands glued to the bar text.  So in a rank
+every ``tqdm.std.tqdm`` (and so ``tqdm.auto``, Accelerate's, transformers',
+datasets' and Lightning's bars, which all derive from it) that would draw on
+the rank's stdout/stderr draws nothing and reports instead, as ``bar``
+events: its position (nesting), desc, n, total, the formatted statistics,
+whether it is left on screen when closed.  Prints (and ``tqdm.write``) stay
+clean lines of their own.  A bar drawn into another file (``file=f``) is
+left alone.
+
+Events are throttled per bar (``INTERVAL``); the latest state of every bar is
+always sent before the rank reports its result (:func:`flush`).  The patch is
+installed when the cell starts, on tqdm if it is imported already, else by
+an import hook the moment ``tqdm.std`` is imported.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+INTERVAL = 0.1   # seconds between two events of one bar (its first and last state always go)
+
+_emit: Optional[Callable[[dict], bool]] = None
+_ids = itertools.count(1)
+_pending: dict = {}        # bar id -> latest unsent event
+_last_sent: dict = {}      # bar id -> time.monotonic() of its last event
+_lock = threading.Lock()
+
+
+class _Nowhere:
+    """The file a reporting bar draws into: nothing, so no escape reaches the output."""
+
+    def write(self, s) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+_NOWHERE = _Nowhere()
+
+
+def _stats(bar) -> str:
+    """tqdm's own statistics text: ``50/300 [00:02<00:12, 19.87it/s, loss=0.1]``."""
+    try:
+        d = dict(bar.format_dict)
+        d["bar_format"] = "{n_fmt}" + ("/{total_fmt}" if d.get("total") else "") + \
+            " [{elapsed}" + ("<{remaining}" if d.get("total") else "") + ", {rate_fmt}{postfix}]"
+        d["ncols"] = None
+        return bar.format_meter(**d)
+    except Exception:
+        return f"{bar.n}"
+
+
+def _event(bar, closed: bool = False) -> dict:
+    total = bar.total if isinstance(bar.total, (int, float)) and bar.total and bar.total != float("inf") else None
+    return {"kind": "bar", "id": bar._accel_bar, "pos": abs(getattr(bar, "pos", 0) or 0),
+            "desc": str(bar.desc or "").rstrip(": "), "n": float(bar.n), "total": float(total) if total else None,
+            "stats": _stats(bar), "leave": bool(bar.leave if bar.leave is not None else bar.pos == 0),
+            "closed": closed}
+
+
+def _report(bar, closed: bool = False) -> None:
+    if _emit is None:
+        return
+    event = _event(bar, closed)
+    now = time.monotonic()
+    with _lock:
+        due = closed or bar._accel_bar not in _last_sent or now - _last_sent[bar._accel_bar] >= INTERVAL
+        if not due:
+            _pending[bar._accel_bar] = event
+            return
+        _pending.pop(bar._accel_bar, None)
+        _last_sent[bar._accel_bar] = now
+        if closed:
+            _last_sent.pop(bar._accel_bar, None)
+    _emit(event)
+
+
+def flush() -> None:
+    """Send the latest state of every bar whose last update was throttled."""
+    with _lock:
+        events = list(_pending.values())
+        _pending.clear()
+    for event in events:
+        if _emit is not None:
+            _emit(event)
+
+
+def _patch(tqdm_cls) -> None:
+    if getattr(tqdm_cls, "_accel_patched", False):
+        return
+    original_init, original_display, original_close = tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.close
+
+    def __init__(self, *args, **kwargs):
+        file = kwargs.get("file", args[4] if len(args) > 4 else None)
+        ours = file is None or file in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+        if ours and _emit is not None:
+            self._accel_bar = next(_ids)
+            if len(args) > 4:
+                args = args[:4] + (_NOWHERE,) + args[5:]
+            else:
+                kwargs["file"] = _NOWHERE
+        original_init(self, *args, **kwargs)
+
+    def display(self, msg=None, pos=None):
+        if getattr(self, "_accel_bar", None) is None:
+            return original_display(self, msg, pos)
+        if msg is None:   # msg '' is tqdm clearing the bar: its close says so
+            _report(self)
+        return True
+
+    def close(self):
+        reporting = getattr(self, "_accel_bar", None) is not None and not getattr(self, "disable", True)
+        original_close(self)
+        if reporting:
+            _report(self, closed=True)
+
+    tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.close = __init__, display, close
+    tqdm_cls._accel_patched = True
+
+
+class _ImportHook:
+    """Patches ``tqdm.std`` the moment it is imported (no post-import hooks in Python)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "tqdm.std":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            pass
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_exec(module)
+            _patch(module.tqdm)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install(emit: Callable[[dict], bool]) -> None:
+    """In a rank, before the cell runs: bars report through ``emit``."""
+    global _emit
+    _emit = emit
+    std = sys.modules.get("tqdm.std")
+    if std is not None and hasattr(std, "tqdm"):
+        _patch(std.tqdm)
+    elif not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook())
