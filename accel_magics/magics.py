@@ -236,8 +236,12 @@ class DistributedMagics(Magics):
         args = _parse(self.distributed, line)
         in_kernel = getattr(self.shell, "kernel", None) is not None
         mode = args.output or self.defaults.get("output", "auto")
+        # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
+        # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
+        # since they save the state of every widget ever opened, closed or not.
+        interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
         presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}", started=started,
-                              launcher_ready=bool(self.launcher.info))
+                              launcher_ready=bool(self.launcher.info), interactive=interactive)
         try:
             cfg = self._config(args)
             return_names = _return_names(args.return_names)

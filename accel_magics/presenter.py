@@ -35,9 +35,9 @@ def widgets_available() -> bool:
 
 class Presenter:
     def __init__(self, mode: str, in_kernel: bool, label: str, started: Optional[float] = None,
-                 launcher_ready: bool = True) -> None:
+                 launcher_ready: bool = True, interactive: bool = True) -> None:
         if mode == "auto":
-            mode = "widget" if in_kernel and widgets_available() else "text"
+            mode = "widget" if in_kernel and interactive and widgets_available() else "text"
         if mode == "widget" and not in_kernel:
             mode = "text"
         self.mode = mode

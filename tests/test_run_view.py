@@ -1,0 +1,138 @@
+"""The run view and its record read like a terminal running tqdm (issue 13):
+what nbval and nbconvert see, in both output modes.  Real kernel, real ranks."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+NESTED = """%%distributed -n 2 --output {mode}
+import os, time
+from tqdm.auto import tqdm
+rank = os.environ['RANK']
+for epoch in tqdm(range(3), desc='epoch'):
+    for step in tqdm(range(40), desc='step', leave=False):
+        time.sleep(0.002)
+    print(f'rank {{rank}} epoch {{epoch}} loss {{0.5 / (epoch + 1):.3f}}')
+"""
+BAR_DONE = r"epoch: 100% 3/3 \[\d\d:\d\d<00:00, [\d.]+it/s\]"
+
+
+def _record(res) -> tuple[str, str]:
+    """(text/plain, text/html) the notebook keeps: the last display, or the stream."""
+    displays = [m["content"]["data"] for m in res.messages if m["msg_type"] == "display_data"]
+    final = displays[-1] if displays else {}
+    text = final.get("text/plain", "") if "text/html" in final else res.stdout
+    return text, final.get("text/html", "")
+
+
+@pytest.mark.parametrize("mode", ["text", "widget"])
+def test_nested_bars_leave_exactly_the_prints_and_the_final_outer_bar(clean_kernel, mode):
+    """Nested tqdm (epochs x steps, inner leave=False) made every inner update a
+    line, drew cursor-up escapes as boxes and padded prints with bar spaces."""
+    res = clean_kernel.ok(NESTED.format(mode=mode), timeout=120)
+    text, page = _record(res)
+    for rank in (0, 1):
+        lines = [line[len(f"[rank {rank}] "):] for line in text.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert lines[:3] == [f"rank {rank} epoch {e} loss {0.5 / (e + 1):.3f}" for e in range(3)], text
+        assert len(lines) == 4 and re.fullmatch(BAR_DONE, lines[3]), lines
+    everything = text + page + "".join(str(m["content"]) for m in res.messages)
+    assert "\x1b" not in everything and "\\x1b" not in everything
+    assert "step:" not in text and "step: " not in page           # the inner bars left nothing
+    if mode == "widget":
+        # The kept record: every print open (short output), the final outer bar, theme colours.
+        assert page.count("<details open>") == 2 and "rank 0 output (3 lines)" in page
+        assert "epoch: 100% 3/3" in page and "width:100%" in page
+        assert "#eee" not in page and "var(--jp-layout-color3" in page
+
+
+@pytest.mark.parametrize("mode", ["text", "widget"])
+def test_a_print_inside_a_bar_loop_is_a_line_of_its_own(clean_kernel, mode):
+    """A print inside a tqdm loop was glued onto the bar text, in the panes and
+    the record; the row's latest line only ever showed the tqdm text."""
+    res = clean_kernel.ok(f"%%distributed -n 2 --output {mode}\nimport os\nfrom tqdm import tqdm\n"
+                          "for i in tqdm(range(300), desc='train', mininterval=0):\n"
+                          "    if i % 100 == 0:\n        print(f\"rank {os.environ['RANK']} step {i} loss 0.0196\")\n",
+                          timeout=60)
+    text, page = _record(res)
+    lines = [line for line in text.splitlines() if line.startswith("[rank 1] ")]
+    assert lines[:3] == [f"[rank 1] rank 1 step {i} loss 0.0196" for i in (0, 100, 200)], text
+    assert re.fullmatch(r"\[rank 1\] train: 100% 300/300 \[.*\]", lines[3]), lines
+    if mode == "widget":
+        # The row's latest line is the latest *print*, not the bar text.
+        assert "<code class='accel-magics-latest' title='rank 1 step 200 loss 0.0196'>" in page
+
+
+def test_an_n_of_m_in_a_print_is_not_progress(clean_kernel):
+    res = clean_kernel.ok("%%distributed -n 2 --output widget\nprint('loading shard 3/4')\n", timeout=60)
+    _, page = _record(res)
+    assert "loading shard 3/4" in page and "class='accel-magics-fill'" not in page
+
+
+def test_long_outputs_are_collapsed_with_their_count(clean_kernel):
+    res = clean_kernel.ok("%%distributed -n 2 --output widget\nimport os\n"
+                          "n = 25 if os.environ['RANK'] == '0' else 1\nfor i in range(n):\n    print('line', i)\n",
+                          timeout=60)
+    _, page = _record(res)
+    assert "<details><summary>rank 0 output (25 lines)</summary>" in page
+    assert "<details open><summary>rank 1 output (1 line)</summary>" in page
+    assert "full logs (on this machine; the newest 20 runs are kept)" in page
+
+
+def test_a_carriage_return_progress_line_not_from_tqdm_still_updates_in_place(clean_kernel):
+    """Progress printed by hand with carriage returns (the text fallback): one
+    line in the record, its final state, no intermediate states."""
+    res = clean_kernel.ok("%%distributed -n 2 --output text\nimport sys, time\nfor i in range(1, 6):\n"
+                          "    sys.stdout.write(f'\\rdownloading {i * 20}%')\n    sys.stdout.flush()\n"
+                          "    time.sleep(0.01)\nprint()\nprint('done')\n", timeout=60)
+    text, _ = _record(res)
+    assert [line for line in text.splitlines() if line.startswith("[rank 0]")] == \
+        ["[rank 0] downloading 100%", "[rank 0] done"], text
+
+
+def test_the_first_cell_says_the_launcher_is_starting_and_counts_from_the_cells_start():
+    """A cold first run showed nothing for 1-2 s, and its header said 0.0 s."""
+    import time
+
+    from kernel_harness import KernelSession
+
+    k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1"})
+    try:
+        k.ok("%load_ext accel_magics")
+        started = time.monotonic()
+        res = k.ok("%%distributed -n 2\nprint('hi')\n", timeout=120)
+        took = time.monotonic() - started
+        first = [m["content"]["data"] for m in res.messages if m["msg_type"] == "display_data"][0]
+        states = [str(m["content"]["data"].get("state", {}).get("value", "")) for m in res.messages
+                  if m["msg_type"] in ("comm_open", "comm_msg")]
+        assert any("starting the launcher" in v for v in states), "the view did not say the launcher is starting"
+        assert "application/vnd.jupyter.widget-view+json" in first
+        _, page = _record(res)
+        shown = float(re.search(r"&middot; ([\d.]+) s", page).group(1))
+        assert shown >= 0.5 * took - 0.2, (shown, took)   # the launcher's start is counted
+    finally:
+        k.shutdown()
+
+
+def test_a_notebook_executed_headless_keeps_no_state_of_closed_views(tmp_path):
+    """nbconvert --execute stored 91 dead widget models (78 KB of an 88 KB notebook):
+    nbclient saves every model ever opened (it ignores comm_close), so a headless
+    executor (it takes no input()) gets the text view; its record is the same text."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in (
+        "%load_ext accel_magics",
+        NESTED.format(mode="widget").replace("--output widget", ""),
+        "%%distributed -n 2\nprint('again')\n",
+    )])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    assert state == {}, f"{len(state)} widget models saved: {sorted({s['model_name'] for s in state.values()})}"
+    saved = nbformat.writes(nb)
+    assert len(saved) < 30_000, len(saved)
+    outputs = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "[rank 1] rank 1 epoch 2 loss 0.167" in outputs and "[rank 1] epoch: 100% 3/3" in outputs, outputs
