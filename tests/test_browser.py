@@ -51,8 +51,9 @@ KERNEL_IDLE_JS = """() => {
     return !!(i && s && i.dataset.status === 'idle' && /\\| Idle$/.test(s.textContent.trim())
               && !s.textContent.startsWith('No Kernel'));
 }"""
-BAR_WIDTHS_JS = """c => [...c.querySelectorAll('.accel-magics-run .widget-hprogress .progress-bar')]
-                      .map(e => parseFloat(e.style.width || '0'))"""
+BAR_WIDTHS_JS = """c => [...c.querySelectorAll('.accel-magics-run .accel-magics-row')]
+                      .map(r => r.querySelector('.accel-magics-fill'))
+                      .map(e => e ? parseFloat(e.style.width || '0') : 0)"""
 
 TRAIN_CELL = (
     "%%distributed -n 2\n"
@@ -194,7 +195,7 @@ def test_progress_view_and_config_form_in_jupyterlab():
                 # The progress view: bars advance while the ranks train...
                 _run_cell(page, 1)
                 cell = page.locator(CELL).nth(1)
-                cell.locator(".accel-magics-run .widget-hprogress").nth(1).wait_for()
+                cell.locator(".accel-magics-run .accel-magics-row").nth(1).wait_for()
                 seen: list[list[float]] = []
                 deadline = time.monotonic() + 60
                 while not (seen and len(seen[-1]) == 2 and min(seen[-1]) >= 100):
@@ -206,8 +207,8 @@ def test_progress_view_and_config_form_in_jupyterlab():
                 for rank in (0, 1):
                     values = sorted({s[rank] for s in seen if len(s) == 2})
                     assert len([v for v in values if 0 < v < 100]) >= 2, values   # it advanced
-                # the final tqdm line reaches the "all ranks" pane (panes refresh once a second)
-                cell.locator(".accel-magics-run .widget-tab-contents", has_text="train: 100%").wait_for()
+                # the rows show tqdm's final state; the panes hold only what the ranks printed
+                cell.locator(".accel-magics-run .accel-magics-bartext", has_text="train: 100%").first.wait_for()
                 cell.screenshot(path=str(ARTIFACTS / "2-progress-100.png"))
                 # ...and each rank's pane shows that rank's lines (while it saves its checkpoint).
                 for rank, other in ((1, 0), (0, 1)):
@@ -243,6 +244,116 @@ def test_progress_view_and_config_form_in_jupyterlab():
             except Exception:
                 try:
                     page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+                finally:
+                    raise
+            finally:
+                browser.close()
+    finally:
+        leftovers = lab.stop()
+    assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
+
+
+NESTED_CELL = (
+    "%%distributed -n 4\n"
+    "import os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "rank = os.environ['RANK']\n"
+    "for epoch in tqdm(range(3), desc='epoch'):\n"
+    "    for step in tqdm(range(40), desc='step', leave=False):\n"
+    "        time.sleep(0.05)\n"
+    "        if step == 20:\n"
+    "            print(f'rank {rank} epoch {epoch} half way, loss {0.5 / (epoch + 1):.3f}')\n"
+    "    print(f'rank {rank} epoch {epoch} done')\n"
+)
+TAIL_CELL = (
+    "%%distributed -n 2\n"
+    "import time\n"
+    "for i in range(300):\n"
+    "    print('line', i)\n"
+    "    time.sleep(0.01)\n"
+    "time.sleep(2)\n"
+)
+PANE_BOTTOM_JS = """c => { const p = [...c.querySelectorAll('.accel-magics-run .accel-magics-pane')]
+    .find(e => e.offsetParent !== null);
+    if (!p) return null;
+    const last = p.querySelector('pre');
+    const pr = p.getBoundingClientRect(), lr = last.getBoundingClientRect();
+    return {paneBottom: pr.bottom, lastBottom: lr.bottom, text: p.innerText.trim().split('\\n').pop()}; }"""
+
+
+def test_nested_bars_narrow_window_follow_the_tail_and_dark_theme():
+    """Issue 13 in a real browser: nested tqdm bars (4 ranks, inner leave=False,
+    prints inside) in a 1000 px window with the file browser open; panes follow
+    the output; the kept record in the dark theme."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in
+                                         ("%load_ext accel_magics", NESTED_CELL, TAIL_CELL)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "view.ipynb")
+    leftovers = None
+    try:
+        with playwright_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1000, "height": 1000})
+                page.set_default_timeout(120_000)
+                page.goto(lab.url("view.ipynb"))
+                _wait_idle(page, lab)
+                page.locator(".jp-DirListing").first.wait_for()   # the file browser is open
+                _run_cell(page, 0)
+                _wait_done(page, 0)
+
+                _run_cell(page, 1)
+                cell = page.locator(CELL).nth(1)
+                row = cell.locator(".accel-magics-run .accel-magics-row").nth(3)
+                row.wait_for()
+                # Two nested bars on a row while an epoch runs (the inner one goes when done).
+                page.wait_for_function("""c => [...c.querySelectorAll('.accel-magics-run .accel-magics-row')]
+                    .some(r => r.querySelectorAll('.accel-magics-bar').length == 2)""", arg=cell.element_handle())
+                cell.screenshot(path=str(ARTIFACTS / "7-nested-bars-1000px.png"))
+                # The tabs stay inside the window, each row on at most a few lines.
+                boxes = cell.evaluate("""c => [...c.querySelectorAll(
+                    '.accel-magics-run .lm-TabBar, .accel-magics-run .accel-magics-row')].map(e => {
+                    const r = e.getBoundingClientRect(); return [e.className, r.right, r.height]; })""")
+                assert len(boxes) == 5, boxes
+                for name, right, height in boxes:
+                    assert right <= 1000 and ("TabBar" in name or height < 80), boxes
+                # The row's latest line is the latest print, not the bar text.
+                page.wait_for_function("""c => { const e = c.querySelector('.accel-magics-run .accel-magics-latest');
+                    return !!e && /epoch \\d (half way|done)/.test(e.textContent); }""", arg=cell.element_handle())
+                _wait_done(page, 1)
+                summary = cell.locator(".accel-magics-summary")
+                summary.wait_for()
+                text = summary.inner_text()
+                assert "\x1b" not in text and "step:" not in text, text
+                assert text.count("epoch: 100% 3/3") == 4, text
+                assert "rank 0 epoch 2 done" in text and "(6 lines)" in text, text
+                cell.screenshot(path=str(ARTIFACTS / "8-nested-record.png"))
+
+                _run_cell(page, 2)
+                cell = page.locator(CELL).nth(2)
+                cell.locator(".accel-magics-run .accel-magics-pane pre").first.wait_for()
+                page.wait_for_function("c => /line 2\\d\\d/.test(c.innerText)", arg=cell.element_handle())
+                seen = cell.evaluate(PANE_BOTTOM_JS)
+                assert seen and seen["text"].startswith("[rank") and abs(seen["lastBottom"] - seen["paneBottom"]) < 30, seen
+                cell.screenshot(path=str(ARTIFACTS / "9-pane-follows-the-tail.png"))
+                _wait_done(page, 2)
+
+                # Dark theme: the kept records stay readable (bar tracks from the theme).
+                page.keyboard.press("Control+Shift+C")
+                page.keyboard.type("JupyterLab Dark")
+                page.keyboard.press("Enter")
+                page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+                time.sleep(1)
+                page.locator(CELL).nth(1).screenshot(path=str(ARTIFACTS / "10-dark-record.png"))
+                track = page.locator(CELL).nth(1).locator(".accel-magics-summary .accel-magics-track").first
+                color = track.evaluate("e => getComputedStyle(e).backgroundColor")
+                assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color
+                lab.track()
+            except Exception:
+                try:
+                    page.screenshot(path=str(ARTIFACTS / "failure-view.png"), full_page=True)
                 finally:
                     raise
             finally:

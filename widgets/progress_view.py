@@ -42,14 +42,14 @@ _CSS = (
     ".accel-magics-row{display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;"
     "font-size:var(--jp-ui-font-size1,13px)}"
     ".accel-magics-label{flex:0 0 auto;min-width:8.5em;white-space:nowrap}"
-    ".accel-magics-bars{flex:1 1 220px;min-width:140px;max-width:520px}"
+    ".accel-magics-bars{flex:3 1 300px;min-width:160px;max-width:640px}"
     ".accel-magics-bar{display:flex;align-items:center;gap:6px;min-width:0}"
     ".accel-magics-track{flex:0 0 auto;width:clamp(60px,30%,160px);height:9px;border-radius:2px;"
     f"background:{_TRACK};overflow:hidden}}"
     ".accel-magics-fill{height:100%}"
     ".accel-magics-bartext{flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
     "font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px)}"
-    ".accel-magics-latest{flex:2 1 200px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
+    ".accel-magics-latest{flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
     f"font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px);color:{_MUTED}}}"
     ".accel-magics-pre{margin:0;font-size:var(--jp-code-font-size,12px);white-space:pre-wrap;"
     "overflow-wrap:anywhere}"
@@ -116,7 +116,7 @@ def _row_html(s: _RankState) -> str:
     latest = s.failure or s.latest
     return (f"<div class='accel-magics-row'><span class='accel-magics-label'>rank {s.rank} "
             f"<b style='color:{color}'>{html.escape(s.state)}</b></span>"
-            f"<div class='accel-magics-bars'>{bars}</div>"
+            + (f"<div class='accel-magics-bars'>{bars}</div>" if bars else "") +
             f"<code class='accel-magics-latest' title='{html.escape(latest[-300:], quote=True)}'>"
             f"{html.escape(latest[-300:])}</code></div>")
 
