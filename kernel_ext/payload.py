@@ -37,6 +37,7 @@ class Payload:
     sys_path: list[str] = field(default_factory=list)
     cwd: str = ""
     shared: Optional["SharedArena"] = None   # big arrays, shipped once through shared memory
+    sources: dict = field(default_factory=dict)   # notebook cells' source by label ("Cell In[2]")
 
     def load_into(self, namespace: dict) -> None:
         """In a rank: put the shipped globals into ``namespace`` (the rank's
@@ -259,7 +260,7 @@ def build_payload(
     arena = SharedArena()
     with _noting_interrupts() as interrupts:
         try:
-            blob = _dumps(shipped, arena, namespace, code_label)
+            blob, sources = _dumps(shipped, arena, namespace, code_label)
         except BaseException as exc:
             arena.close()   # whatever happened, the shared memory of big globals is freed now
             if isinstance(exc, KeyboardInterrupt) and interrupts.seen:
@@ -279,6 +280,7 @@ def build_payload(
         sys_path=list(sys.path),
         cwd=os.getcwd(),
         shared=arena,
+        sources=sources,
     )
 
 
@@ -449,13 +451,13 @@ class _Found:
 
 
 def _dumps(value, arena: SharedArena, main_ns: Optional[dict] = None,
-           code_label: Optional[Callable[[str], Optional[str]]] = None) -> bytes:
+           code_label: Optional[Callable[[str], Optional[str]]] = None) -> tuple[bytes, dict]:
     import io
 
     buf = io.BytesIO()
     pickler = _SharingPickler(buf, arena, main_ns, code_label)
     pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
-    return buf.getvalue()
+    return buf.getvalue(), dict(pickler.sources)
 
 
 class _Interrupts:

@@ -11,8 +11,11 @@ itself only decides *when*.
 from __future__ import annotations
 
 import fcntl
+import linecache
 import os
+import re
 import signal
+import sysconfig
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
@@ -136,6 +139,75 @@ def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int,
 _OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')
 
 
-def user_stack(text: str) -> str:
-    """A faulthandler dump without the launcher's own frames below the cell."""
-    return "".join(line for line in text.splitlines(True) if not line.strip().startswith(_OWN_FRAMES))
+_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
+                   ("stdlib", "platstdlib", "purelib", "platlib")) if p})
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_INSTALLED) or "site-packages" in filename or filename.startswith("<frozen")
+
+
+def user_stack(text: str, sources: Optional[dict] = None) -> str:
+    """A faulthandler dump as a person reads it: the thread that ran the cell
+    first, with the source line of each frame (the cells' own text included),
+    without the launcher's frames below the cell; threads that are only
+    library code (tqdm's monitor, a DataLoader's pin thread) counted in one
+    line instead of five frames each."""
+    sources = sources or {}
+    threads: list[tuple[str, list]] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.endswith("(most recent call first):"):
+            threads.append((stripped, []))
+            continue
+        if stripped.startswith(_OWN_FRAMES):
+            continue
+        m = _FRAME.match(line)
+        if not threads:
+            threads.append(("", []))
+        threads[-1][1].append(m.groupdict() if m else {"raw": stripped})
+    if not threads:
+        return text
+
+    def source_line(frame: dict) -> str:
+        if frame["file"] in sources:
+            lines = sources[frame["file"]].splitlines()
+            n = int(frame["line"])
+            return lines[n - 1].strip() if 0 < n <= len(lines) else ""
+        return linecache.getline(frame["file"], int(frame["line"])).strip()
+
+    def render(frames: list) -> list[str]:
+        out = []
+        for frame in frames:
+            if "raw" in frame:
+                out.append(f"  {frame['raw']}")
+                continue
+            out.append(f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}')
+            code = source_line(frame)
+            if code:
+                out.append(f"    {code}")
+        return out
+
+    main = [t for t in threads if t[0].startswith("Current thread")] or threads[:1]
+    others = [t for t in threads if t not in main]
+    busy = [t for t in others if any("raw" in f or not _is_library(f["file"]) for f in t[1])]
+    idle = [t for t in others if t not in busy]
+    out = []
+    for title, frames in main:
+        out.append("the cell's thread:")
+        out.extend(render(frames))
+    for title, frames in busy:
+        out.append(title.replace("Thread", "thread", 1))
+        out.extend(render(frames))
+    if idle:
+        def owner(frames: list) -> str:
+            named = [f for f in frames if "file" in f and not f["file"].endswith("threading.py")] or frames
+            f = named[0] if named else {"file": "?", "func": "?"}
+            return f"{os.path.basename(os.path.dirname(f['file']))}/{os.path.basename(f['file'])} {f['func']}"
+        where = sorted({owner(t[1]) for t in idle})
+        out.append(f"(+ {len(idle)} other thread{'s' if len(idle) != 1 else ''} in library code only: "
+                   f"{', '.join(where)})")
+    return "\n".join(out) + "\n"

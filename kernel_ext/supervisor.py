@@ -614,6 +614,13 @@ class Supervisor:
         for kind in list(r.fds):
             self._close_pipe(r, kind)
 
+    def _sources(self) -> dict:
+        """The cell's source and the notebook cells' it reaches, by filename (for stacks)."""
+        payload = self.spec.get("payload")
+        if payload is None:
+            return {}
+        return {payload.filename: payload.source, **getattr(payload, "sources", {})}
+
     def _close_pipe(self, r: RankProcess, kind: str) -> None:
         fd = r.fds.pop(kind, None)
         if fd is not None:
@@ -625,7 +632,7 @@ class Supervisor:
         r.output.end()
         self._flush()
         if r.stack or r.native:
-            stack = r.native or user_stack(r.stack.decode("utf-8", "replace"))
+            stack = r.native or user_stack(r.stack.decode("utf-8", "replace"), self._sources())
             self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + stack)
             self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack), "native": bool(r.native)})
         status = r.status if r.status is not None else 0

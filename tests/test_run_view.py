@@ -136,3 +136,29 @@ def test_a_notebook_executed_headless_keeps_no_state_of_closed_views(tmp_path):
     assert len(saved) < 30_000, len(saved)
     outputs = "".join(o.get("text", "") for o in nb.cells[1].outputs)
     assert "[rank 1] rank 1 epoch 2 loss 0.167" in outputs and "[rank 1] epoch: 100% 3/3" in outputs, outputs
+
+
+def test_interrupt_stacks_show_the_users_frames_with_their_lines_and_count_library_threads(clean_kernel):
+    """An interrupt's stacks were mostly noise: five threading.py / tqdm/_monitor.py
+    frames before the user's frame, which had no source line."""
+    k = clean_kernel
+    k.ok("def slow_step(i):\n    import time\n    time.sleep(0.5)\n")
+
+    def on_output(text, fired=[]):
+        if "[rank 1] up" in text and not fired:
+            fired.append(True)
+            k.interrupt()
+
+    res = k.run("%%distributed -n 2 --output text\nfrom tqdm.auto import tqdm\nprint('up', flush=True)\n"
+                "for i in tqdm(range(100)):\n    slow_step(i)\n", timeout=60, on_output=on_output)
+    assert res.error["ename"] == "RunInterrupted"
+    text = res.error_text
+    rank0 = text[text.index("rank 0:\n"):text.index("rank 1:\n")]
+    lines = [line.strip() for line in rank0.splitlines()[1:] if line.strip()]
+    assert lines[0] == "the cell's thread:", rank0
+    assert lines[1].startswith('File "Cell In[') and lines[1].endswith("line 3, in slow_step"), rank0
+    assert lines[2] == "time.sleep(0.5)"
+    assert lines[3] == 'File "<%%distributed In[' + lines[3].split("In[")[1].split("]")[0] + ']>", line 5, in <module>'
+    assert lines[4] == "slow_step(i)"
+    assert lines[5] == "(+ 1 other thread in library code only: tqdm/_monitor.py run)", rank0
+    assert "threading.py" not in text
