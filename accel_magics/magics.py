@@ -156,6 +156,8 @@ class DistributedMagics(Magics):
         self.launcher = launcher or Launcher()
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
         self.defaults: dict = {}
+        self._form = None               # the config form, one per kernel
+        self._form_displays: list = []  # where it is shown (their text follows the defaults)
 
     # -- GPU-runtime pre-flight -------------------------------------------
     def _is_cell_file(self, filename: str) -> bool:
@@ -302,21 +304,44 @@ class DistributedMagics(Magics):
         given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
         if not given and not args.reset:
             if getattr(self.shell, "kernel", None) is not None:
-                from IPython.display import display
-                from accel_magics.widgets.config_form import ConfigForm
-
-                self.ensure_defaults_known()
-                form = ConfigForm(self.effective_defaults(), check=self._check_defaults, apply=self._apply_defaults,
-                                  describe=command_line)
-                display(form.widget)
+                self._show_form()
                 return None
         candidate = {**self.defaults, **given}
         problem = self._check_defaults(candidate)
         if problem:
             raise UsageError(f"{problem}\nThe defaults were not changed.")
         self.defaults = candidate
+        if self._form is not None:   # a form already shown follows defaults set by the line magic
+            self._form.sync(self.effective_defaults())
+            self._update_form_texts()
         print(config_summary(self.effective_defaults()))
         return None
+
+    def _show_form(self) -> None:
+        """The one form of this kernel (every %distributed_config shows the same
+        models, so forms on a page stay in sync), with the applied defaults as
+        its text: what a saved or exported notebook shows."""
+        from IPython.display import display
+        from accel_magics.widgets.config_form import ConfigForm
+
+        self.ensure_defaults_known()
+        if self._form is None:
+            self._form = ConfigForm(self.effective_defaults(), check=self._check_defaults,
+                                    apply=self._apply_defaults, describe=command_line)
+            self._form.on_applied = self._update_form_texts
+        else:
+            self._form.sync(self.effective_defaults())
+        handle = display(self._form_bundle(), raw=True, display_id=True)
+        self._form_displays.append(handle)
+
+    def _form_bundle(self) -> dict:
+        return {"application/vnd.jupyter.widget-view+json": {
+                    "version_major": 2, "version_minor": 0, "model_id": self._form.widget.model_id},
+                "text/plain": config_summary(self.effective_defaults())}
+
+    def _update_form_texts(self) -> None:
+        for handle in self._form_displays:
+            handle.update(self._form_bundle(), raw=True)
 
     # -- defaults -----------------------------------------------------------
     def ensure_defaults_known(self) -> None:

@@ -97,50 +97,74 @@ def test_bad_config_values_are_refused(clean_kernel, flags, needle):
     clean_kernel.ok("%distributed_config --reset")
 
 
-def test_config_form_validates_and_changes_the_next_run(clean_kernel):
+def test_config_form_validates_each_field_on_its_own_and_changes_the_next_run(clean_kernel):
+    """Issue 13: one invalid field blocked every other change without saying so,
+    -1 became 0, two forms did not stay in sync, a saved form was a widget repr."""
     k = clean_kernel
     res = k.ok("%distributed_config")
     models = _widget_models(res)
     by_desc = {s.get("description"): cid for cid, s in models.items() if "description" in s}
-    status = next(cid for cid, s in models.items() if "applied" in str(s.get("value", "")))
+    texts = {cid: str(s.get("value", "")) for cid, s in models.items() if s.get("_model_name") == "HTMLModel"}
+    shown = [m for m in res.messages if m["msg_type"] == "display_data"][-1]["content"]
+    assert shown["data"]["text/plain"].startswith("defaults for %%distributed")   # what a saved notebook shows
+    display_id = shown["transient"]["display_id"]
+    plain = {"text": shown["data"]["text/plain"]}
 
-    def set_value(cid, value) -> str:
-        # A selection widget syncs its index, as the browser sends it.
+    def change(desc, value) -> str:
+        """Send a change as the frontend does; every text of the form after it."""
+        cid = by_desc[desc]
         state = {"index": models[cid]["_options_labels"].index(value)} if "_options_labels" in models[cid] \
             else {"value": value}
         msg = k.kc.session.msg("comm_msg", {"comm_id": cid, "data": {
             "method": "update", "state": state, "buffer_paths": []}})
         k.kc.shell_channel.send(msg)
-        return msg["header"]["msg_id"]
-
-    current = {"status": models[status]["value"]}
-
-    def status_after(cid, value) -> str:
-        """Send a change as the frontend does; the form's status text after it."""
-        msg_id = set_value(cid, value)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            msg = k.kc.get_iopub_msg(timeout=30)
-            if msg["parent_header"].get("msg_id") != msg_id:
+            reply = k.kc.get_iopub_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
                 continue
-            content = msg["content"]
-            if msg["msg_type"] == "comm_msg" and content["comm_id"] == status:
-                current["status"] = content["data"].get("state", {}).get("value", current["status"])
-            if msg["msg_type"] == "status" and content["execution_state"] == "idle":
-                return current["status"]
+            content = reply["content"]
+            if reply["msg_type"] == "comm_msg" and content["comm_id"] in texts:
+                texts[content["comm_id"]] = str(content["data"].get("state", {}).get("value", texts[content["comm_id"]]))
+            if reply["msg_type"] == "update_display_data" and content["transient"]["display_id"] == display_id:
+                plain["text"] = content["data"]["text/plain"]
+            if reply["msg_type"] == "status" and content["execution_state"] == "idle":
+                return "\n".join(texts.values())
         raise AssertionError("the kernel did not handle the change")
 
-    # An invalid combination is refused as you type...
-    assert "applied" in status_after(by_desc["nodes"], 2)
-    refused = status_after(by_desc["this node's rank"], 5)
-    assert "--node_rank must be between 0 and" in refused and "not applied" in refused
-    assert "applied" in status_after(by_desc["this node's rank"], 0)
-    assert "applied" in status_after(by_desc["nodes"], 1)
-    # ...a valid one becomes the default of the next cell.
-    assert "not applied" not in status_after(by_desc["processes / node"], 3)
-    assert "not applied" not in status_after(by_desc["output"], "text")
-    check = k.ok("print(get_ipython().find_magic('distributed_config').__self__.defaults)")
-    assert "'num_processes': 3" in check.stdout
+    def defaults() -> str:
+        return k.ok("print(get_ipython().find_magic('distributed_config').__self__.defaults)").stdout
+
+    # An invalid field is refused beside it, with the reason; the others still apply.
+    out = change("this node's rank", 5)
+    assert "not applied: --node_rank must be between 0 and" in out and "not applied: this node's rank" in out
+    out = change("processes / node", 3)
+    assert "'num_processes': 3" in defaults() and "--num_processes 3" in plain["text"], plain
+    # Nothing is coerced: -1 is refused (it stays -1 in the field), not taken as 0.
+    out = change("max restarts", -1)
+    assert "not applied: --max_restarts must be between 0 and 1000 (got -1)" in out
+    assert "max_restarts" not in defaults() or "'max_restarts': 0" in defaults()
+    # "default" is explicit: an empty port is the default, 0 is not a port.
+    out = change("master port", "0")
+    assert "not applied: --master_port must be between 1 and 65535 (got 0)" in out
+    change("master port", "")
+    assert "master_port" not in defaults()
+    # A field refused because of another is applied once that other makes it valid.
+    change("nodes", 2)
+    assert "'node_rank': 5" not in defaults()
+    change("this node's rank", 1)
+    assert "'num_nodes': 2" in defaults() and "'node_rank': 1" in defaults()
+    change("nodes", 1)   # node_rank 1 is refused now...
+    change("this node's rank", 0)
+    change("nodes", 1)
+    change("max restarts", 0)
+    assert "not applied" not in "\n".join(v for v in texts.values() if "accel" not in v)
+    # A second form shows the same models: the two stay in sync.
+    again = k.ok("%distributed_config")
+    second = [m for m in again.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
+    assert second["application/vnd.jupyter.widget-view+json"]["model_id"] == \
+        shown["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    change("output", "text")
     res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
     assert "[rank 2] world 3" in res.stdout
     k.ok("%distributed_config --reset")

@@ -1,70 +1,148 @@
 """The launch-config form: processes, nodes, node_rank, master address and port.
 
-Validated as you type; the equivalent ``%%distributed`` command line is shown
-under it; every valid change becomes the default of later ``%%distributed``
-cells (flags in a cell still win).  Invalid values are shown in red and not
-applied.  The rules and the command line come from the caller (``check``,
-``describe``), so this module imports ipywidgets only.
+Each field is validated and applied on its own: a valid change becomes the
+default of later ``%%distributed`` cells at once (flags in a cell still win);
+an invalid one is marked beside its field, says why, and is not applied,
+while the other fields keep working.  Nothing is coerced: ``-1`` stays
+``-1`` and is refused, and "default" is spelled out (an empty port or
+timeout means the built-in default, never ``0``).  A field refused only
+because of another (``node_rank`` 1 of 1 node) is tried again when that
+other changes.
+
+There is one form per kernel: every ``%distributed_config`` shows the same
+widget models, so two forms on a page stay in sync.  The rules and the
+command line come from the caller (``check``, ``describe``), so this module
+imports ipywidgets only.
 """
 from __future__ import annotations
 
 import html
-from typing import Callable
+from typing import Callable, Optional
 
 import ipywidgets as w
 
-MIXED = ["(none)", "no", "fp16", "bf16", "fp8"]
+MIXED = [("Accelerate's default", "default"), ("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8")]
+INT_FIELDS = ("num_processes", "num_nodes", "node_rank", "max_restarts")
+LABELS = {"num_processes": "processes / node", "num_nodes": "nodes", "node_rank": "this node's rank",
+          "master_addr": "master address", "master_port": "master port", "max_restarts": "max restarts",
+          "mixed_precision": "mixed precision", "timeout": "timeout (s)", "output": "output"}
 
 
 class ConfigForm:
     def __init__(self, values: dict, check: Callable[[dict], str], apply: Callable[[dict], None],
                  describe: Callable[[dict], str]) -> None:
         self.check, self.apply, self.describe = check, apply, describe
+        self.applied = dict(values)
+        self.pending: dict = {}        # field -> (value, why it was refused)
+        self._syncing = False
         style = {"description_width": "130px"}
-        self.fields = {
-            "num_processes": w.BoundedIntText(value=values["num_processes"], min=1, max=4096,
-                                              description="processes / node", style=style),
-            "num_nodes": w.BoundedIntText(value=values["num_nodes"], min=1, max=4096,
-                                          description="nodes", style=style),
-            "node_rank": w.BoundedIntText(value=values["node_rank"], min=0, max=4095,
-                                          description="this node's rank", style=style),
-            "master_addr": w.Text(value=values["master_addr"], description="master address",
-                                  continuous_update=False, style=style),
-            "master_port": w.BoundedIntText(value=values["master_port"] or 0, min=0, max=65535,
-                                            description="master port", style=style),
-            "max_restarts": w.BoundedIntText(value=values["max_restarts"], min=0, max=100,
-                                             description="max restarts", style=style),
-            "mixed_precision": w.Dropdown(options=MIXED, value=values["mixed_precision"] or "(none)",
-                                          description="mixed precision", style=style),
-            "timeout": w.BoundedFloatText(value=values["timeout"] or 0, min=0, max=1e7,
-                                          description="timeout (s)", style=style),
-            "output": w.Dropdown(options=["auto", "widget", "text"], value=values["output"],
-                                 description="output", style=style),
-        }
-        self.fields["master_port"].tooltip = "0: a fresh free port per run (29500 for multi-node)"
-        self.fields["timeout"].tooltip = "0: no timeout"
+        self.fields = {name: w.IntText(description=LABELS[name], style=style) for name in INT_FIELDS}
+        self.fields["master_addr"] = w.Text(description=LABELS["master_addr"], continuous_update=False, style=style)
+        self.fields["master_port"] = w.Text(description=LABELS["master_port"], continuous_update=False, style=style,
+                                            placeholder="default: a free port per run (29500 multi-node)")
+        self.fields["mixed_precision"] = w.Dropdown(options=MIXED, description=LABELS["mixed_precision"], style=style)
+        self.fields["timeout"] = w.Text(description=LABELS["timeout"], continuous_update=False, style=style,
+                                        placeholder="none")
+        self.fields["output"] = w.Dropdown(options=["auto", "widget", "text"], description=LABELS["output"],
+                                           style=style)
+        self.notes = {name: w.HTML() for name in self.fields}
         self.status = w.HTML()
         self.command = w.HTML()
-        self.widget = w.VBox([w.HTML("<b>%%distributed defaults</b>"), *self.fields.values(),
+        rows = [w.HBox([self.fields[name], self.notes[name]]) for name in self.fields]
+        self.widget = w.VBox([w.HTML("<b>%%distributed defaults</b> (each field applies on its own)"), *rows,
                               self.status, self.command])
         self.widget.add_class("accel-magics-config")
-        for field in self.fields.values():
-            field.observe(self._changed, names="value")
-        self._changed()
+        self.on_applied: Optional[Callable[[], None]] = None
+        self.sync(values)
+        for name, field in self.fields.items():
+            field.observe(lambda change, name=name: self._changed(name), names="value")
 
-    def values(self) -> dict:
-        v = {name: field.value for name, field in self.fields.items()}
-        v["master_port"] = v["master_port"] or None
-        v["timeout"] = v["timeout"] or None
-        v["mixed_precision"] = None if v["mixed_precision"] == "(none)" else v["mixed_precision"]
-        return v
+    # -- values ---------------------------------------------------------------
+    def sync(self, values: dict) -> None:
+        """Show ``values`` (the defaults applied now, however they were set)."""
+        self._syncing = True
+        try:
+            self.applied = dict(values)
+            self.pending.clear()
+            for name, field in self.fields.items():
+                value = values.get(name)
+                if name in ("master_port", "timeout"):
+                    field.value = "" if value is None else (f"{value:g}" if isinstance(value, float) else str(value))
+                elif name in INT_FIELDS:
+                    field.value = int(value or 0)
+                elif name == "mixed_precision":
+                    field.value = value or "default"
+                elif value is not None:
+                    field.value = value
+                self.notes[name].value = ""
+        finally:
+            self._syncing = False
+        self._show_status()
 
-    def _changed(self, change=None) -> None:
-        values = self.values()
-        problem = self.check(values)
-        self.command.value = f"<code>{html.escape(self.describe(values))}</code>"
-        if problem:
-            self.status.value = f"<span style='color:#d62728'>&#10007; {html.escape(problem)} (not applied)</span>"
+    def _parse(self, name: str):
+        raw = self.fields[name].value
+        if name == "master_port":
+            text = str(raw).strip()
+            if text in ("", "default"):
+                return None
+            if not text.isdigit():
+                raise ValueError("a port number (1-65535), or empty for the default")
+            return int(text)
+        if name == "timeout":
+            text = str(raw).strip()
+            if text in ("", "none"):
+                return None
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError("a number of seconds, or empty for no timeout") from None
+        if name == "master_addr":
+            return str(raw).strip()
+        if name == "mixed_precision":
+            return None if raw == "default" else raw
+        return raw
+
+    # -- changes ----------------------------------------------------------------
+    def _changed(self, name: str) -> None:
+        if self._syncing:
             return
-        self.apply(values)
-        self.status.value = "<span style='color:#2ca02c'>&#10003; applied: later %%distributed cells use these</span>"
+        try:
+            value = self._parse(name)
+        except ValueError as exc:
+            self._refuse(name, None, str(exc))
+            self._show_status()
+            return
+        self._try(name, value)
+        # A field refused because of another may be fine now.
+        for other, (pending_value, _) in list(self.pending.items()):
+            if other != name:
+                self._try(other, pending_value)
+        self._show_status()
+
+    def _try(self, name: str, value) -> bool:
+        candidate = {**self.applied, name: value}
+        problem = self.check(candidate)
+        if problem:
+            self._refuse(name, value, problem)
+            return False
+        self.applied = candidate
+        self.pending.pop(name, None)
+        self.notes[name].value = ""
+        self.apply(candidate)
+        if self.on_applied is not None:
+            self.on_applied()
+        return True
+
+    def _refuse(self, name: str, value, why: str) -> None:
+        self.pending[name] = (value, why)
+        self.notes[name].value = f"<span style='color:#d62728'>&#10007; not applied: {html.escape(why, quote=False)}</span>"
+
+    def _show_status(self) -> None:
+        self.command.value = f"<code>{html.escape(self.describe(self.applied))}</code>"
+        if self.pending:
+            names = ", ".join(LABELS[n] for n in self.pending)
+            self.status.value = (f"<span style='color:#d62728'>&#10007; not applied: {html.escape(names, quote=False)} "
+                                 "(see beside the field); the other fields are applied</span>")
+        else:
+            self.status.value = ("<span style='color:#2ca02c'>&#10003; applied: later %%distributed cells use "
+                                 "these</span>")
