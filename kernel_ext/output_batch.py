@@ -15,6 +15,7 @@ million lines does not make the kernel receive, verify and store them.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 MAX_LINE_BYTES = 64 * 1024   # an unfinished line longer than this is cut: memory stays bounded
@@ -33,6 +34,19 @@ def shorten_lines(block: bytes, limit: int = VIEW_LINE_BYTES) -> bytes:
     if max(map(len, lines)) <= limit:
         return block
     return b"\n".join(cut_line(line, 0, limit) if len(line) > limit else line for line in lines)
+
+
+# Terminal control sequences: CSI (colours, cursor moves, erase), OSC (titles,
+# links), and two-byte escapes.  No nested quantifiers: linear in the text.
+_ESCAPES = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]{0,4096}(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
+
+
+def strip_escapes(block: bytes) -> bytes:
+    """What the notebook shows of a rank's output: its text without terminal
+    control sequences (the rank's log keeps them).  Ranks get ``TERM=dumb``, so
+    well-behaved libraries send none; colours forced anyway would otherwise
+    show as boxes in the view and as garbage in the saved record."""
+    return _ESCAPES.sub(b"", block) if b"\x1b" in block else block
 
 
 def cut_line(line: bytes, extra: int = 0, limit: int = VIEW_LINE_BYTES) -> bytes:
@@ -165,7 +179,7 @@ class OutputBatch:
             state = bytes(self.pending).rstrip(b"\r").rsplit(b"\r", 1)[-1][-VIEW_LINE_BYTES:]
         progress = None
         if state and state != self._progress_sent:
-            progress = state.decode("utf-8", "replace")
+            progress = strip_escapes(state).decode("utf-8", "replace")
             self._progress_sent = state
         block = b"\n".join(self.blocks) if self.blocks else None
         self.blocks, self.bytes = [], 0

@@ -28,7 +28,7 @@ import time
 from typing import NoReturn, Optional
 
 from . import native_stacks, wire, worker
-from .output_batch import Excerpt, bound_text, shorten_lines
+from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
 from .process_tree import kill_orphans
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
@@ -534,7 +534,8 @@ class Supervisor:
             parts = r.excerpt.select(block) if block is not None and r.excerpt is not None else [(0, block)]
             for i, (omitted, part) in enumerate(parts):
                 self._send({"kind": "output", "rank": r.rank, "omitted": omitted,
-                            "text": shorten_lines(part).decode("utf-8", "replace") if part is not None else None,
+                            "text": strip_escapes(shorten_lines(part)).decode("utf-8", "replace")
+                            if part is not None else None,
                             "progress": progress if i == len(parts) - 1 else None})
 
     # -- rank events, stopping, exits ----------------------------------------

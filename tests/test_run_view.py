@@ -162,3 +162,17 @@ def test_interrupt_stacks_show_the_users_frames_with_their_lines_and_count_libra
     assert lines[4] == "slow_step(i)"
     assert lines[5] == "(+ 1 other thread in library code only: tqdm/_monitor.py run)", rank0
     assert "threading.py" not in text
+
+
+@pytest.mark.parametrize("mode", ["text", "widget"])
+def test_terminal_escapes_never_reach_the_record(clean_kernel, mode):
+    """Colour and cursor escapes a library forces anyway (TERM=dumb stops the
+    well-behaved ones) are dropped from what the notebook shows; the log keeps them."""
+    res = clean_kernel.ok(f"%%distributed -n 2 --output {mode}\n"
+                          "print('\\x1b[1;31mred\\x1b[0m and \\x1b]8;;http://x\\x1b\\\\link\\x1b]8;;\\x1b\\\\ \\x1b[2K\\x1b[Aend')\n",
+                          timeout=60)
+    text, page = _record(res)
+    shown = [m for m in res.messages if m["msg_type"] != "execute_input"]   # not the cell's own source
+    everything = text + page + "".join(str(m["content"]) for m in shown)
+    assert "\x1b" not in everything and "\\x1b" not in everything and "\\u001b" not in everything
+    assert "red and link end" in (text if mode == "text" else page), (text, page)
