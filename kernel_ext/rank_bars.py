@@ -19,6 +19,7 @@ an import hook the moment ``tqdm.std`` is imported.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 INTERVAL = 0.1   # seconds between two events of one bar (its first and last state always go)
 
 _emit: Optional[Callable[[dict], bool]] = None
+_owner = 0                 # the rank's pid: a process it forks (a DataLoader worker) draws as tqdm does
 _ids = itertools.count(1)
 _pending: dict = {}        # bar id -> latest unsent event
 _last_sent: dict = {}      # bar id -> time.monotonic() of its last event
@@ -101,7 +103,7 @@ def _patch(tqdm_cls) -> None:
     def __init__(self, *args, **kwargs):
         file = kwargs.get("file", args[4] if len(args) > 4 else None)
         ours = file is None or file in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-        if ours and _emit is not None:
+        if ours and _emit is not None and os.getpid() == _owner:
             self._accel_bar = next(_ids)
             if len(args) > 4:
                 args = args[:4] + (_NOWHERE,) + args[5:]
@@ -152,8 +154,8 @@ class _ImportHook:
 
 def install(emit: Callable[[dict], bool]) -> None:
     """In a rank, before the cell runs: bars report through ``emit``."""
-    global _emit
-    _emit = emit
+    global _emit, _owner
+    _emit, _owner = emit, os.getpid()
     std = sys.modules.get("tqdm.std")
     if std is not None and hasattr(std, "tqdm"):
         _patch(std.tqdm)
