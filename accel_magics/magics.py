@@ -303,9 +303,10 @@ class DistributedMagics(Magics):
             self.defaults.clear()
         given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
         if not given and not args.reset:
-            if getattr(self.shell, "kernel", None) is not None:
+            kernel = getattr(self.shell, "kernel", None)
+            if kernel is not None and getattr(kernel, "_allow_stdin", True):
                 self._show_form()
-                return None
+                return None   # headless executors (no input(), no person) get the text below
         candidate = {**self.defaults, **given}
         problem = self._check_defaults(candidate)
         if problem:

@@ -47,34 +47,42 @@ acc = Accelerator()
 plugin = FullyShardedDataParallelPlugin()
 env = sorted(f"{k}={v}" for k, v in os.environ.items()
              if k.startswith(("ACCELERATE_", "FSDP_")) and k != "ACCELERATE_USE_CPU")
-print("probe", os.environ["RANK"], os.environ["WORLD_SIZE"], acc.mixed_precision, plugin.sharding_strategy,
-      plugin.state_dict_type, plugin.fsdp_version, "|".join(env))
+line = " ".join(map(str, ("probe", os.environ["RANK"], os.environ["WORLD_SIZE"], acc.mixed_precision,
+                           plugin.sharding_strategy, plugin.state_dict_type, plugin.fsdp_version, "|".join(env))))
+with open(f"probe-{os.environ['RANK']}.txt", "w") as f:   # accelerate launch interleaves the ranks' stdout
+    f.write(line)
 """
 
 
-def _probe_lines(text: str) -> list[str]:
-    return sorted(line[line.index("probe"):] for line in text.splitlines() if "probe " in line)
+def _probe_lines(directory) -> list[str]:
+    return sorted(p.read_text() for p in directory.glob("probe-*.txt"))
 
 
 def test_an_fsdp_config_gives_the_ranks_what_accelerate_launch_gives(clean_kernel, tmp_path):
     config = tmp_path / "fsdp.yaml"
     config.write_text(FSDP_CONFIG)
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cell").mkdir()
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable))
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU",)}
     ref = subprocess.run([accelerate, "launch", "--config_file", str(config), str(script)], env=env,
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    expected = _probe_lines(ref.stdout)
+    expected = _probe_lines(tmp_path / "ref")
     # Under accelerate launch on a CPU machine each process believes it is alone
     # (no ACCELERATE_USE_CPU): the process count differs, nothing else may.
     assert len(expected) == 2 and all(" 2 bf16 " in line for line in expected), expected
     assert "ACCELERATE_USE_FSDP=true" in expected[0] and "FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP" in expected[0]
 
-    res = clean_kernel.run(f"%%distributed --config_file {config} --output text\n{PROBE}", timeout=120)
+    clean_kernel.ok(f"import os\nos.chdir({str(tmp_path / 'cell')!r})")
+    try:
+        res = clean_kernel.run(f"%%distributed --config_file {config} --output text\n{PROBE}", timeout=120)
+    finally:
+        clean_kernel.ok("os.chdir(os.path.expanduser('~'))")
     assert res.status == "ok", res.error_text
-    got = _probe_lines(res.stdout)
+    got = _probe_lines(tmp_path / "cell")
     assert got == expected, (got, expected)
 
 
