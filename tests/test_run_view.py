@@ -69,6 +69,7 @@ def test_an_n_of_m_in_a_print_is_not_progress(clean_kernel):
     res = clean_kernel.ok("%%distributed -n 2 --output widget\nprint('loading shard 3/4')\n", timeout=60)
     _, page = _record(res)
     assert "loading shard 3/4" in page and "class='accel-magics-fill'" not in page
+    assert "75%" not in page   # the old view set the bar to 3/4
 
 
 def test_long_outputs_are_collapsed_with_their_count(clean_kernel):
