@@ -95,7 +95,7 @@ class Bar:
     @property
     def text(self) -> str:
         """The bar as one plain line, as a terminal would keep it."""
-        pct = f"{int(100 * self.fraction):3d}% " if self.fraction is not None else ""
+        pct = f"{int(100 * self.fraction)}% " if self.fraction is not None else ""
         return f"{self.desc + ': ' if self.desc else ''}{pct}{self.stats}"
 
 

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 INTERVAL = 0.1   # seconds between two events of one bar (its first and last state always go)
@@ -33,6 +34,7 @@ _ids = itertools.count(1)
 _pending: dict = {}        # bar id -> latest unsent event
 _last_sent: dict = {}      # bar id -> time.monotonic() of its last event
 _lock = threading.Lock()
+_open: "weakref.WeakSet" = weakref.WeakSet()   # reporting bars not closed yet
 
 
 class _Nowhere:
@@ -86,13 +88,17 @@ def _report(bar, closed: bool = False) -> None:
 
 
 def flush() -> None:
-    """Send the latest state of every bar whose last update was throttled."""
+    """Send the current state of every bar still open (tqdm itself draws at most
+    every ``mininterval``: its last updates may never have been displayed)."""
     with _lock:
-        events = list(_pending.values())
         _pending.clear()
-    for event in events:
+        bars = [bar for bar in list(_open) if not getattr(bar, "disable", True)]
+    for bar in bars:
         if _emit is not None:
-            _emit(event)
+            try:
+                _emit(_event(bar))
+            except Exception:   # a bar half torn down: its last event stands
+                pass
 
 
 def _patch(tqdm_cls) -> None:
@@ -110,6 +116,8 @@ def _patch(tqdm_cls) -> None:
             else:
                 kwargs["file"] = _NOWHERE
         original_init(self, *args, **kwargs)
+        if getattr(self, "_accel_bar", None) is not None and not self.disable:
+            _open.add(self)
 
     def display(self, msg=None, pos=None):
         if getattr(self, "_accel_bar", None) is None:
@@ -121,6 +129,7 @@ def _patch(tqdm_cls) -> None:
     def close(self):
         reporting = getattr(self, "_accel_bar", None) is not None and not getattr(self, "disable", True)
         original_close(self)
+        _open.discard(self)
         if reporting:
             _report(self, closed=True)
 

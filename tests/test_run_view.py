@@ -177,3 +177,16 @@ def test_terminal_escapes_never_reach_the_record(clean_kernel, mode):
     everything = text + page + "".join(str(m["content"]) for m in shown)
     assert "\x1b" not in everything and "\\x1b" not in everything and "\\u001b" not in everything
     assert "red and link end" in (text if mode == "text" else page), (text, page)
+
+
+def test_a_bar_never_closed_keeps_its_last_state_and_tqdm_write_is_a_line(clean_kernel):
+    """Hostile cases: a bar the cell never closes (tqdm itself had not drawn its
+    last updates), a loop left with break, tqdm.write between bars."""
+    res = clean_kernel.ok("%%distributed -n 2 --output text\nfrom tqdm import tqdm\n"
+                          "t = tqdm(desc='stream')\nfor i in range(7):\n    t.update(1)\n"
+                          "for i, _ in enumerate(tqdm(range(10), desc='unfinished')):\n    if i == 4:\n        break\n"
+                          "tqdm.write('written')\n", timeout=60)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
+    assert lines[0] == "[rank 1] written", lines
+    assert re.fullmatch(r"\[rank 1\] stream: 7 \[.*\]", lines[1]), lines
+    assert re.fullmatch(r"\[rank 1\] unfinished: 40% 4/10 \[.*\]", lines[2]), lines
