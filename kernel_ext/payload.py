@@ -373,6 +373,14 @@ def _code_from_marshal(data: bytes):
     return marshal.loads(data)
 
 
+def _lru_cached(wrapped, parameters: dict):
+    """A notebook function under ``functools.lru_cache``/``cache``, rebuilt in the
+    rank (pickle would look it up as ``__main__.name``, which is not there yet)."""
+    import functools
+
+    return functools.lru_cache(maxsize=parameters.get("maxsize"), typed=parameters.get("typed", False))(wrapped)
+
+
 def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
     consts = tuple(_with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
     return code.replace(co_filename=filename, co_consts=consts)
@@ -401,7 +409,7 @@ class _SharingPickler(cloudpickle.Pickler):
     def _note_definition(self, obj) -> None:
         name = getattr(obj, "__name__", None)
         if self.main_ns is not None and getattr(obj, "__module__", None) == "__main__" \
-                and isinstance(name, str) and self.main_ns.get(name) is obj:
+                and isinstance(name, str) and self.main_ns.get(name) is obj and not name.startswith("<"):
             self.definitions[name] = obj
 
     def _reduce_code(self, code: types.CodeType):
@@ -423,6 +431,9 @@ class _SharingPickler(cloudpickle.Pickler):
             self._note_definition(obj)
         elif type(obj) is types.CodeType:
             return self._reduce_code(obj)
+        elif type(obj).__name__ == "_lru_cache_wrapper" and getattr(obj, "__module__", None) == "__main__":
+            self._note_definition(obj)
+            return _lru_cached, (obj.__wrapped__, obj.cache_parameters())
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and obj.nbytes >= SHARE_THRESHOLD \
                 and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):

@@ -162,3 +162,22 @@ def test_partialstate_on_cpu_the_documented_one_line_fix(clean_kernel):
     assert "[rank 1] 2 1 DistributedType.MULTI_CPU" in res.stdout
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert "PartialState(cpu=True)" in readme
+
+
+def test_enums_dataclasses_lru_cached_and_closures_from_the_notebook(clean_kernel):
+    """Hostile cases of defect 1: an lru_cache'd notebook function (pickled as
+    __main__.cached, not there yet in a rank), an Enum, a dataclass and a closure
+    over one, reached only through a function the cell calls; the result comes back."""
+    k = clean_kernel
+    k.ok("import enum, dataclasses, functools, pickle\n"
+         "class Color(enum.Enum):\n    RED = 1\n"
+         "@dataclasses.dataclass\nclass Cfg:\n    lr: float = 0.1\n"
+         "@functools.lru_cache\ndef cached(x):\n    return x * 2\n"
+         "def make_closure():\n    c = Cfg(0.5)\n    def inner():\n        return pickle.loads(pickle.dumps(c)).lr\n"
+         "    return inner\nfn = make_closure()\n"
+         "def use_all():\n    return (pickle.loads(pickle.dumps(Color.RED)) is Color.RED,\n"
+         "            pickle.loads(pickle.dumps(Cfg())).lr, cached(3), fn(), cached.cache_info().hits)\n")
+    res = k.run("%%distributed -n 2 --output text --return out\nout = use_all()\nprint(out)\n", timeout=60)
+    assert res.status == "ok", res.error_text
+    assert "[rank 1] (True, 0.1, 6, 0.5, 0)" in res.stdout
+    assert k.ok("print(out)").stdout.strip() == "(True, 0.1, 6, 0.5, 0)"
