@@ -26,10 +26,18 @@ MERGE_STDERR = "import os as _os; _os.dup2(1, 2)\n"
 _C10_TIME = re.compile(r"\[([WIE])\d{4} \d\d:\d\d:\d\d\.\d+ ")
 
 
+_WARNING = re.compile(r"[Ww]arning|warnings\.warn|^\s+warn")
+
+
 def normalised(lines: list[str]) -> list[str]:
-    """Timestamps and timings differ between any two runs; nothing else may."""
+    """What the code printed, without what differs between any two runs:
+    timestamps, timings, and warnings (a library warns once per process, and a
+    module the launcher preloaded warned at import in the launcher, not in the
+    rank)."""
     out = []
     for line in lines:
+        if _WARNING.search(line):
+            continue
         line = _C10_TIME.sub(r"[\1<time> ", line)
         if "train_runtime" in line:
             line = "<the Trainer's timings>"
