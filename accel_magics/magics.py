@@ -376,8 +376,15 @@ class DistributedMagics(Magics):
         return ""
 
     def _apply_defaults(self, values: dict) -> None:
-        kept = {k: v for k, v in self.defaults.items() if k not in values}   # options the form does not show
-        self.defaults = {**kept, **{k: v for k, v in values.items() if v is not None}}
+        """The form's values as defaults: only those that differ from the computed
+        ones (or were set before), so a value the user never chose does not
+        count as given (it would win over an Accelerate config file's)."""
+        saved, self.defaults = self.defaults, {}
+        baseline = self.effective_defaults()
+        self.defaults = saved
+        kept = {k: v for k, v in saved.items() if k not in values}   # options the form does not show
+        chosen = {k: v for k, v in values.items() if v is not None and (v != baseline.get(k) or k in saved)}
+        self.defaults = {**kept, **chosen}
 
     # -- steps ------------------------------------------------------------
     def _config(self, args) -> LaunchConfig:

@@ -68,10 +68,12 @@ class RunRecord:
                                   "the output below is this attempt's")
         elif isinstance(event, ev.Bar):
             kept = self.bars.setdefault(event.rank, {})
-            if event.closed and not event.leave:
-                kept.pop(event.id, None)     # gone from the screen, as in a terminal
+            if event.closed:
+                # Gone, or left on screen: then the rank wrote its final line
+                # into its output, in order with its prints (rank_bars).
+                kept.pop(event.id, None)
             else:
-                kept[event.id] = event
+                kept[event.id] = event     # open: its latest state, shown below the lines
         elif isinstance(event, ev.RankExited) and event.failure is not None:
             if event.failure.kind in ("signal", "exit"):
                 self.logs.setdefault(event.rank, _RankLog()).add(event.failure.summary)
@@ -87,6 +89,6 @@ class RunRecord:
                 where = f"; the full log is in {self.log_path}" if self.log_path else ""
                 out.append(f"{prefix}... {omitted} lines omitted{where} ...")
             out.extend(prefix + line for line in lines[HEAD_LINES:])
-            # The bars left on screen, in their final state, below the prints (as a terminal ends).
+            # Bars still open at the end, in their last state, below the lines (as a terminal ends).
             out.extend(prefix + bar.text for bar in sorted(self.bars.get(rank, {}).values(), key=lambda b: b.pos))
         return "\n".join(out) + ("\n" if out else "")

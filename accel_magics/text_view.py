@@ -133,11 +133,12 @@ class TextView:
             self.live.write([f"[rank {e.rank}] {desc}{e.n:g}{total}"])
 
     def on_Bar(self, e: ev.Bar) -> None:
-        """A tqdm bar: its state once per ``progress_interval`` per rank, and the
-        final state of a bar left on screen; a closed leave=False bar: nothing."""
-        if e.closed and not e.leave:
+        """A tqdm bar: its state once per ``progress_interval`` per rank.  A closed
+        bar: nothing here (one left on screen writes its final line into the
+        rank's output itself)."""
+        if e.closed:
             return
-        if self._throttled(e.rank, force=e.closed):
+        if self._throttled(e.rank):
             self.live.write([f"[rank {e.rank}] {e.text}"])
 
     def on_RankExited(self, e: ev.RankExited) -> None:

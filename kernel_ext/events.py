@@ -94,7 +94,9 @@ class Bar:
 
     @property
     def text(self) -> str:
-        """The bar as one plain line, as a terminal would keep it."""
+        """The bar as one plain line, as a terminal would keep it.  (A bar left
+        on screen when closed: the rank writes this line into its output
+        itself, in order with its prints; see ``rank_bars``.)"""
         pct = f"{int(100 * self.fraction)}% " if self.fraction is not None else ""
         return f"{self.desc + ': ' if self.desc else ''}{pct}{self.stats}"
 

@@ -167,7 +167,8 @@ def own_names(tree: ast.Module) -> set[str]:
     """Names the cell binds, unconditionally, before it reads them: the cell's
     own, never the kernel's (``log = open(...)`` in the cell shadows the
     kernel's ``log``).  Statements run in order: a top-level assignment,
-    import, ``def``, ``class`` or ``with ... as`` binds its names; loads
+    import, ``def``, ``class`` or ``with ... as`` binds its names (not the ``with``
+    body: the context manager may suppress an exception); loads
     anywhere in a statement (function bodies included: they may run at once)
     count before the statement's own bindings, and a name read first is
     the kernel's.  Branches and loops bind nothing here (they may not run)."""
@@ -194,12 +195,15 @@ def own_names(tree: ast.Module) -> set[str]:
     def walk(body: list) -> None:
         for stmt in body:
             if isinstance(stmt, ast.With):
+                # ``as`` names are bound; the body is conditional: a context
+                # manager may suppress an exception (contextlib.suppress).
                 for item in stmt.items:
                     read.update(loads_in(item.context_expr) - own)
                     if item.optional_vars is not None:
                         read.update(loads_in(item.optional_vars) - own)
                         bind(bound_by(item.optional_vars))
-                walk(stmt.body)
+                for inner in stmt.body:
+                    read.update(loads_in(inner) - own)
                 continue
             read.update(loads_in(stmt) - own)
             if isinstance(stmt, ast.Assign):

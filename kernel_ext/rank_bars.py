@@ -33,7 +33,7 @@ _owner = 0                 # the rank's pid: a process it forks (a DataLoader wo
 _ids = itertools.count(1)
 _pending: dict = {}        # bar id -> latest unsent event
 _last_sent: dict = {}      # bar id -> time.monotonic() of its last event
-_lock = threading.Lock()
+_lock = threading.RLock()
 _open: "weakref.WeakSet" = weakref.WeakSet()   # reporting bars not closed yet
 
 
@@ -63,17 +63,44 @@ def _stats(bar) -> str:
 
 
 def _event(bar, closed: bool = False) -> dict:
-    total = bar.total if isinstance(bar.total, (int, float)) and bar.total and bar.total != float("inf") else None
+    try:
+        total = float(bar.total) if bar.total else None
+    except (TypeError, ValueError):
+        total = None
+    if total is not None and (total != total or total == float("inf")):
+        total = None
     return {"kind": "bar", "id": bar._accel_bar, "pos": abs(getattr(bar, "pos", 0) or 0),
-            "desc": str(bar.desc or "").rstrip(": "), "n": float(bar.n), "total": float(total) if total else None,
+            "desc": str(bar.desc or "").rstrip(": "), "n": _number(bar.n), "total": total,
             "stats": _stats(bar), "leave": bool(bar.leave if bar.leave is not None else bar.pos == 0),
             "closed": closed}
 
 
-def _report(bar, closed: bool = False) -> None:
-    if _emit is None:
+def line(event: dict) -> str:
+    """A bar as the one plain line a terminal keeps of it (kernel_ext.events.Bar.text)."""
+    total = event.get("total")
+    pct = f"{int(100 * min(1.0, event['n'] / total))}% " if total else ""
+    return f"{event['desc'] + ': ' if event['desc'] else ''}{pct}{event['stats']}"
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _report(bar, closed: bool = False, event: Optional[dict] = None) -> None:
+    """Never raises into the user's loop: a bar that cannot be reported is not."""
+    try:
+        _send_report(bar, closed, event)
+    except Exception:
+        pass
+
+
+def _send_report(bar, closed: bool, event: Optional[dict]) -> None:
+    if _emit is None or os.getpid() != _owner:
         return
-    event = _event(bar, closed)
+    event = event or _event(bar, closed)
     now = time.monotonic()
     with _lock:
         due = closed or bar._accel_bar not in _last_sent or now - _last_sent[bar._accel_bar] >= INTERVAL
@@ -85,6 +112,12 @@ def _report(bar, closed: bool = False) -> None:
         if closed:
             _last_sent.pop(bar._accel_bar, None)
     _emit(event)
+
+
+def stop() -> None:
+    """The rank reported its result: nothing more is sent."""
+    global _emit
+    _emit = None
 
 
 def flush() -> None:
@@ -127,38 +160,81 @@ def _patch(tqdm_cls) -> None:
         return True
 
     def close(self):
-        reporting = getattr(self, "_accel_bar", None) is not None and not getattr(self, "disable", True)
+        reporting = getattr(self, "_accel_bar", None) is not None and not getattr(self, "disable", True) \
+            and os.getpid() == _owner and _emit is not None
         original_close(self)
         _open.discard(self)
         if reporting:
-            _report(self, closed=True)
+            try:
+                event = _event(self, closed=True)
+            except Exception:
+                return
+            _report(self, closed=True, event=event)
+            if event["leave"]:
+                # Left on screen: its final state is a line of the rank's output,
+                # written in the same stream as the prints, so it lands in order.
+                try:
+                    sys.stdout.write(line(event) + "\n")
+                    sys.stdout.flush()
+                except Exception:
+                    pass
 
     tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.close = __init__, display, close
     tqdm_cls._accel_patched = True
 
 
+def _plain_notebook(module) -> None:
+    """``tqdm.notebook`` in a rank (there is no notebook there: it would print
+    widget reprs) is the std bar, which reports as events."""
+    import tqdm.std as std
+
+    for name, value in (("tqdm", std.tqdm), ("trange", std.trange), ("tqdm_notebook", std.tqdm),
+                        ("tnrange", std.trange)):
+        setattr(module, name, value)
+
+
+_AFTER_IMPORT = {"tqdm.std": lambda module: _patch(module.tqdm), "tqdm.notebook": _plain_notebook}
+
+
 class _ImportHook:
-    """Patches ``tqdm.std`` the moment it is imported (no post-import hooks in Python)."""
+    """Patches ``tqdm.std`` (and ``tqdm.notebook``) the moment they are imported
+    (no post-import hooks in Python)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "tqdm.std":
+        if fullname not in _AFTER_IMPORT or getattr(self, "_busy", False):
             return None
-        sys.meta_path.remove(self)
+        import importlib.util
+
+        self._busy = True     # stays in sys.meta_path: removing it races other threads' imports
         try:
-            import importlib.util
             spec = importlib.util.find_spec(fullname)
         finally:
-            pass
+            self._busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            loader_exec(module)
-            _patch(module.tqdm)
-
-        spec.loader.exec_module = exec_module
+        spec.loader = _PatchingLoader(spec.loader, _AFTER_IMPORT[fullname])
         return spec
+
+
+class _PatchingLoader:
+    """Wraps a module's loader (never changes the loader itself: a zip importer
+    shares one between modules) to patch the module once it has run."""
+
+    def __init__(self, loader, after) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        try:
+            self.after(module)
+        except Exception:
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
 
 
 def install(emit: Callable[[dict], bool]) -> None:
@@ -168,5 +244,7 @@ def install(emit: Callable[[dict], bool]) -> None:
     std = sys.modules.get("tqdm.std")
     if std is not None and hasattr(std, "tqdm"):
         _patch(std.tqdm)
-    elif not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+    if sys.modules.get("tqdm.notebook") is not None:
+        _plain_notebook(sys.modules["tqdm.notebook"])
+    if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _ImportHook())

@@ -191,7 +191,9 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
                 out.append(f"    {code}")
         return out
 
-    main = [t for t in threads if t[0].startswith("Current thread")] or threads[:1]
+    # faulthandler lists threads newest first: without "Current thread" (the
+    # signal landed on a native thread), the main thread is the last one.
+    main = [t for t in threads if t[0].startswith("Current thread")] or threads[-1:]
     others = [t for t in threads if t not in main]
     busy = [t for t in others if any("raw" in f or not _is_library(f["file"]) for f in t[1])]
     idle = [t for t in others if t not in busy]

@@ -545,6 +545,12 @@ class Supervisor:
             self.first_failure = candidate
 
     def _on_rank_event(self, r: RankProcess, event: dict) -> None:
+        # What the rank printed before it sent this event is in its output
+        # pipe already: read it first, so prints and events (a bar that
+        # closes after a print) reach the kernel in the rank's order.
+        drained = 0
+        while "out" in r.fds and drained < 64 and self._on_readable("out", r, r.fds["out"]):
+            drained += 1
         self._flush()
         if event.get("kind") == "failed":
             r.failed = True

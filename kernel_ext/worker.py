@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -67,11 +68,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: Optional
         os._exit(1)
 
 
+_emit_lock = threading.Lock()   # frames from several threads (tqdm's monitor, the user's) never interleave
+
+
 def emit(event: dict) -> bool:
     """Send an event frame from inside a rank; False outside a rank."""
-    if _event_fd is None:
-        return False
-    wire.write_frame(_event_fd, event)
+    with _emit_lock:
+        if _event_fd is None:
+            return False
+        wire.write_frame(_event_fd, event)
     return True
 
 
@@ -272,6 +277,9 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
             sys.stderr.flush()
             # Close the outputs now: the supervisor sees the end of this rank
             # at once, not after the (slow) teardown of a large process.
+            rank_bars.stop()
+            with _emit_lock:
+                _event_fd = None     # a thread still running writes no frame to a closed (or reused) fd
             for fd in (1, 2, event_fd, stack_fd):
                 os.close(fd)
             if code == 0 and not _holds_sockets():

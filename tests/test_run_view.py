@@ -43,7 +43,8 @@ def test_nested_bars_leave_exactly_the_prints_and_the_final_outer_bar(clean_kern
     assert "step:" not in text and "step: " not in page           # the inner bars left nothing
     if mode == "widget":
         # The kept record: every print open (short output), the final outer bar, theme colours.
-        assert page.count("<details open>") == 2 and "rank 0 output (3 lines)" in page
+        # (the outer bar's final state is the rank's last line, as a terminal keeps it)
+        assert page.count("<details open>") == 2 and "rank 0 output (4 lines)" in page
         assert "epoch: 100% 3/3" in page and "width:100%" in page
         assert "#eee" not in page and "var(--jp-layout-color3" in page
 
@@ -187,6 +188,23 @@ def test_a_bar_never_closed_keeps_its_last_state_and_tqdm_write_is_a_line(clean_
                           "for i, _ in enumerate(tqdm(range(10), desc='unfinished')):\n    if i == 4:\n        break\n"
                           "tqdm.write('written')\n", timeout=60)
     lines = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
-    assert lines[0] == "[rank 1] written", lines
-    assert re.fullmatch(r"\[rank 1\] stream: 7 \[.*\]", lines[1]), lines
-    assert re.fullmatch(r"\[rank 1\] unfinished: 40% 4/10 \[.*\]", lines[2]), lines
+    # The loop left with break: its bar closes when the iterator goes, at once
+    # (its final line, in order with what is printed after it).
+    assert re.fullmatch(r"\[rank 1\] unfinished: 40% 4/10 \[.*\]", lines[0]), lines
+    assert lines[1] == "[rank 1] written", lines
+    # Never closed: its last state, below the lines.
+    assert re.fullmatch(r"\[rank 1\] stream: 7 \[.*\]", lines[2]), lines
+
+
+def test_tqdm_notebook_and_many_finished_inner_bars(clean_kernel):
+    """Review findings: ``from tqdm.notebook import tqdm`` in a rank printed widget
+    reprs; a leave=True inner bar per epoch piled up bars in the row without bound."""
+    res = clean_kernel.ok("%%distributed -n 2 --output widget\nfrom tqdm.notebook import tqdm, trange\n"
+                          "for epoch in trange(30, desc='epoch'):\n    for step in tqdm(range(3), desc='step'):\n"
+                          "        pass\nprint('done')\n", timeout=60)
+    text, page = _record(res)
+    assert "HBox" not in text + page and "FloatProgress" not in text + page
+    rank1 = [line for line in text.splitlines() if line.startswith("[rank 1] ")]
+    assert len(rank1) == 32 and rank1[-1] == "[rank 1] done" and "epoch: 100% 30/30" in rank1[-2], rank1
+    row = page[page.index("rank 1 <b"):].split("class='accel-magics-row'")[0]
+    assert row.count("class='accel-magics-bar'") <= 2, row    # the newest finished bar per position

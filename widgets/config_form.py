@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import ipywidgets as w
 
 MIXED = [("Accelerate's default", "default"), ("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8")]
+_UNREADABLE = object()   # a field whose text is not a value: never applied until edited
 INT_FIELDS = ("num_processes", "num_nodes", "node_rank", "max_restarts")
 LABELS = {"num_processes": "processes / node", "num_nodes": "nodes", "node_rank": "this node's rank",
           "master_addr": "master address", "master_port": "master port", "max_restarts": "max restarts",
@@ -109,13 +110,13 @@ class ConfigForm:
         try:
             value = self._parse(name)
         except ValueError as exc:
-            self._refuse(name, None, str(exc))
+            self._refuse(name, _UNREADABLE, str(exc))
             self._show_status()
             return
         self._try(name, value)
         # A field refused because of another may be fine now.
         for other, (pending_value, _) in list(self.pending.items()):
-            if other != name:
+            if other != name and pending_value is not _UNREADABLE:
                 self._try(other, pending_value)
         self._show_status()
 

@@ -85,6 +85,7 @@ class BarState:
     fraction: Optional[float]
     text: str
     order: int = 0
+    closed: bool = False
 
 
 @dataclass
@@ -97,6 +98,15 @@ class _RankState:
     lines: deque = field(default_factory=deque)
     count: int = 0
     pane_dirty: bool = False
+    bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
+
+    def latest_printed(self) -> str:
+        """The newest line the rank printed: not a finished bar's final line
+        (the row shows the bar itself)."""
+        for line in reversed(self.lines):
+            if line not in self.bar_lines:
+                return line
+        return ""
 
     def shown_bars(self) -> list:
         return sorted(self.bars.values(), key=lambda b: (b.pos, b.order))
@@ -202,7 +212,7 @@ class RunView:
         lines = e.last_lines(self.max_lines)    # only what the panes can show
         state.lines.extend(lines)
         state.count += e.count
-        state.latest = lines[-1]
+        state.latest = state.latest_printed()
         state.pane_dirty = self._all_dirty = True
         self.all_lines.extend(f"[rank {e.rank}] {line}" for line in lines)
         # A carriage-return line that was then ended by a newline is printed text now.
@@ -225,7 +235,17 @@ class RunView:
         if e.closed and not e.leave:
             state.bars.pop(e.id, None)      # leave=False: gone from the screen, as in a terminal
             return
+        if e.closed:
+            # Left on screen: its final line arrives in the rank's output (in
+            # order with its prints); the row keeps only the newest finished
+            # bar per position (a leave=True inner bar per epoch stays bounded).
+            state.bar_lines.append(e.text)
+            state.latest = state.latest_printed()
+            for key, bar in list(state.bars.items()):
+                if key != e.id and bar.pos == e.pos and getattr(bar, "closed", False):
+                    del state.bars[key]
         self._set_bar(state, e.id, e.pos, e.fraction, e.text)
+        state.bars[e.id].closed = e.closed
 
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
