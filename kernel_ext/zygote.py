@@ -170,10 +170,15 @@ class Zygote:
             while os_threads() > threads_before and time.monotonic() < deadline:
                 time.sleep(0.005)
         self.baseline_threads = os_threads()
-        self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
-                    "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
-                    "python": sys.version})
         try:
+            try:
+                self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
+                            "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
+                            "python": sys.version})
+            except OSError:
+                # The kernel went away while torch was importing (shut down right
+                # after %load_ext): the same clean-up as any other end.
+                return
             while not self.terminating:
                 if self.spare is None and not self.supervisors:
                     self.fork_spare()   # idle time: the next run's fork is done now

@@ -631,3 +631,24 @@ def test_a_killed_kernel_leaves_no_launcher_directory():
         wait_until(lambda: not _accel_dirs(k.tmpdir), 10, "the launcher's private directory to be removed")
     finally:
         shutil.rmtree(k.tmpdir, ignore_errors=True)
+
+
+def test_a_kernel_killed_while_its_launcher_starts_leaves_no_launcher_directory(tmp_path):
+    """Leak found in CI: a kernel shut down (killed) right after %load_ext, while
+    its launcher was still importing torch: the launcher's "ready" met a closed
+    pipe, it died of BrokenPipeError and left its private directory."""
+    from kernel_harness import KernelSession, wait_until
+
+    k = KernelSession(extra_env={"TMPDIR": str(tmp_path)})
+    k.ok("%load_ext accel_magics")          # returns at once: the launcher starts meanwhile
+    zygote = next(iter(_children(k.pid)))
+    assert _accel_dirs(str(tmp_path))
+    k.kc.stop_channels()
+    k.km.shutdown_kernel(now=True)          # SIGKILL: no atexit in the kernel
+    wait_until(lambda: not alive([zygote]), 30, "the launcher to exit")
+    wait_until(lambda: not _accel_dirs(str(tmp_path)), 10, "the launcher's private directory to be removed")
+
+
+def _children(pid: int) -> set:
+    from kernel_harness import children
+    return children(pid)
