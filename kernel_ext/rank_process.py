@@ -136,7 +136,10 @@ def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int,
     worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent)
 
 
-_OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"')
+# The launcher's frames below the cell: ours, and runpy's (``python -m``; a
+# frozen module from Python 3.11, a file before).
+_OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"',
+               f'File "{os.path.join(os.path.dirname(os.__file__), "runpy.py")}"')
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
