@@ -24,8 +24,9 @@ def run_dir(res) -> str:
     """The log directory of the run a cell made (named after its In[N])."""
     root = os.environ["ACCEL_MAGICS_LOG_DIR"]
     # Other kernels of this test session had an In[N] too: the newest is this one's.
+    # (A rank stopped before it printed has no log file: any rank's log will do.)
     found = sorted((d for d in os.listdir(root) if f"-In{res.execution_count}-" in d
-                    and os.path.exists(os.path.join(root, d, "rank0.log"))),
+                    and any(f.startswith("rank") for f in os.listdir(os.path.join(root, d)))),
                    key=lambda d: (d.split("-In")[0], os.path.getmtime(os.path.join(root, d))))
     assert found, os.listdir(root)
     return os.path.join(root, found[-1])
