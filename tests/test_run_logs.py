@@ -53,7 +53,9 @@ def test_a_flood_is_whole_in_the_log_and_head_and_tail_in_the_notebook(clean_ker
 def test_a_failure_and_its_traceback_follow_the_output_in_the_log(clean_kernel):
     res = clean_kernel.run("%%distributed -n 2 --output text\n"
                            "import os\n"
-                           "print('before', flush=True)\n"
+                           # both ranks have printed before rank 1 raises (one line: line numbers stay)
+                           "print('before', flush=True); import torch.distributed as d; "
+                           "d.init_process_group('gloo'); d.barrier()\n"
                            "if os.environ['RANK'] == '1':\n"
                            "    raise ValueError('boom in the log')\n")
     assert res.status == "error"
