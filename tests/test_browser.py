@@ -13,6 +13,7 @@ Needs Debian's Chromium (``/usr/bin/chromium``) and the ``browser`` extra
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -177,73 +178,24 @@ def _wait_done(page, index: int) -> None:
         arg=[CELL, index])
 
 
-def test_progress_view_and_config_form_in_jupyterlab():
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    lab = Lab()
-    leftovers = None
+@contextlib.contextmanager
+def _lab_page(lab: "Lab", viewport: dict, failure_png: str):
+    """A Chromium page on ``lab``; a screenshot named ``failure_png`` if the
+    block fails; the browser closed, then the server stopped, and nothing it
+    started may remain."""
     try:
         with playwright_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            page = None
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page = browser.new_page(viewport=viewport)
                 page.set_default_timeout(120_000)
-                page.goto(lab.url("run.ipynb"))
-                _wait_idle(page, lab)
-                _run_cell(page, 0)
-                _wait_done(page, 0)
-
-                # The progress view: bars advance while the ranks train...
-                _run_cell(page, 1)
-                cell = page.locator(CELL).nth(1)
-                cell.locator(".accel-magics-run .accel-magics-row").nth(1).wait_for()
-                seen: list[list[float]] = []
-                deadline = time.monotonic() + 60
-                while not (seen and len(seen[-1]) == 2 and min(seen[-1]) >= 100):
-                    assert time.monotonic() < deadline, f"the bars did not reach 100%: {seen[-5:]}"
-                    seen.append(cell.evaluate(BAR_WIDTHS_JS))
-                    if len(seen) == 8:
-                        cell.screenshot(path=str(ARTIFACTS / "1-progress-advancing.png"))
-                    time.sleep(0.1)
-                for rank in (0, 1):
-                    values = sorted({s[rank] for s in seen if len(s) == 2})
-                    assert len([v for v in values if 0 < v < 100]) >= 2, values   # it advanced
-                # the rows show tqdm's final state; the panes hold only what the ranks printed
-                cell.locator(".accel-magics-run .accel-magics-bartext", has_text="train: 100%").first.wait_for()
-                cell.screenshot(path=str(ARTIFACTS / "2-progress-100.png"))
-                # ...and each rank's pane shows that rank's lines (while it saves its checkpoint).
-                for rank, other in ((1, 0), (0, 1)):
-                    cell.locator(".accel-magics-run .lm-TabBar-tab", has_text=f"rank {rank}").click()
-                    pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
-                    pane.filter(has_text=f"rank {rank} saving a checkpoint").wait_for()
-                    assert f"rank {other}" not in pane.inner_text()
-                    cell.screenshot(path=str(ARTIFACTS / f"3-rank-{rank}-pane.png"))
-                # At the end the live view gives way to the record: final states, 100%, per-rank output.
-                _wait_done(page, 1)
-                summary = cell.locator(".accel-magics-summary")
-                summary.wait_for()
-                text = summary.inner_text()
-                assert text.count("done") >= 2 and text.count("100%") >= 2, text
-                assert cell.locator(".accel-magics-run").count() == 0
-                cell.screenshot(path=str(ARTIFACTS / "4-record.png"))
-
-                # The config form: a change in it changes the next run.
-                _run_cell(page, 2)
-                form = page.locator(CELL).nth(2).locator(".accel-magics-config")
-                form.wait_for()
-                box = form.locator(".widget-inline-hbox", has_text="processes / node").locator("input")
-                box.fill("3")
-                box.press("Enter")
-                form.locator("code", has_text="--num_processes 3").wait_for()
-                page.locator(CELL).nth(2).screenshot(path=str(ARTIFACTS / "5-config-form.png"))
-                _run_cell(page, 3)
-                _wait_done(page, 3)
-                out = page.locator(CELL).nth(3).locator(".jp-OutputArea").inner_text()
-                assert "[rank 2] world size 3" in out, out
-                page.screenshot(path=str(ARTIFACTS / "6-notebook.png"), full_page=True)
+                yield page
                 lab.track()
             except Exception:
                 try:
-                    page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+                    if page is not None:
+                        page.screenshot(path=str(ARTIFACTS / failure_png), full_page=True)
                 finally:
                     raise
             finally:
@@ -251,6 +203,65 @@ def test_progress_view_and_config_form_in_jupyterlab():
     finally:
         leftovers = lab.stop()
     assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
+
+
+def test_progress_view_and_config_form_in_jupyterlab():
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    with _lab_page(lab, {"width": 1400, "height": 1100}, "failure.png") as page:
+        page.goto(lab.url("run.ipynb"))
+        _wait_idle(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+
+        # The progress view: bars advance while the ranks train...
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        cell.locator(".accel-magics-run .accel-magics-row").nth(1).wait_for()
+        seen: list[list[float]] = []
+        deadline = time.monotonic() + 60
+        while not (seen and len(seen[-1]) == 2 and min(seen[-1]) >= 100):
+            assert time.monotonic() < deadline, f"the bars did not reach 100%: {seen[-5:]}"
+            seen.append(cell.evaluate(BAR_WIDTHS_JS))
+            if len(seen) == 8:
+                cell.screenshot(path=str(ARTIFACTS / "1-progress-advancing.png"))
+            time.sleep(0.1)
+        for rank in (0, 1):
+            values = sorted({s[rank] for s in seen if len(s) == 2})
+            assert len([v for v in values if 0 < v < 100]) >= 2, values   # it advanced
+        # the rows show tqdm's final state; the panes hold only what the ranks printed
+        cell.locator(".accel-magics-run .accel-magics-bartext", has_text="train: 100%").first.wait_for()
+        cell.screenshot(path=str(ARTIFACTS / "2-progress-100.png"))
+        # ...and each rank's pane shows that rank's lines (while it saves its checkpoint).
+        for rank, other in ((1, 0), (0, 1)):
+            cell.locator(".accel-magics-run .lm-TabBar-tab", has_text=f"rank {rank}").click()
+            pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
+            pane.filter(has_text=f"rank {rank} saving a checkpoint").wait_for()
+            assert f"rank {other}" not in pane.inner_text()
+            cell.screenshot(path=str(ARTIFACTS / f"3-rank-{rank}-pane.png"))
+        # At the end the live view gives way to the record: final states, 100%, per-rank output.
+        _wait_done(page, 1)
+        summary = cell.locator(".accel-magics-summary")
+        summary.wait_for()
+        text = summary.inner_text()
+        assert text.count("done") >= 2 and text.count("100%") >= 2, text
+        assert cell.locator(".accel-magics-run").count() == 0
+        cell.screenshot(path=str(ARTIFACTS / "4-record.png"))
+
+        # The config form: a change in it changes the next run.
+        _run_cell(page, 2)
+        form = page.locator(CELL).nth(2).locator(".accel-magics-config")
+        form.wait_for()
+        box = form.locator(".widget-inline-hbox", has_text="processes / node").locator("input")
+        box.fill("3")
+        box.press("Enter")
+        form.locator("code", has_text="--num_processes 3").wait_for()
+        page.locator(CELL).nth(2).screenshot(path=str(ARTIFACTS / "5-config-form.png"))
+        _run_cell(page, 3)
+        _wait_done(page, 3)
+        out = page.locator(CELL).nth(3).locator(".jp-OutputArea").inner_text()
+        assert "[rank 2] world size 3" in out, out
+        page.screenshot(path=str(ARTIFACTS / "6-notebook.png"), full_page=True)
 
 
 NESTED_CELL = (
@@ -291,75 +302,58 @@ def test_nested_bars_narrow_window_follow_the_tail_and_dark_theme():
                                          ("%load_ext accel_magics", NESTED_CELL, TAIL_CELL)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "view.ipynb")
-    leftovers = None
-    try:
-        with playwright_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1000, "height": 1000})
-                page.set_default_timeout(120_000)
-                page.goto(lab.url("view.ipynb"))
-                _wait_idle(page, lab)
-                page.locator(".jp-DirListing").first.wait_for()   # the file browser is open
-                _run_cell(page, 0)
-                _wait_done(page, 0)
+    with _lab_page(lab, {"width": 1000, "height": 1000}, "failure-view.png") as page:
+        page.goto(lab.url("view.ipynb"))
+        _wait_idle(page, lab)
+        page.locator(".jp-DirListing").first.wait_for()   # the file browser is open
+        _run_cell(page, 0)
+        _wait_done(page, 0)
 
-                _run_cell(page, 1)
-                cell = page.locator(CELL).nth(1)
-                row = cell.locator(".accel-magics-run .accel-magics-row").nth(3)
-                row.wait_for()
-                # Two nested bars on a row while an epoch runs (the inner one goes when done).
-                page.wait_for_function("""c => [...c.querySelectorAll('.accel-magics-run .accel-magics-row')]
-                    .some(r => r.querySelectorAll('.accel-magics-bar').length == 2)""", arg=cell.element_handle())
-                cell.screenshot(path=str(ARTIFACTS / "7-nested-bars-1000px.png"))
-                # The tabs stay inside the window, each row on at most a few lines.
-                boxes = cell.evaluate("""c => [...c.querySelectorAll(
-                    '.accel-magics-run .lm-TabBar, .accel-magics-run .accel-magics-row')].map(e => {
-                    const r = e.getBoundingClientRect(); return [e.className, r.right, r.height]; })""")
-                assert len(boxes) == 5, boxes
-                for name, right, height in boxes:
-                    assert right <= 1000 and ("TabBar" in name or height < 80), boxes
-                # The row's latest line is the latest print, not the bar text.
-                page.wait_for_function("""c => { const e = c.querySelector('.accel-magics-run .accel-magics-latest');
-                    return !!e && /epoch \\d (half way|done)/.test(e.textContent); }""", arg=cell.element_handle())
-                _wait_done(page, 1)
-                summary = cell.locator(".accel-magics-summary")
-                summary.wait_for()
-                text = summary.inner_text()
-                assert "\x1b" not in text and "step:" not in text, text
-                # Each rank's row keeps its finished outer bar, and its output ends with the
-                # bar's final line (as a terminal keeps it): 6 prints + 1 bar line.
-                assert text.count("epoch: 100% 3/3") == 8, text
-                assert "rank 0 epoch 2 done" in text and "(7 lines)" in text, text
-                cell.screenshot(path=str(ARTIFACTS / "8-nested-record.png"))
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        row = cell.locator(".accel-magics-run .accel-magics-row").nth(3)
+        row.wait_for()
+        # Two nested bars on a row while an epoch runs (the inner one goes when done).
+        page.wait_for_function("""c => [...c.querySelectorAll('.accel-magics-run .accel-magics-row')]
+            .some(r => r.querySelectorAll('.accel-magics-bar').length == 2)""", arg=cell.element_handle())
+        cell.screenshot(path=str(ARTIFACTS / "7-nested-bars-1000px.png"))
+        # The tabs stay inside the window, each row on at most a few lines.
+        boxes = cell.evaluate("""c => [...c.querySelectorAll(
+            '.accel-magics-run .lm-TabBar, .accel-magics-run .accel-magics-row')].map(e => {
+            const r = e.getBoundingClientRect(); return [e.className, r.right, r.height]; })""")
+        assert len(boxes) == 5, boxes
+        for name, right, height in boxes:
+            assert right <= 1000 and ("TabBar" in name or height < 80), boxes
+        # The row's latest line is the latest print, not the bar text.
+        page.wait_for_function("""c => { const e = c.querySelector('.accel-magics-run .accel-magics-latest');
+            return !!e && /epoch \\d (half way|done)/.test(e.textContent); }""", arg=cell.element_handle())
+        _wait_done(page, 1)
+        summary = cell.locator(".accel-magics-summary")
+        summary.wait_for()
+        text = summary.inner_text()
+        assert "\x1b" not in text and "step:" not in text, text
+        # Each rank's row keeps its finished outer bar, and its output ends with the
+        # bar's final line (as a terminal keeps it): 6 prints + 1 bar line.
+        assert text.count("epoch: 100% 3/3") == 8, text
+        assert "rank 0 epoch 2 done" in text and "(7 lines)" in text, text
+        cell.screenshot(path=str(ARTIFACTS / "8-nested-record.png"))
 
-                _run_cell(page, 2)
-                cell = page.locator(CELL).nth(2)
-                cell.locator(".accel-magics-run .accel-magics-pane pre").first.wait_for()
-                page.wait_for_function("c => /line 2\\d\\d/.test(c.innerText)", arg=cell.element_handle())
-                seen = cell.evaluate(PANE_BOTTOM_JS)
-                assert seen and seen["text"].startswith("[rank") and abs(seen["lastBottom"] - seen["paneBottom"]) < 30, seen
-                cell.screenshot(path=str(ARTIFACTS / "9-pane-follows-the-tail.png"))
-                _wait_done(page, 2)
+        _run_cell(page, 2)
+        cell = page.locator(CELL).nth(2)
+        cell.locator(".accel-magics-run .accel-magics-pane pre").first.wait_for()
+        page.wait_for_function("c => /line 2\\d\\d/.test(c.innerText)", arg=cell.element_handle())
+        seen = cell.evaluate(PANE_BOTTOM_JS)
+        assert seen and seen["text"].startswith("[rank") and abs(seen["lastBottom"] - seen["paneBottom"]) < 30, seen
+        cell.screenshot(path=str(ARTIFACTS / "9-pane-follows-the-tail.png"))
+        _wait_done(page, 2)
 
-                # Dark theme: the kept records stay readable (bar tracks from the theme).
-                page.keyboard.press("Control+Shift+C")
-                page.keyboard.type("JupyterLab Dark")
-                page.keyboard.press("Enter")
-                page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
-                time.sleep(1)
-                page.locator(CELL).nth(1).screenshot(path=str(ARTIFACTS / "10-dark-record.png"))
-                track = page.locator(CELL).nth(1).locator(".accel-magics-summary .accel-magics-track").first
-                color = track.evaluate("e => getComputedStyle(e).backgroundColor")
-                assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color
-                lab.track()
-            except Exception:
-                try:
-                    page.screenshot(path=str(ARTIFACTS / "failure-view.png"), full_page=True)
-                finally:
-                    raise
-            finally:
-                browser.close()
-    finally:
-        leftovers = lab.stop()
-    assert not leftovers, f"processes left after JupyterLab stopped: {leftovers}"
+        # Dark theme: the kept records stay readable (bar tracks from the theme).
+        page.keyboard.press("Control+Shift+C")
+        page.keyboard.type("JupyterLab Dark")
+        page.keyboard.press("Enter")
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+        time.sleep(1)
+        page.locator(CELL).nth(1).screenshot(path=str(ARTIFACTS / "10-dark-record.png"))
+        track = page.locator(CELL).nth(1).locator(".accel-magics-summary .accel-magics-track").first
+        color = track.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color

@@ -56,9 +56,14 @@ def torchrun(script: str, tmp_path, nproc: int = 2) -> dict[int, list[str]]:
                            "--tee", "1", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=400)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return _by_rank(proc.stdout, r"\[default(\d+)\]:(.*)$")
+
+
+def _by_rank(text: str, tagged: str) -> dict[int, list[str]]:
+    """Each rank's lines, from output whose lines the regex ``tagged`` splits into (rank, text)."""
     ranks = collections.defaultdict(list)
-    for line in proc.stdout.splitlines():
-        m = re.match(r"\[default(\d+)\]:(.*)$", line)
+    for line in text.splitlines():
+        m = re.match(tagged, line)
         if m:
             ranks[int(m.group(1))].append(m.group(2))
     return dict(ranks)
@@ -78,12 +83,7 @@ def in_cell(kernel, script: str, tmp_path, nproc: int = 2, setup: str = "") -> d
         kernel.ok("os.chdir(os.path.expanduser('~'))\n" + "".join(f"os.environ.pop({k!r}, None)\n"
                                                                for k in COMMON_ENV))
     assert res.status == "ok", res.error_text
-    ranks = collections.defaultdict(list)
-    for line in res.stdout.splitlines():
-        m = re.match(r"\[rank (\d+)\] ?(.*)$", line)
-        if m:
-            ranks[int(m.group(1))].append(m.group(2))
-    return dict(ranks)
+    return _by_rank(res.stdout, r"\[rank (\d+)\] ?(.*)$")
 
 
 def assert_same(cell: dict, reference: dict, must_contain: str) -> None:
