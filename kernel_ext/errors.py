@@ -28,11 +28,14 @@ class ReportedError:
     """An error IPython shows as its report alone: the magic's own frames would
     only hide the ranks' story (IPython calls ``_render_traceback_``)."""
 
+    #: Said after the report (a session cell: whether the session lives on).
+    after: str = ""
+
     def report(self) -> str:
         return f"{type(self).__name__}: {self}"
 
     def _render_traceback_(self) -> list[str]:
-        return self.report().splitlines()
+        return (self.report().rstrip("\n") + ("\n\n" + self.after if self.after else "")).splitlines()
 
 
 class DistributedRunError(ReportedError, RuntimeError):
@@ -150,6 +153,25 @@ class RunTerminated(ReportedError, RuntimeError):
 
 class RendezvousError(ReportedError, RuntimeError):
     """The nodes did not all meet at the rendezvous; nothing ran."""
+
+
+class SessionLostError(ReportedError, RuntimeError):
+    """A session cell could not bring every rank back to its prompt (or a rank
+    died): the session was stopped and its state is gone.  ``cause`` is the
+    cell's own error (the failing rank's traceback, the stacks)."""
+
+    def __init__(self, why: str, cause: Optional[BaseException] = None) -> None:
+        self.why, self.cause = why, cause
+        super().__init__(
+            f"session lost: {why}. The session's ranks were stopped and its state is gone; "
+            "`%distributed_session restart` starts a new one with the same options."
+        )
+
+    def report(self) -> str:
+        text = f"SessionLostError: {self}\n"
+        if isinstance(self.cause, ReportedError):
+            text += "\n" + self.cause.report()
+        return text
 
 
 class LauncherError(RuntimeError):

@@ -83,7 +83,8 @@ class Launcher:
         self.info: dict = {}
         self.dropped = 0          # messages that failed verification (forged, stale)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # a background run's thread launches too
+        self.live: dict[str, int] = {}    # run/session id -> supervisor pid: runs that outlive a cell
         self._preloaded: set[str] = set()
         self._denied: set[str] = set()
         self._pending_preload: list[str] = []
@@ -190,18 +191,31 @@ class Launcher:
         self.pull.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         self.info = {}
+        self.live.clear()
         self._pending_preload = []
         self._preload_files = {}
         self._preloaded.clear()   # a new launcher preloads from scratch
         _live_launchers.discard(self)
 
     def ensure_running(self) -> dict:
+        with self._lock:
+            return self._ensure_running()
+
+    def _ensure_running(self) -> dict:
         if self._pending_preload:
             self._settle_preload()
         if self.alive and self._stale_preload():
             # A module it keeps imported changed on disk (pip upgraded it): a
             # run must never see old code, so a fresh launcher imports it anew.
-            self.close()
+            # Not while a session or a background run lives on it: they would die.
+            if self.live:
+                warnings.warn("accel_magics: a module the launcher keeps imported changed on disk, but a session "
+                              "or a background run is alive, so this run still uses the version loaded before. "
+                              "Stop them (%distributed_session stop) to get the new one.", RuntimeWarning,
+                              stacklevel=3)
+                self._preload_files = {}
+            else:
+                self.close()
         if self.proc is not None and not self.alive:
             warnings.warn(f"the launcher process had exited (code {self.proc.returncode}); starting a new one. "
                           f"Its log:\n{self.launch_log_tail()}", RuntimeWarning, stacklevel=2)
@@ -315,6 +329,7 @@ class Launcher:
         # after it has forked the run's supervisor (and the supervisor its
         # ranks): no process that runs user code ever holds it.
         self._send({"op": "run", "run_id": run_id, "num_processes": num_processes,
+                    "keep": sorted(self.live.values()),
                     "spec": pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)}, {"key": key})
         try:
             return self._reply("run_started", DISPATCH_WAIT)
@@ -331,9 +346,37 @@ class Launcher:
                 return None
             raise
 
-    def launch(self, cfg: LaunchConfig, payload: Payload, *, attempt: int = 0, grace: float = 3.0,
-               log_dir: str = "", excerpt: Optional[tuple[int, int]] = None) -> "RunHandle":
-        """Hand the run to the launcher; ``log_dir`` and ``excerpt``: see ``run.execute``."""
+    def channel(self, kind: int, name: str):
+        """A socket of its own for a session or a background run (bound, in the
+        private directory): (socket, address).  ``kind``: zmq.PULL (its
+        events) or zmq.PUSH (a session's cells)."""
+        self.ensure_running()
+        addr = f"ipc://{self.dir}/{name}"
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM if kind == zmq.PULL else zmq.SNDHWM, 0)
+        sock.bind(addr)
+        return sock, addr
+
+    def launch(self, cfg: LaunchConfig, payload: Optional[Payload], *, attempt: int = 0, grace: float = 3.0,
+               log_dir: str = "", excerpt: Optional[tuple[int, int]] = None, events=None,
+               extra: Optional[dict] = None, stop_wait: Optional[float] = None,
+               persistent: bool = False) -> "RunHandle":
+        """Hand the run to the launcher; ``log_dir`` and ``excerpt``: see ``run.execute``.
+
+        ``events``: (PULL socket, address) from :meth:`channel`, for a run read
+        on a socket of its own (a background run, a session); ``extra``: more
+        of the spec (a session's).  ``persistent``: the run may outlive the cell
+        (a session, a background run): later runs must not end it; it stays in
+        :attr:`live` until the caller removes it.
+        """
+        with self._lock:
+            handle = self._launch(cfg, payload, attempt, grace, log_dir, excerpt, events, extra or {}, stop_wait)
+            if persistent:   # before the lock is let go: no other run's dispatch may end it
+                self.live[handle.run_id] = handle.supervisor_pid
+            return handle
+
+    def _launch(self, cfg, payload, attempt, grace, log_dir, excerpt, events, extra, stop_wait) -> "RunHandle":
         info = self.ensure_running()
         gpus = info.get("gpu_count", 0)
         run_id = uuid.uuid4().hex[:12]
@@ -366,21 +409,27 @@ class Launcher:
             "max_restarts": cfg.max_restarts,
             "log_dir": log_dir,
             "excerpt": excerpt,
+            **extra,
         }
+        if events is not None:
+            spec["events_addr"] = events[1]
         rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
-        with self._lock:
-            reply = self._dispatch(run_id, cfg.num_processes, spec, key)
-            if reply is None:   # it did not answer: a fresh launcher gets the run
-                warnings.warn("accel_magics: the launcher process did not answer; it was replaced by a new one "
-                              f"(its log:\n{self.launch_log_tail()})", RuntimeWarning, stacklevel=3)
-                self.close(kill=True)
-                self.ensure_running()
+        reply = self._dispatch(run_id, cfg.num_processes, spec, key)
+        if reply is None:   # it did not answer: a fresh launcher gets the run
+            warnings.warn("accel_magics: the launcher process did not answer; it was replaced by a new one "
+                          f"(its log:\n{self.launch_log_tail()})", RuntimeWarning, stacklevel=3)
+            self.close(kill=True)
+            self.ensure_running()
+            if events is None:
                 spec["events_addr"] = self.events_addr
-                reply = self._dispatch(run_id, cfg.num_processes, spec, key)
-                if reply is None:
-                    self.close(kill=True)
-                    raise LauncherError(f"the launcher process did not answer within {DISPATCH_WAIT:g}s, twice.")
+            else:   # its socket was in the old launcher's directory: the caller must start over
+                raise LauncherError("the launcher process did not answer and was replaced; run the cell again.")
+            reply = self._dispatch(run_id, cfg.num_processes, spec, key)
+            if reply is None:
+                self.close(kill=True)
+                raise LauncherError(f"the launcher process did not answer within {DISPATCH_WAIT:g}s, twice.")
         self.runs_started += 1
         if "error" in reply:
             raise LauncherError(f"the launcher could not start the run: {reply['error']}")
-        return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv)
+        return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv,
+                         pull=events[0] if events is not None else None, stop_wait=stop_wait)

@@ -39,22 +39,24 @@ class Payload:
     shared: Optional["SharedArena"] = None   # big arrays, shipped once through shared memory
     sources: dict = field(default_factory=dict)   # notebook cells' source by label ("Cell In[2]")
 
-    def load_into(self, namespace: dict) -> None:
+    def load_into(self, namespace: dict) -> set:
         """In a rank: put the shipped globals into ``namespace`` (the rank's
         ``__main__``, already in ``sys.modules``), with every notebook
         definition the shipped code can reach, and the source of notebook
-        cells into linecache, so tracebacks show the cell and its line."""
+        cells into linecache, so tracebacks show the cell and its line.
+        Returns the names it set."""
         import linecache
 
         loaded = cloudpickle.loads(self.globals_blob)
         if not (isinstance(loaded, tuple) and len(loaded) == 3):   # a plain {name: value} blob
             namespace.update(loaded)
-            return
+            return set(loaded)
         shipped, definitions, sources = loaded
         for filename, text in sources.items():
             linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         namespace.update(definitions)
         namespace.update(shipped)
+        return set(definitions) | set(shipped)
 
     def release(self) -> None:
         """Free the shared memory of big globals (after the run)."""
@@ -232,6 +234,7 @@ def build_payload(
     exclude: set | frozenset = frozenset(),
     return_names: list[str] | None = None,
     code_label: Optional[Callable[[str], Optional[str]]] = None,
+    defined: set | frozenset = frozenset(),
 ) -> Payload:
     """Check the cell and ship the globals it references.
 
@@ -246,12 +249,13 @@ def build_payload(
     own = own_names(tree)
 
     builtin_names = set(dir(builtins))
-    wanted = sorted(n for n in names.loaded if n in namespace and n not in exclude and n not in own)
+    wanted = sorted(n for n in names.loaded if n in namespace and n not in exclude and n not in own
+                    and n not in defined)
     if not names.star_import:
         undefined = sorted(
             n
             for n in names.top_level_loaded
-            if n not in namespace and n not in names.bound and n not in builtin_names
+            if n not in namespace and n not in names.bound and n not in builtin_names and n not in defined
         )
         if undefined:
             listed = ", ".join(f"'{n}'" for n in undefined)
@@ -264,7 +268,7 @@ def build_payload(
     arena = SharedArena()
     with _noting_interrupts() as interrupts:
         try:
-            blob, sources = _dumps(shipped, arena, namespace, code_label)
+            blob, sources = _dumps(shipped, arena, namespace, code_label, keep_out=defined)
         except BaseException as exc:
             arena.close()   # whatever happened, the shared memory of big globals is freed now
             if isinstance(exc, KeyboardInterrupt) and interrupts.seen:
@@ -328,6 +332,11 @@ class SharedArena:
             self.fd = None
 
     __del__ = close   # a payload dropped without release() still frees its memory
+
+    def __getstate__(self) -> dict:
+        # The fd is the kernel's: a copy unpickled in another process (a
+        # supervisor, a session's rank) must never close that number there.
+        return {"fd": None, "size": self.size}
 
 
 def _map_shared(ref: tuple):
@@ -404,6 +413,20 @@ class _SharingPickler(cloudpickle.Pickler):
         self.definitions: dict = {}    # notebook functions and classes met on the way, by name
         self.sources: dict = {}        # cell label -> source, for the ranks' linecache
 
+    keep_out: set | frozenset = frozenset()   # names the ranks own (a session's): never overwritten
+
+    def _dynamic_function_reduce(self, func):
+        reduced = super()._dynamic_function_reduce(func)
+        if self.keep_out and self.main_ns is not None and func.__globals__ is self.main_ns:
+            state, slotstate = reduced[2]
+            shared = slotstate["__globals__"]
+            if any(name in shared for name in self.keep_out):
+                # A notebook function that uses a name the session owns finds the
+                # session's value in the rank's __main__; the kernel's would replace it.
+                slotstate = {**slotstate, "__globals__": {k: v for k, v in shared.items() if k not in self.keep_out}}
+                reduced = reduced[:2] + ((state, slotstate),) + reduced[3:]
+        return reduced
+
     def _function_getnewargs(self, func):
         args = super()._function_getnewargs(func)
         if self.main_ns is not None and func.__globals__ is self.main_ns:
@@ -413,7 +436,8 @@ class _SharingPickler(cloudpickle.Pickler):
     def _note_definition(self, obj) -> None:
         name = getattr(obj, "__name__", None)
         if self.main_ns is not None and getattr(obj, "__module__", None) == "__main__" \
-                and isinstance(name, str) and self.main_ns.get(name) is obj and not name.startswith("<"):
+                and isinstance(name, str) and self.main_ns.get(name) is obj and not name.startswith("<") \
+                and name not in self.keep_out:
             self.definitions[name] = obj
 
     def _reduce_code(self, code: types.CodeType):
@@ -466,11 +490,13 @@ class _Found:
 
 
 def _dumps(value, arena: SharedArena, main_ns: Optional[dict] = None,
-           code_label: Optional[Callable[[str], Optional[str]]] = None) -> tuple[bytes, dict]:
+           code_label: Optional[Callable[[str], Optional[str]]] = None,
+           keep_out: set | frozenset = frozenset()) -> tuple[bytes, dict]:
     import io
 
     buf = io.BytesIO()
     pickler = _SharingPickler(buf, arena, main_ns, code_label)
+    pickler.keep_out = keep_out
     pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
     return buf.getvalue(), dict(pickler.sources)
 

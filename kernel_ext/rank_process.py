@@ -50,6 +50,12 @@ class RankProcess:
     cpu_since: float = 0.0
     go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
                                        # lets a rank that succeeded (parked) exit
+    # A session's rank (session_supervisor): at its prompt, or running a cell.
+    back: bool = True                  # at its prompt (the cell's outcome reported)
+    ready: bool = False                # set up, waiting for its first cell
+    stopped: bool = False              # brought back by the stop (KeyboardInterrupt), not failed
+    reported_stack: bool = False       # its stack for this cell was sent
+    in_cell: bool = False              # it said it began the current cell
 
     def release(self) -> None:
         """Close the go pipe: an idle or parked rank sees EOF and exits."""
@@ -216,3 +222,35 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
         out.append(f"(+ {len(idle)} other thread{'s' if len(idle) != 1 else ''} in library code only: "
                    f"{', '.join(where)})")
     return "\n".join(out) + "\n"
+
+
+_DECORATOR_FRAMES = {"wrapper", "inner", "_fn", "decorate_context", "wrapped"}
+
+
+def where_blocked(text: str) -> str:
+    """Where a faulthandler dump says the cell's thread is, in a few words:
+    ``all_reduce (In[5] line 3)``: the innermost function that is not a
+    decorator's wrapper, and the innermost line of the cell's own code."""
+    threads: list[tuple[str, list]] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("(most recent call first):"):
+            threads.append((stripped, []))
+            continue
+        m = _FRAME.match(line)
+        if m and not stripped.startswith(_OWN_FRAMES):
+            if not threads:
+                threads.append(("", []))
+            threads[-1][1].append(m.groupdict())
+    # As in user_stack: the signalled thread, else the main one (listed last).
+    main = [t for t in threads if t[0].startswith("Current thread")] or threads[-1:]
+    frames = main[0][1] if main else []
+    if not frames:
+        return "a place it gave no stack for"
+    named = next((f for f in frames if f["func"] not in _DECORATOR_FRAMES), frames[0])
+    cell = next((f for f in frames if "In[" in f["file"]), None)
+    where = named["func"]
+    if cell is not None and cell is not named:
+        label = cell["file"].strip("<>").replace("%%distributed ", "")
+        where += f" ({label} line {cell['line']})"
+    return where

@@ -48,6 +48,10 @@ class _Outcome:
     departed: dict = field(default_factory=dict)   # rank -> (how it finished, when)
     forced: Optional[str] = None   # the kernel killed the run itself: why
     stalled: Optional[dict] = None  # the supervisor's "stalled" report
+    session: Optional[str] = None   # a session cell: "alive" or "lost" after it
+    lost: Optional[str] = None      # why the session was lost
+    assigned: set = field(default_factory=set)   # a session cell: names it bound (on any rank)
+    deleted: set = field(default_factory=set)
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -73,6 +77,9 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     interrupted = False
     rendezvous_error = None
     remote = None
+    session = lost = None
+    assigned: set = set()
+    deleted: set = set()
     ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
     messages = handle.messages(heartbeat)
     try:
@@ -108,6 +115,9 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                             result = event
                     elif event["kind"] == "progress":
                         emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
+                    elif event["kind"] == "names":
+                        assigned.update(event.get("assigned", ()))
+                        deleted.update(event.get("deleted", ()))
                     elif event["kind"] == "bar":
                         emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],
                                     event["stats"], event["leave"], event["closed"]))
@@ -119,7 +129,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     exited.add(rank)
                     failure = failures.get(rank)
                     if msg["stopped"] and failure is None:
-                        others[rank] = f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})"
+                        others[rank] = ("stopped (KeyboardInterrupt), back at its prompt" if msg.get("prompt") else
+                                        f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})")
                         unfinished.append(rank)
                     elif failure is None and (msg["exitcode"] or msg["signal"]):
                         if msg["signal"]:
@@ -145,6 +156,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                 elif kind == "finished":
                     reason = msg["reason"]
                     forced = msg.get("forced")
+                    session, lost = msg.get("session"), msg.get("lost")
             except KeyboardInterrupt:
                 # The stop button: stop every rank (stacks first), keep reading
                 # until the supervisor reports them all gone.
@@ -181,12 +193,37 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         status = "ok"
     finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
     emit(finished)
-    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced, stalled)
+    if session is None and handle.session_cell:   # the kernel had to end it: its ranks went with it
+        session = "lost"
+        lost = lost or (forced and f"its supervisor did not respond ({forced}), so the kernel killed it")
+    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced, stalled,
+                    session, lost, assigned - deleted, deleted)
+
+
+class RunControl:
+    """Stops a run from another thread (a background run's handle): the run
+    in flight is interrupted as by the stop button; no further attempt starts."""
+
+    def __init__(self) -> None:
+        self.handle: Optional[RunHandle] = None
+        self.stop_requested = False
+
+    def attach(self, handle: RunHandle) -> None:
+        self.handle = handle
+        if self.stop_requested:
+            handle.interrupt()
+
+    def stop(self) -> None:
+        """First call: stacks, then the ranks are stopped; later calls escalate (see RunHandle)."""
+        self.stop_requested = True
+        if self.handle is not None and not self.handle.finished:
+            self.handle.interrupt()
 
 
 def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
             on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None,
-            log_dir: str = "", excerpt: Optional[tuple[int, int]] = None) -> RunResult:
+            log_dir: str = "", excerpt: Optional[tuple[int, int]] = None,
+            control: Optional[RunControl] = None, events=None) -> RunResult:
     """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc.
 
     ``heartbeat``: emit :class:`events.Heartbeat` after that many idle seconds.
@@ -195,63 +232,82 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
     ``excerpt``: ``(head, tail)`` to be sent only a rank's first ``head``
     lines and at most the last ``tail`` lines of each batch (what a view that
     keeps a head and a tail needs; the log has everything); None for every line.
+    ``control``: lets another thread stop the run; ``events``: the run's own
+    socket (see ``Launcher.channel``), for a run read outside the main thread.
     """
     try:
-        return _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt)
+        return _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt, control, events)
     finally:
         payload.release()
 
 
-def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt) -> RunResult:
+def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt, control, events) -> RunResult:
     emit = on_event or (lambda event: None)
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
+        if control is not None and control.stop_requested:
+            raise RunInterrupted({}, [], "\n(stopped before this attempt started)")
         try:
-            handle = launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt)
+            handle = launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt, events=events,
+                                     persistent=events is not None)
         except KeyboardInterrupt:
             raise RunInterrupted({}, []) from None
-        outcome = _collect(handle, cfg, attempt, emit, heartbeat)
-        finished = outcome.finished
-        note = forced_note(outcome.forced) if outcome.forced else ""
-        if finished.status == "interrupted":
-            raise RunInterrupted(finished.stacks, outcome.unfinished, note) from None
-        if finished.status == "rendezvous_failed":
-            raise RendezvousError(outcome.rendezvous_error or (
-                f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
-                f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
-        if finished.status == "stalled":
-            info = outcome.stalled or {}
-            raise DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
-                                        info.get("seconds", cfg.stall_timeout), finished.stacks)
-        if finished.status == "terminated":
-            raise RunTerminated(
-                "the run's supervisor was sent SIGTERM by another process (a rank's os.kill, the system, a "
-                f"job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
-                " had not finished.")
-        if finished.status == "timeout":
-            raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)
-        if finished.status == "failed":
-            if attempt < cfg.max_restarts:
-                continue
-            raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
-                                      attempts=attempt + 1, departed=_departed_before(outcome))
-        res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
-        event = outcome.result or {}
-        packed = event.get("value")
-        if packed is not None:
-            res.has_value = True
-            res.value = _unpack(packed)
-        for name, packed_value in event.get("returns", {}).items():
-            value = _unpack(packed_value)
-            if isinstance(value, RemoteRepr):   # never a silent stand-in: the caller says so
-                res.unloadable[name] = value
-            else:
-                res.returns[name] = value
-        res.missing = list(event.get("missing", []))
-        res.new_modules = list(event.get("new_modules", []))
-        launcher.learn_modules(res.new_modules)
-        return res
+        if control is not None:
+            control.attach(handle)
+        try:
+            outcome = _collect(handle, cfg, attempt, emit, heartbeat)
+        finally:
+            launcher.live.pop(handle.run_id, None)
+        res = conclude(outcome, cfg, handle, attempt, started, last=attempt >= cfg.max_restarts)
+        if res is not None:
+            launcher.learn_modules(res.new_modules)
+            return res
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def conclude(outcome: _Outcome, cfg: LaunchConfig, handle: RunHandle, attempt: int, started: float,
+             last: bool = True) -> Optional[RunResult]:
+    """The run's result, or the error that tells its story; None: a rank
+    failed and another attempt may start (``last`` False)."""
+    finished = outcome.finished
+    note = forced_note(outcome.forced) if outcome.forced else ""
+    if finished.status == "interrupted":
+        raise RunInterrupted(finished.stacks, outcome.unfinished, note) from None
+    if finished.status == "rendezvous_failed":
+        raise RendezvousError(outcome.rendezvous_error or (
+            f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
+            f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
+    if finished.status == "stalled":
+        info = outcome.stalled or {}
+        raise DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
+                                    info.get("seconds", cfg.stall_timeout), finished.stacks)
+    if finished.status == "terminated":
+        raise RunTerminated(
+            "the run's supervisor was sent SIGTERM by another process (a rank's os.kill, the system, a "
+            f"job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
+            " had not finished.")
+    if finished.status == "timeout":
+        raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)
+    if finished.status == "failed":
+        if not last:
+            return None
+        raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
+                                  attempts=attempt + 1, departed=_departed_before(outcome))
+    res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
+    event = outcome.result or {}
+    packed = event.get("value")
+    if packed is not None:
+        res.has_value = True
+        res.value = _unpack(packed)
+    for name, packed_value in event.get("returns", {}).items():
+        value = _unpack(packed_value)
+        if isinstance(value, RemoteRepr):   # never a silent stand-in: the caller says so
+            res.unloadable[name] = value
+        else:
+            res.returns[name] = value
+    res.missing = list(event.get("missing", []))
+    res.new_modules = list(event.get("new_modules", []))
+    return res
 
 
 def _departed_before(outcome: _Outcome) -> dict:

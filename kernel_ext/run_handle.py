@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import zmq
 
+from . import wire
 from .errors import LauncherError
 from .sigint import sigint_deferred
 
@@ -38,10 +39,18 @@ class RunHandle:
     """One run: verified messages in order, and the means to stop it."""
 
     def __init__(self, launcher, run_id: str, key: bytes, supervisor_pid: int,
-                 master_port: int, timeout: Optional[float], rendezvous_timeout: Optional[float] = None) -> None:
+                 master_port: int, timeout: Optional[float], rendezvous_timeout: Optional[float] = None,
+                 pull=None, stop_wait: Optional[float] = None, session=None) -> None:
+        """``pull``: the run's own socket (a session's, a background run's: read
+        in another thread, or between cells), else the launcher's shared one.
+        ``stop_wait``: how long the supervisor gets to end the run after a stop."""
         self.launcher = launcher
         self.run_id = run_id
-        self.session = launcher.session_for(key)
+        # A run on a socket of its own may be read while another run is: its own verifier.
+        self.session = session or (wire.signed_session(key) if pull is not None else launcher.session_for(key))
+        self.pull = pull if pull is not None else launcher.pull
+        self.stop_wait = stop_wait or STOP_WAIT
+        self.session_cell = False   # a cell of a session (see kernel_ext.session)
         self.supervisor_pid = supervisor_pid
         self.master_port = master_port
         self.rank_pids: set[int] = set()
@@ -72,7 +81,7 @@ class RunHandle:
         decides to :meth:`interrupt` and keep reading.
         """
         poller = zmq.Poller()
-        pull = self.launcher.pull
+        pull = self.pull
         poller.register(pull, zmq.POLLIN)
         if self._pidfd is not None:
             poller.register(self._pidfd, zmq.POLLIN)
@@ -142,7 +151,7 @@ class RunHandle:
         if self.term_at is not None and now >= self.term_at:
             self.term_at = None
             self._begin_kill("it did not end the run within "
-                             f"{STOP_WAIT:g}s of the stop")
+                             f"{self.stop_wait:g}s of the stop")
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = None
             self.force_kill()
@@ -173,7 +182,7 @@ class RunHandle:
         self._pidfd_close()
 
     def _recv(self) -> Optional[dict]:
-        pull = self.launcher.pull
+        pull = self.pull
         while True:
             # A message taken off the socket is processed whole (an interrupt
             # waits): losing "finished" would turn a clean stop into an error.
@@ -220,7 +229,7 @@ class RunHandle:
         self._reason = "interrupt"
         if self.interrupted == 1:
             self._signal(signal.SIGUSR1)
-            self.term_at = time.monotonic() + STOP_WAIT
+            self.term_at = time.monotonic() + self.stop_wait
         elif self.interrupted == 2:
             self.term_at = None
             self._begin_kill("it did not answer the stop")

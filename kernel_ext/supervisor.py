@@ -94,6 +94,11 @@ class Supervisor:
                 os._exit(0)
             key, spec_bytes = handed
             self._start(key, spec_bytes)
+            if self.spec.get("session"):
+                from .session_supervisor import SessionSupervisor
+
+                SessionSupervisor.adopt(self).serve_session()
+                return
             if self.spec["num_nodes"] > 1 and self.stopping is None:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
             elif self.spec.get("stall_timeout"):
@@ -213,6 +218,11 @@ class Supervisor:
     def _start(self, key: bytes, spec_bytes: bytes) -> None:
         spec = pickle.loads(spec_bytes)
         self.spec = spec
+        if spec.get("events_addr", self.events_addr) != self.events_addr:
+            # A run the kernel reads on a socket of its own (a session, a background run).
+            self.sock.disconnect(self.events_addr)
+            self.events_addr = spec["events_addr"]
+            self.sock.connect(self.events_addr)
         self.started = time.time()
         self.grace = spec.get("grace", 3.0)
         if spec.get("timeout"):
@@ -378,6 +388,7 @@ class Supervisor:
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(events_addr)
+        self.events_addr = events_addr
         # The run's key arrives with the spec; until then a throwaway one.
         self.session = wire.signed_session(wire.new_key())
         # Walk the signing path once while idle: its first use after the fork

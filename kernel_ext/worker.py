@@ -265,7 +265,7 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
     code = 1
     try:
         _event_fd, _local_rank = event_fd, local_rank
-        code = _execute(spec, local_rank)
+        code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else _execute(spec, local_rank)
     except BaseException as exc:  # the harness itself failed: say so, never hang
         try:
             emit(_failure(exc, exc.__traceback__, harness=True))
@@ -382,8 +382,9 @@ def _new_modules(before: set) -> list[str]:
                   and preloadable(sys.modules[m]))
 
 
-def _execute(spec: dict, local_rank: int) -> int:
-    before = set(sys.modules)
+def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
+    """Become the rank: its environment, a fresh ``__main__``, torch set up,
+    tqdm's bars as events.  Returns the ``__main__`` the cell runs in."""
     env = dict(spec["env"])
     env.update(spec["rank_env"][local_rank])
     marker = os.environ.get(process_tree.MARKER)
@@ -396,13 +397,6 @@ def _execute(spec: dict, local_rank: int) -> int:
     for name, value in env.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
-    payload = spec["payload"]
-    if payload.cwd:
-        try:
-            os.chdir(payload.cwd)
-        except OSError:
-            pass
-    sys.path[:] = payload.sys_path or sys.path
     sys.argv = list(spec.get("argv") or [""])
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
@@ -410,52 +404,131 @@ def _execute(spec: dict, local_rank: int) -> int:
     _prepare_torch(env, local_rank, spec.get("gpu_count", 0))
     pg_guard.install()   # normally done in the launcher already: then a no-op
     rank_bars.install(emit)
+    return main
 
+
+#: A session rank: True while it runs a cell's code (SIGINT raises there);
+#: ``_cell_begun`` from reading a cell to reporting it (a SIGINT then is kept
+#: in ``_interrupt_pending`` and raised as the cell's code starts).
+_in_cell = False
+_cell_begun = False
+_interrupt_pending = False
+
+
+def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) -> tuple[dict, int]:
+    """Run one cell in ``ns``: (the event that reports it, the exit code a
+    one-shot rank ends with).  The event is the result or the failure; in a
+    session it also names what the cell bound and unbound in the namespace."""
+    global _kernel_definitions, _in_cell
+    before = set(sys.modules)
+    if payload.cwd:
+        try:
+            os.chdir(payload.cwd)
+        except OSError:
+            pass
+    sys.path[:] = payload.sys_path or sys.path
     linecache.cache[payload.filename] = (
         len(payload.source), None, payload.source.splitlines(True), payload.filename,
     )
-    body, last = _compile_cell(payload.source, payload.filename)
-    ns = main.__dict__
-    payload.load_into(ns)
-    global _kernel_definitions
+    try:
+        body, last = _compile_cell(payload.source, payload.filename)
+        loaded = payload.load_into(ns)
+    except BaseException as exc:   # e.g. a shipped value whose module this rank cannot import
+        return _failure(exc, exc.__traceback__), 1
     # The kernel's own functions and classes, as they arrived: a result that
     # holds one goes back by reference, so the kernel gets its own class.
-    _kernel_definitions = {name: value for name, value in ns.items()
-                           if isinstance(value, (type, types.FunctionType)) and value.__module__ == "__main__"}
-    reports_values = local_rank == 0
-
+    _kernel_definitions = {name: ns[name] for name in loaded
+                           if isinstance(ns[name], (type, types.FunctionType)) and ns[name].__module__ == "__main__"}
+    ids = {name: id(value) for name, value in ns.items()} if session else None
+    event: dict
+    code = 0
     try:
-        exec(body, ns)
-        value = eval(last, ns) if last is not None else None
+        _in_cell = session
+        try:
+            if session and _interrupt_pending:
+                raise KeyboardInterrupt   # stopped before its code began
+            exec(body, ns)
+            value = eval(last, ns) if last is not None else None
+        finally:
+            _in_cell = False
     except SystemExit as exc:
         if exc.code in (None, 0):
-            _emit_last({"kind": "result", "exited": True, "timestamp": time.time()})
-            return 0
-        emit({
-            "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
-            "timestamp": time.time(), "secondary": False,
-        })
-        return exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
+            event = {"kind": "result", "exited": True, "timestamp": time.time()}
+        else:
+            event = {
+                "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+                "timestamp": time.time(), "secondary": False,
+            }
+            code = exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
     except BaseException as exc:
-        rank_bars.flush()
-        emit(_failure(exc, exc.__traceback__.tb_next))
-        return 1
-
-    result: dict = {"kind": "result", "timestamp": time.time()}
+        event, code = _failure(exc, exc.__traceback__.tb_next), 1
+    else:
+        event = {"kind": "result", "timestamp": time.time()}
+        if reports_values:
+            event["value"] = _pack_value(value) if value is not None else None
+            returns, missing = {}, []
+            for name in payload.return_names:
+                if name in ns:
+                    returns[name] = _pack_value(ns[name])
+                else:
+                    missing.append(name)
+            event["returns"] = returns
+            event["missing"] = missing
     if reports_values:
-        result["value"] = _pack_value(value) if value is not None else None
-        returns, missing = {}, []
-        for name in payload.return_names:
-            if name in ns:
-                returns[name] = _pack_value(ns[name])
-            else:
-                missing.append(name)
-        result["returns"] = returns
-        result["missing"] = missing
-        result["new_modules"] = _new_modules(before)
-    _emit_last(result)
-    return 0
+        event["new_modules"] = _new_modules(before)
+    if ids is not None:
+        event["assigned"] = sorted(name for name, value in ns.items()
+                                   if ids.get(name) != id(value) and name != "__builtins__")
+        event["deleted"] = sorted(name for name in ids if name not in ns)
+    return event, code
+
+
+def _execute(spec: dict, local_rank: int) -> int:
+    main = _enter_rank(spec, local_rank)
+    event, code = _run_cell(spec["payload"], main.__dict__, local_rank == 0)
+    if event["kind"] == "result":
+        _emit_last(event)
+    else:
+        rank_bars.flush()
+        emit(event)
+    return code
+
+
+def _on_session_sigint(signum, frame) -> None:
+    """A session rank's SIGINT (the stop button): KeyboardInterrupt in the
+    cell's code, kept for it if the code has not begun; at the prompt
+    (between cells) it is ignored."""
+    global _interrupt_pending
+    if _in_cell:
+        raise KeyboardInterrupt
+    if _cell_begun:
+        _interrupt_pending = True
+
+
+def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
+    """A session's rank: one namespace, cells one after another until EOF.
+
+    Each cell arrives as a frame on the go pipe; its outcome goes out as one
+    event (result or failure, as in a one-shot run) and the rank is back at
+    its prompt.  EOF (the session is stopped, or its supervisor is gone)
+    ends the rank.
+    """
+    global _cell_begun, _interrupt_pending
+    main = _enter_rank(spec, local_rank)
+    signal.signal(signal.SIGINT, _on_session_sigint)
+    emit({"kind": "session_ready"})
+    while True:
+        frame = wire.read_frame(go_fd)
+        if frame is None:
+            return 0
+        _interrupt_pending, _cell_begun = False, True
+        cell = pickle.loads(frame)
+        emit({"kind": "cell_started", "cell": cell["run_id"]})
+        event, _ = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
+        event["cell"] = cell["run_id"]
+        _emit_last(event)
+        _cell_begun = False
 
 
 def _pack_value(value) -> dict:

@@ -28,7 +28,7 @@ from typing import Optional
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from . import payload, pg_guard, rank_stdio, supervisor, wire, worker  # noqa: F401
+from . import payload, pg_guard, rank_stdio, session_supervisor, supervisor, wire, worker  # noqa: F401
 from .process_tree import children, kill_orphans
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
@@ -93,6 +93,7 @@ class Zygote:
         self.control_fd = control_fd
         self.reply_fd = reply_fd
         self.supervisors: dict[int, str] = {}   # pid -> run_id, runs in progress
+        self.keep: set[int] = set()              # supervisors of live sessions and background runs
         self.spare: Optional[tuple[int, int, int]] = None  # (pid, control fd, ranks) forked ahead
         self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
@@ -180,7 +181,7 @@ class Zygote:
                 # after %load_ext): the same clean-up as any other end.
                 return
             while not self.terminating:
-                if self.spare is None and not self.supervisors:
+                if self.spare is None and not set(self.supervisors) - self.keep:
                     self.fork_spare()   # idle time: the next run's fork is done now
                 for key, _ in self.sel.select():
                     if key.data == "kernel":
@@ -233,6 +234,7 @@ class Zygote:
         in this process's memory at a fork, so no rank (which runs user code)
         ever holds it.
         """
+        self.keep = set(msg.get("keep", ()))
         self.end_previous_runs()
         if self.spare is not None and self.spare[2] < msg["num_processes"]:
             self.drop_spare()
@@ -261,31 +263,34 @@ class Zygote:
 
         The kernel sends a run only after the previous one reported
         "finished", so a supervisor still alive now is past its run (its
-        ranks parked or exiting, see ``Supervisor._reap_rest``).  Ending it
-        first means the new ranks never compete for the memory (GPU memory
-        included) that the old ones still hold.
+        ranks parked or exiting, see ``Supervisor._reap_rest``), unless the
+        kernel says it is still live (``keep``: a session, a background run).
+        Ending it first means the new ranks never compete for the memory (GPU
+        memory included) that the old ones still hold.
         """
-        if self.supervisors:
-            self.stop_supervisors(END_WAIT)
+        if set(self.supervisors) - self.keep:
+            self.stop_supervisors(END_WAIT, spare=self.keep)
 
-    def stop_supervisors(self, wait: float) -> None:
-        """Stop every supervisor (on SIGTERM each kills its ranks and exits);
-        reap them for at most ``wait`` seconds."""
+    def stop_supervisors(self, wait: float, spare: frozenset | set = frozenset()) -> None:
+        """Stop every supervisor but those in ``spare`` (on SIGTERM each kills its
+        ranks and exits); reap them for at most ``wait`` seconds."""
         for pid in list(self.supervisors):
+            if pid in spare:
+                continue
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        self.wait_supervisors(time.monotonic() + wait)
+        self.wait_supervisors(time.monotonic() + wait, spare)
 
-    def wait_supervisors(self, deadline: float) -> None:
-        """Reap supervisors until none is left or ``deadline`` passes."""
+    def wait_supervisors(self, deadline: float, spare: frozenset | set = frozenset()) -> None:
+        """Reap supervisors until none is left (but those in ``spare``) or ``deadline`` passes."""
         waiter = selectors.DefaultSelector()  # only SIGCHLD's wake-up byte
         waiter.register(self.wakeup_r, selectors.EVENT_READ)
         try:
             while True:
                 self.reap()
-                if not self.supervisors or not waiter.select(deadline - time.monotonic()):
+                if not set(self.supervisors) - set(spare) or not waiter.select(deadline - time.monotonic()):
                     return
                 try:
                     if signal.SIGTERM in os.read(self.wakeup_r, 512):

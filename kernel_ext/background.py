@@ -1,0 +1,60 @@
+"""A run driven by a thread of its own, so the cell that started it returns at once.
+
+The thread runs the same engine call a foreground cell makes (``run.execute``
+or ``DistributedSession.run_cell``) in a copy of the starting cell's context:
+ipykernel 7 keeps the cell a message belongs to in a context variable, so the
+live view's updates and the record still go to the cell that started the run
+while other cells execute.  The thread only reads the run's own socket
+(``Launcher.channel``); stopping goes through :class:`run.RunControl`, the
+same escalation as the stop button.
+"""
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from typing import Callable, Optional
+
+from .run import RunControl, RunResult
+
+
+class BackgroundRun:
+    """``target(control)`` in a daemon thread; its result or its error, once done."""
+
+    def __init__(self, target: Callable[[RunControl], RunResult], name: str = "",
+                 on_done: Optional[Callable[["BackgroundRun"], None]] = None) -> None:
+        self.control = RunControl()
+        self.result: Optional[RunResult] = None
+        self.error: Optional[BaseException] = None
+        self.started = time.monotonic()
+        self.ended: Optional[float] = None
+        self._done = threading.Event()
+        self._target, self._on_done = target, on_done
+        context = contextvars.copy_context()
+        self.thread = threading.Thread(target=context.run, args=(self._main,), daemon=True,
+                                       name=f"accel_magics background {name}".strip())
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.result = self._target(self.control)
+        except BaseException as exc:   # kept for wait(): it raises there, in the notebook
+            self.error = exc
+        finally:
+            self.ended = time.monotonic()
+            self._done.set()
+            if self._on_done is not None:
+                try:
+                    self._on_done(self)
+                except Exception:
+                    pass
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """True once the run is over (False: ``timeout`` passed first)."""
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        self.control.stop()

@@ -1,0 +1,310 @@
+"""Kernel side of a session: ranks that live across cells (``%distributed_session``).
+
+A :class:`DistributedSession` is one run of the launcher whose supervisor
+stays (:mod:`session_supervisor`) and whose ranks keep their namespaces.  It
+owns two sockets in the launcher's private directory: events (PULL, what the
+supervisor sends, verified per message) and cells (PUSH, each cell signed
+with the session's key).  It runs one cell at a time.
+
+Names (the rule the README states): a name a session cell bound (on any
+rank) belongs to the session from then on: later session cells use the
+ranks' own value and the kernel's is never sent, not even inside a notebook
+function that uses it.  Every other name a cell uses comes from the kernel,
+sent with each cell that uses it.  ``owned`` maps each session name to the
+cell that bound it last; :meth:`push` hands names back to the kernel.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Optional
+
+import zmq
+
+from . import wire
+from .environment import LaunchConfig
+from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError,
+                     ReportedError, RunInterrupted, SessionLostError)
+from .launcher import Launcher
+from .payload import Payload
+from .run import RunControl, RunResult, _collect, conclude
+from .run_handle import RunHandle
+
+START_WAIT = 120.0      # seconds the ranks get to start and set up
+SESSION_STOP_WAIT = 12.0  # after a stop, how long the supervisor gets (stacks, recall, terminate)
+STOP_WAIT = 15.0        # %distributed_session stop: how long the ranks get to end
+
+ALIVE_NOTE = ("The session lives on: every rank is back at its prompt with its state (what the cell did "
+              "before it stopped is kept).")
+
+
+class SessionGone(RuntimeError):
+    """The session is not there (never started, stopped, or lost)."""
+
+
+class DistributedSession:
+    def __init__(self, launcher: Launcher, cfg: LaunchConfig, options: Optional[dict] = None) -> None:
+        self.launcher = launcher
+        self.cfg = cfg
+        self.options = dict(options or {})   # the flags it was started with (restart reuses them)
+        self.id = ""
+        self.alive = False
+        self.lost: Optional[str] = None
+        self.pids: dict[int, int] = {}
+        self.supervisor_pid = 0
+        self.owned: dict[str, str] = {}       # name -> label of the session cell that bound it
+        self.current: Optional[str] = None    # label of the cell running now
+        self.current_control: Optional[RunControl] = None
+        self.cells_run = 0
+        self._busy = threading.Lock()         # one cell at a time
+        self.events = self.cells = None
+        self.master_port = 0
+
+    # -- life cycle ---------------------------------------------------------------
+    def start(self) -> None:
+        """Start the ranks; returns once every rank is set up (raises if one could not)."""
+        name = uuid.uuid4().hex[:12]
+        self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
+        self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
+        try:
+            handle = self.launcher.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
+                                          persistent=True,
+                                          extra={"session": True, "cells_addr": self.cells[1], "payload": None,
+                                                 "stall_timeout": self.cfg.stall_timeout
+                                                 if self.cfg.num_nodes == 1 else 0})
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.id = handle.run_id
+        self.key = handle.session.key
+        self.verifier = handle.session
+        self.signer = wire.signed_session(self.key)
+        self.supervisor_pid = handle.supervisor_pid
+        self.master_port = handle.master_port
+        handle.timeout_at = time.monotonic() + START_WAIT
+        try:
+            for msg in handle.messages():
+                kind = msg["kind"]
+                if kind == "started":
+                    self.pids = dict(msg["pids"])
+                elif kind == "ready":
+                    self.alive = True
+                    handle.finished = True   # the start is over; the session's messages go on
+                    break
+                elif kind == "session_lost":
+                    raise SessionGone(f"the session could not start: {msg.get('lost')}")
+                elif kind == "rendezvous_failed":
+                    raise SessionGone(f"the session could not start: {msg['message']}")
+                elif kind == "supervisor_error":
+                    raise LauncherError("the session's supervisor failed:\n" + msg["traceback"])
+                elif kind == "finished":
+                    raise SessionGone("the session's ranks could not start"
+                                      + (f" ({msg['forced']})" if msg.get("forced") else ""))
+        except BaseException:
+            handle.force_kill()
+            self._forget()
+            raise
+        finally:
+            handle.close()
+
+    def stop(self) -> None:
+        """Let every rank end (frees its memory, GPU memory included); returns
+        when they are gone (the kernel kills what does not end in time)."""
+        if not self.alive:
+            self._forget()
+            return
+        run_id = uuid.uuid4().hex[:12]
+        handle = self._handle(run_id, None)
+        handle.timeout_at = time.monotonic() + STOP_WAIT
+        try:
+            self.signer.send(self.cells[0], "stop", {"op": "stop", "run_id": run_id})
+            for _msg in handle.messages():
+                pass
+        except LauncherError:
+            pass   # it is gone already: what matters is that nothing is left
+        finally:
+            handle.close()
+            self._wait_gone(handle)
+            self._forget()
+
+    def _wait_gone(self, handle: RunHandle) -> None:
+        """The supervisor exits after its ranks: wait for that (bounded), else kill."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and _alive(self.supervisor_pid):
+            time.sleep(0.02)
+        if _alive(self.supervisor_pid):
+            handle.finished = False
+            handle.force_kill()
+
+    def _forget(self) -> None:
+        self.alive = False
+        self.launcher.live.pop(self.id, None)
+        self.owned.clear()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for pair in (self.events, self.cells):
+            if pair is not None:
+                pair[0].close(linger=0)
+                path = pair[1][len("ipc://"):]
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        self.events = self.cells = None
+
+    def check(self) -> None:
+        """Raise SessionGone if the session ended by itself since the last cell
+        (a rank died at its prompt, the launcher was replaced)."""
+        if not self.alive:
+            raise SessionGone(self.lost or "the session is not running")
+        why = None
+        while self.events is not None and self.events[0].poll(0):
+            frames = self.events[0].recv_multipart()
+            try:
+                _, frames = self.verifier.feed_identities(frames)
+                content = self.verifier.deserialize(frames)["content"]
+            except Exception:
+                continue
+            if content.get("kind") == "session_lost":
+                why = content.get("lost") or "its ranks ended"
+        if why is None and not _alive(self.supervisor_pid):
+            why = "its processes ended (the launcher was stopped or replaced)"
+        if why is not None:
+            self.lost = why
+            self._forget()
+            raise SessionGone(f"the session was lost between cells: {why}")
+
+    # -- cells ------------------------------------------------------------------------
+    def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
+        handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
+                           pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier)
+        handle.rank_pids = set(self.pids.values())
+        handle.session_cell = True
+        return handle
+
+    def run_cell(self, payload: Payload, label: str, on_event=None, heartbeat: Optional[float] = None,
+                 log_dir: str = "", excerpt=None, timeout: Optional[float] = None,
+                 control: Optional[RunControl] = None) -> RunResult:
+        """Run one cell on the session's ranks; its result, or the error that
+        tells its story (with whether the session lives on)."""
+        emit = on_event or (lambda event: None)
+        with self._busy:
+            self.check()
+            self.current, self.current_control = label, control
+            started = time.time()
+            run_id = uuid.uuid4().hex[:12]
+            handle = self._handle(run_id, timeout)
+            try:
+                self.signer.send(self.cells[0], "cell", {
+                    "op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
+                    "log_dir": log_dir, "excerpt": excerpt})
+                if control is not None:
+                    control.attach(handle)
+                try:
+                    outcome = _collect(handle, self.cfg, 0, emit, heartbeat)
+                except LauncherError as exc:
+                    self.lost = str(exc)
+                    self._forget()
+                    raise SessionLostError("its supervisor ended during the cell", exc) from None
+                self.cells_run += 1
+                for name in outcome.deleted:
+                    self.owned.pop(name, None)
+                for name in outcome.assigned:
+                    self.owned[name] = label
+                if outcome.session == "lost":
+                    self.lost = outcome.lost or "its ranks could not go on"
+                    try:
+                        conclude(outcome, self.cfg, handle, 0, started)
+                    except BaseException as exc:
+                        cause = exc
+                    else:
+                        cause = None
+                    self._wait_gone(handle)
+                    self._forget()
+                    raise SessionLostError(self.lost, cause) from None
+                try:
+                    result = conclude(outcome, self.cfg, handle, 0, started)
+                except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
+                    exc.after = ALIVE_NOTE
+                    raise
+                self.launcher.learn_modules(result.new_modules)
+                return result
+            finally:
+                handle.close()
+                payload.release()
+                self.current = self.current_control = None
+
+    def push_names(self, names: list[str]) -> None:
+        """The kernel's values of ``names`` replace the session's (see the module doc)."""
+        for name in names:
+            self.owned.pop(name, None)
+
+    # -- status ------------------------------------------------------------------------
+    def status(self) -> list[dict]:
+        """Per rank: pid, process state, RSS, GPU memory (where NVML can tell), the cell it runs."""
+        gpu = _gpu_memory()
+        rows = []
+        for rank, pid in sorted(self.pids.items()):
+            state, rss = _proc_state(pid)
+            rows.append({"rank": rank, "pid": pid, "state": state, "rss": rss, "gpu": gpu.get(pid),
+                         "cell": self.current if state not in ("gone", "zombie") else None})
+        return rows
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in I/O", "T": "stopped", "t": "traced", "Z": "zombie"}
+
+
+def _proc_state(pid: int) -> tuple[str, Optional[int]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        rss = None
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return _STATES.get(state, state), rss
+    except (OSError, IndexError, ValueError):
+        return "gone", None
+
+
+def _gpu_memory() -> dict[int, int]:
+    """GPU memory per process, from NVML (never from CUDA: the kernel must not
+    initialise it); empty where there is no NVIDIA GPU or no pynvml."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    used: dict[int, int] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            device = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(device):
+                if proc.usedGpuMemory:
+                    used[proc.pid] = used.get(proc.pid, 0) + proc.usedGpuMemory
+    except Exception:
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return used
+
+
+__all__ = ["DistributedSession", "SessionGone", "SessionLostError", "ReportedError"]

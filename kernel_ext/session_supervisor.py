@@ -1,0 +1,467 @@
+"""A session's supervisor: persistent ranks that run cell after cell.
+
+Runs in the supervisor process of a ``%distributed_session`` (forked by the
+launcher like any run's, see :mod:`supervisor`, which hands over to
+:meth:`SessionSupervisor.serve_session` once the spec says "session").  The
+ranks stay alive between cells, each with its own namespace
+(``worker._serve_session``); this process keeps reading their pipes and is,
+as for a one-shot run, the only sender on the channel to the kernel.
+
+Cells come from the kernel over a second ZMQ socket (PULL, ``ipc://`` in the
+launcher's private directory), every message HMAC-signed with the session's
+key and checked before it is unpickled, exactly like the messages that go
+the other way.
+
+A cell ends when every rank is back at its prompt.  When a cell must stop
+(a rank failed, the stop button, ``--timeout``, a stall) the ranks still in
+it are *recalled*: stacks first (faulthandler, works inside a collective),
+then SIGINT, which is KeyboardInterrupt in the cell's code.  Ranks that come
+back within ``RECALL_WAIT`` keep the session alive with its state; a rank
+that does not (blocked in C, in a collective whose peer has left it) cannot
+be brought back, so the session is lost: every rank is stopped and the
+kernel is told where the stuck ranks were.  A rank that dies ends the
+session too (its peers' process group cannot go on without it).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import time
+from typing import Optional
+
+from . import native_stacks, wire
+from .output_batch import Excerpt, bound_text
+from .rank_logs import RankLogs
+from .rank_process import RankProcess, user_stack, where_blocked
+from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK, STALL_CPU,
+                         Supervisor)
+
+RECALL_WAIT = 3.0     # after SIGINT, how long the ranks get to be back at their prompt
+READY_WAIT = 120.0    # how long the ranks get to set up (import what the environment needs)
+
+
+class SessionSupervisor(Supervisor):
+    """The supervisor of a session: see the module doc.  Life cycle:
+    ranks set up (``session_ready``) -> "ready" to the kernel -> cells, one at
+    a time -> "stop" from the kernel (or the session is lost) -> ranks end."""
+
+    @classmethod
+    def adopt(cls, supervisor: Supervisor) -> "SessionSupervisor":
+        """The run's supervisor, now a session's: same state, session behaviour."""
+        obj = cls.__new__(cls)
+        obj.__dict__ = supervisor.__dict__
+        return obj
+
+    # -- life cycle -----------------------------------------------------------
+    def serve_session(self) -> None:
+        import zmq
+
+        self.session_id = self.spec["run_id"]
+        self.cell: Optional[dict] = None       # the cell running now
+        self.ending: Optional[str] = None      # "stop" (asked), "lost" (see lost)
+        self.lost: Optional[str] = None        # why the session cannot go on
+        self.stop_id: Optional[str] = None
+        self.recall_at: Optional[float] = None
+        self.cell_sources: dict = {}           # every cell's source by filename (stacks show them)
+        self.verifier = wire.signed_session(self.session.key)
+        self.cells = self.ctx.socket(zmq.PULL)
+        self.cells.setsockopt(zmq.LINGER, 0)
+        self.cells.connect(self.spec["cells_addr"])
+        self.sel.register(self.cells.getsockopt(zmq.FD), selectors.EVENT_READ, ("cells", None))
+        self.logs.close()
+        self.timeout_deadline = None   # --timeout is a cell's
+        if self.stopping is None:
+            self._wait_ready()
+        if self.stopping is not None and self.ending is None:   # the rendezvous failed, a rank died
+            self._lose(self.lost or "the session's ranks could not start")
+        while self.ending is None:
+            self._poll(self._next_timeout())
+            self._take_cells()
+            self._on_time()
+            if self.cell is not None and self.ending is None and all(r.back for r in self.ranks):
+                self._finish_cell()
+        self._end()
+
+    def _wait_ready(self) -> None:
+        """Until every rank has set up (its environment, torch): then "ready"."""
+        for r in self.ranks:
+            r.back = False
+        deadline = time.monotonic() + READY_WAIT
+        while not all(r.ready for r in self.ranks) and self.stopping is None and self.ending is None:
+            if time.monotonic() > deadline:
+                self.lost = f"the ranks did not set up within {READY_WAIT:g}s"
+                self.stopping = "failed"
+                return
+            self._poll(0.5)
+            self._on_time()
+        for r in self.ranks:
+            r.back = True
+        if self.stopping is None and self.ending is None:
+            self._send({"kind": "ready"})
+
+    def _end(self) -> None:
+        """Stop every rank (asked: let them end; lost: terminate), then tell the kernel."""
+        if self.ending == "stop":
+            self._release_all()   # EOF at their prompt: each rank exits by itself
+        else:
+            self._terminate()
+        deadline = time.monotonic() + (REAP_WAIT if self.ending == "stop" else self.grace)
+        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
+            self._poll(0.05)
+        for r in self.ranks:
+            if r.status is None:
+                r.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + REAP_WAIT
+        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
+            self._poll(0.05)
+        for r in self.ranks:
+            self._drain(r)
+            r.output.end()
+        self._flush()
+        self._sweep_orphans()
+        self.logs.close()
+        if self.ending == "stop":
+            self.spec["run_id"] = self.stop_id or self.session_id
+            self._send({"kind": "finished", "reason": None, "session": "stopped", "elapsed": 0.0})
+        elif self.cell is not None:
+            self._send_stacks()
+            self._send({"kind": "finished", "reason": self.stopping or "failed", "session": "lost",
+                        "lost": self.lost, "elapsed": time.time() - self.started})
+        else:
+            self.spec["run_id"] = self.session_id
+            self._send({"kind": "session_lost", "lost": self.lost})
+        if self.rdzv is not None:
+            self.rdzv.close()
+        self.cells.close()
+
+    # -- cells from the kernel ------------------------------------------------------
+    def _poll(self, timeout: Optional[float]) -> None:
+        for key, _ in self.sel.select(timeout):
+            kind, rank = key.data
+            if kind == "signal":
+                self._on_signals()
+            elif kind == "store":
+                self._host_store(key.fd)
+            elif kind == "cells":
+                self._take_cells()
+            elif rank.fds.get(kind) == key.fd:
+                self._on_readable(kind, rank, key.fd)
+
+    def _take_cells(self) -> None:
+        """Every message waiting on the cells socket (its fd is edge-triggered:
+        drain until none is left), verified before it is unpickled."""
+        import zmq
+
+        while self.cells.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.cells.recv_multipart(zmq.NOBLOCK)
+            try:
+                _, frames = self.verifier.feed_identities(frames)
+                msg = self.verifier.deserialize(frames)
+            except Exception:
+                continue   # not signed with the session's key: never unpickled
+            content = msg["content"]
+            if content.get("op") == "cell":
+                self._start_cell(content)
+            elif content.get("op") == "stop":
+                self.stop_id = content.get("run_id")
+                if self.cell is None:
+                    self.ending = "stop"
+                else:   # the kernel stops a running cell first; if not, the stop wins
+                    self._lose("the session was stopped while a cell was running")
+
+    def _start_cell(self, content: dict) -> None:
+        if self.cell is not None or self.ending is not None:
+            self.spec["run_id"] = content["run_id"]
+            self._send({"kind": "supervisor_error", "message": "the session is busy",
+                        "traceback": "a cell was sent while another one ran"})
+            self.spec["run_id"] = self.cell["run_id"] if self.cell is not None else self.session_id
+            return
+        self.cell = content
+        self.spec["run_id"] = content["run_id"]
+        self.spec["payload"] = content["payload"]
+        self.cell_sources[content["payload"].filename] = content["payload"].source
+        self.cell_sources.update(getattr(content["payload"], "sources", {}) or {})
+        self.started = time.time()
+        self.stopping = None
+        self.first_failure = None
+        self.stack_deadline = self.kill_deadline = self.recall_at = None
+        self.timeout_deadline = time.monotonic() + content["timeout"] if content.get("timeout") else None
+        stall = self.spec.get("stall_timeout")
+        self.stall_check = time.monotonic() + STALL_CHECK if stall else None
+        self.logs = RankLogs(content.get("log_dir", ""))
+        excerpt = content.get("excerpt")
+        for r in self.ranks:
+            r.back = r.failed = r.stopped = r.signalled = r.done = r.in_cell = False
+            r.stack, r.native, r.done_time, r.cpu_seen = bytearray(), "", 0.0, None
+            r.last_output = time.monotonic()
+            r.excerpt = Excerpt(*excerpt) if excerpt else None
+        self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks}, "supervisor": os.getpid()})
+        frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"]},
+                             protocol=pickle.HIGHEST_PROTOCOL)
+        for r in self.ranks:
+            try:
+                wire.write_frame(r.go, frame)
+            except (BrokenPipeError, TypeError):   # TypeError: its go pipe is closed (None)
+                r.back = True   # it died at its prompt: its exit ends the session (see _reap)
+
+    def _sources(self) -> dict:
+        return self.cell_sources
+
+    # -- signals and exits ------------------------------------------------------------
+    def _on_signals(self) -> None:
+        try:
+            data = os.read(self.wakeup_r, 512)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum == signal.SIGCHLD:
+                self._reap()
+            elif signum == signal.SIGUSR1:   # the stop button
+                if self.cell is not None:
+                    self._recall("interrupt")
+            elif signum in (signal.SIGUSR2, signal.SIGTERM):
+                if self.stopping is None:
+                    self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
+                self._lose("the stop did not bring every rank back in time, so the kernel ended the session"
+                           if signum == signal.SIGUSR2 else
+                           "the session's supervisor was sent SIGTERM by another process")
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            r = next((r for r in self.ranks if r.pid == pid), None)
+            if r is None:
+                continue
+            r.status, r.exit_time = status, time.monotonic()
+            r.release()
+            r.signal_group(signal.SIGKILL)
+            while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
+                pass
+            if self.ending is not None:
+                continue   # stopping anyway
+            code = os.waitstatus_to_exitcode(status)
+            what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self.logs.note(r.rank, f"--- {what} ---")
+            if self.cell is not None:
+                self._drain(r)
+                r.output.end()
+                self._flush()
+                if not r.failed:
+                    self._note_failure(False, time.time(), r.rank, what)
+                self._send({"kind": "exit", "rank": r.rank,
+                            "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                            "signal": signal.Signals(-code).name if code < 0 else None,
+                            "stopped": False, "timestamp": time.time()})
+                r.back = True
+                if self.stopping is None:
+                    self.stopping = "failed"
+            self._lose(f"rank {r.rank} {what}; a session cannot go on without one of its ranks")
+
+    # -- rank events --------------------------------------------------------------------
+    def _on_rank_event(self, r: RankProcess, event: dict) -> None:
+        drained = 0
+        while "out" in r.fds and drained < 64 and self._on_readable("out", r, r.fds["out"]):
+            drained += 1
+        self._flush()
+        kind = event.get("kind")
+        if kind == "session_ready":
+            r.ready = True
+            return
+        if kind == "cell_started":
+            if self.cell is not None and event.get("cell") == self.cell["run_id"]:
+                r.in_cell = True
+                if self.stopping is not None:   # recalled before it began: it is recalled now
+                    if self.stack_deadline is not None:
+                        r.signal(signal.SIGUSR1)
+                    else:
+                        self._sigint(r)
+            return
+        if kind not in ("failed", "result"):
+            self._send({"kind": "rank_event", "rank": r.rank, "event": event})
+            return
+        if self.cell is None or event.get("cell") != self.cell["run_id"] or r.back:
+            return
+        r.back, r.done, r.done_time = True, True, time.monotonic()
+        r.output.end()   # an unfinished last line is the cell's
+        self._flush()
+        names = {"kind": "names", "assigned": event.pop("assigned", []), "deleted": event.pop("deleted", [])}
+        self._send({"kind": "rank_event", "rank": r.rank, "event": names})
+        if kind == "failed" and event.get("exc_type") == "KeyboardInterrupt" and r.signalled \
+                and self.stopping is not None:
+            r.stopped = True   # brought back by the recall: stopped, not failed
+            if not r.stack:
+                r.stack = bytearray(str(event.get("traceback", "")).encode())
+            self._send_exit(r, stopped=True)
+            return
+        if kind == "failed":
+            r.failed = True
+            summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+            self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
+            event["message"] = bound_text(str(event.get("message", "")), head=20, tail=20)
+            event["traceback"] = bound_text(str(event.get("traceback", "")))
+            self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank,
+                               bound_text(summary, head=20, tail=20))
+        self._send({"kind": "rank_event", "rank": r.rank, "event": event})
+        self._send_exit(r, stopped=False, code=1 if kind == "failed" else 0)
+        if kind == "failed" and self.stopping is None:
+            self._recall("failed")
+
+    def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0) -> None:
+        self._send({"kind": "exit", "rank": r.rank, "exitcode": code, "signal": None, "stopped": stopped,
+                    "prompt": True, "timestamp": time.time()})
+
+    # -- recalling the ranks of a cell -----------------------------------------------
+    def _out(self) -> list[RankProcess]:
+        """Ranks still in the cell."""
+        return [r for r in self.ranks if not r.back and r.status is None]
+
+    def _recall(self, reason: str) -> None:
+        """Bring every rank still in the cell back to its prompt: stacks, then SIGINT."""
+        if self.stopping is not None and reason != "failed":
+            return
+        self.stopping = self.stopping or reason
+        live = self._out()
+        if not live:
+            return
+        if reason in ("timeout", "stalled"):
+            native = native_stacks.dump([r.pid for r in live], NATIVE_WAIT)
+            for r in live:
+                r.native = native.get(r.pid, "")
+        for r in live:
+            if r.in_cell:
+                r.signal(signal.SIGUSR1)
+        self.stack_deadline = time.monotonic() + STACK_WAIT
+
+    def _interrupt_cell(self) -> None:
+        """SIGINT to the ranks that began the cell; one that has not yet gets it
+        when it says it began (``cell_started``): before that, a SIGINT could
+        not be told from a late one meant for its previous cell."""
+        for r in self._out():
+            if r.in_cell:
+                self._sigint(r)
+        self.recall_at = time.monotonic() + RECALL_WAIT
+
+    def _sigint(self, r: RankProcess) -> None:
+        r.signalled = True
+        try:
+            os.kill(r.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+    def _next_timeout(self) -> Optional[float]:
+        due = super()._next_timeout()
+        if self.recall_at is not None:
+            left = max(0.0, self.recall_at - time.monotonic())
+            due = left if due is None else min(due, left)
+        return due
+
+    def _on_time(self) -> None:
+        now = time.monotonic()
+        if self.stall_check is not None and now >= self.stall_check:
+            self._check_session_stall(now)
+        if self.timeout_deadline is not None and now >= self.timeout_deadline:
+            self.timeout_deadline = None
+            self._recall("timeout")
+        if self.stack_deadline is not None:
+            live = [r for r in self._out() if r.in_cell]
+            dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
+            if dumped or now >= self.stack_deadline:
+                self.stack_deadline = None
+                self._interrupt_cell()
+        if self.recall_at is not None and now >= self.recall_at:
+            self.recall_at = None
+            if self._out():
+                self._lose(self._describe_stuck())
+        if self.kill_deadline is not None and now >= self.kill_deadline:
+            self.kill_deadline = None
+            self._kill_all(signal.SIGKILL)
+        for r in self.ranks:   # a rank that died: once its pipes are drained (see _reap)
+            if r.status is not None and not r.reported and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
+                self._close_pipes(r)
+                r.reported = True
+        if self.flush_due is not None and now >= self.flush_due:
+            self._flush()
+
+    def _check_session_stall(self, now: float) -> None:
+        """As for one-shot runs: a rank still in the cell, with no CPU time and no
+        output for ``stall_timeout`` seconds after another rank finished it."""
+        self.stall_check = now + STALL_CHECK
+        if self.stopping is not None or self.cell is None:
+            self.stall_check = None
+            return
+        finished = [r for r in self.ranks if r.back]
+        running = self._out()
+        if not finished or not running:
+            return
+        since = min(r.done_time for r in finished)
+        for r in running:
+            cpu = native_stacks.cpu_seconds(r.pid)
+            if cpu is None:
+                return
+            if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
+                r.cpu_seen, r.cpu_since = cpu, now
+        limit = self.spec["stall_timeout"]
+        if min(now - max(r.cpu_since, r.last_output, since) for r in running) < limit:
+            return
+        self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
+                    "finished": [r.rank for r in finished]})
+        self._recall("stalled")
+
+    def _describe_stuck(self) -> str:
+        """Why the session is lost: where each stuck rank was, and what it waited for."""
+        stuck = self._out()
+        for r in stuck:
+            self._drain(r)   # a dump still in its pipe
+        places = "; ".join(f"rank {r.rank} was in {where_blocked(r.stack.decode('utf-8', 'replace'))}"
+                           for r in stuck)
+        if self.stopping == "failed" and self.first_failure is not None:
+            failed = self.first_failure[2]
+            return (f"{places} waiting for rank {failed}, which failed, and could not be brought back "
+                    f"within {RECALL_WAIT:g}s")
+        what = {"interrupt": "the stop", "timeout": "the --timeout stop", "stalled": "the stall stop"}
+        return (f"{places} and did not come back from {what.get(self.stopping, 'the stop')} within "
+                f"{RECALL_WAIT:g}s (a rank blocked in a collective or in native code cannot be interrupted)")
+
+    def _lose(self, why: str) -> None:
+        if self.ending is None:
+            self.ending = "lost"
+            self.lost = why
+
+    def _send_stacks(self) -> None:
+        for r in self.ranks:
+            if (r.stack or r.native) and not r.reported_stack:
+                self._send_stack(r)
+
+    def _send_stack(self, r: RankProcess) -> None:
+        r.reported_stack = True
+        stack = r.native or user_stack(r.stack.decode("utf-8", "replace"), self._sources())
+        self.logs.note(r.rank, "--- stack when the cell was stopped ---\n" + stack)
+        self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack), "native": bool(r.native)})
+
+    def _finish_cell(self) -> None:
+        """Every rank is back at its prompt: the cell is over, the session goes on."""
+        for r in self.ranks:
+            self._drain(r)
+            r.output.end()
+        self._flush()
+        if self.stopping in ("interrupt", "timeout", "stalled"):
+            for r in self.ranks:
+                if r.stack or r.native:
+                    self._send_stack(r)
+        self.logs.close()
+        self._send({"kind": "finished", "reason": self.stopping, "session": "alive",
+                    "elapsed": time.time() - self.started})
+        self.cell = None
+        self.spec["run_id"] = self.session_id
+        self.spec["payload"] = None
+        self.stopping = None
+        self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = None
+        for r in self.ranks:
+            r.stack, r.native, r.reported_stack = bytearray(), "", False
