@@ -27,11 +27,13 @@ _magics = None
 def load_ipython_extension(ip) -> None:
     global _magics
     from .magics import DistributedMagics
+    from .session_magic import SessionMagics
 
     if _magics is not None:
         return
     magics = DistributedMagics(ip)
     ip.register_magics(magics)
+    ip.register_magics(SessionMagics(ip, magics))
     ip.events.register("post_run_cell", magics.post_run_cell)
     magics.tracker.install()
     _magics = magics

@@ -156,6 +156,9 @@ class DistributedMagics(Magics):
         self.launcher = launcher or Launcher()
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
         self.defaults: dict = {}
+        self.session = None             # the %distributed_session (kernel_ext.session.DistributedSession)
+        self._background_runs: set = set()
+        self._returned: dict = {}       # name -> id() of the value a session cell's --return assigned
         self._form = None               # the config form, one per kernel
         self._form_displays: list = []  # where it is shown (their text follows the defaults)
 
@@ -215,6 +218,12 @@ class DistributedMagics(Magics):
                    "(tensors moved to the CPU). Space or comma separated.")
     @argument("--oversubscribe", action="store_true",
               help="Allow more processes than GPUs (or than 4x the CPU cores on a CPU-only machine).")
+    @argument("--session", action="store_true",
+              help="Run the cell on the running session's ranks (`%%distributed_session start`): what "
+                   "earlier session cells made is still there. Launch options belong to the session.")
+    @argument("--background", action="store_true",
+              help="Return at once with a handle (the cell's value: `h = _`): h.done(), h.wait() (the result, "
+                   "the --return names, or the run's error), h.stop(), h.status. The view keeps updating.")
     @cell_magic
     def distributed(self, line: str, cell: str):
         """Run this cell on N worker processes (ranks), like torchrun.
@@ -236,14 +245,11 @@ class DistributedMagics(Magics):
         """
         started = time.monotonic()
         args = _parse(self.distributed, line)
-        in_kernel = getattr(self.shell, "kernel", None) is not None
-        mode = args.output or self.defaults.get("output", "auto")
-        # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
-        # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
-        # since they save the state of every widget ever opened, closed or not.
-        interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
-        presenter = Presenter(mode, in_kernel, label=f"In{self._cell_number()}", started=started,
-                              launcher_ready=bool(self.launcher.info), interactive=interactive)
+        if args.session:
+            from .session_magic import session_cell
+
+            return session_cell(self, args, line, cell, started)
+        presenter = self._presenter(args, started, background=args.background)
         try:
             cfg = self._config(args)
             return_names = _return_names(args.return_names)
@@ -253,6 +259,9 @@ class DistributedMagics(Magics):
         except BaseException:
             presenter.discard()   # nothing was launched: no view is left behind
             raise
+        if args.background:
+            return self._background(presenter, lambda control: self._execute_background(
+                cfg, payload, presenter, control), label=f"In[{self._cell_number()}]")
         try:
             try:
                 result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
@@ -261,7 +270,47 @@ class DistributedMagics(Magics):
                 presenter.finish()
         finally:
             payload.release()   # also when interrupted before the run started
+        return self._deliver(result)
 
+    def _presenter(self, args, started: float, background: bool = False, note: str = "") -> Presenter:
+        in_kernel = getattr(self.shell, "kernel", None) is not None
+        mode = args.output or self.defaults.get("output", "auto")
+        # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
+        # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
+        # since they save the state of every widget ever opened, closed or not.
+        interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
+        return Presenter(mode, in_kernel, label=f"In{self._cell_number()}", started=started,
+                         launcher_ready=bool(self.launcher.info), interactive=interactive,
+                         background=background, note=note)
+
+    def _execute_background(self, cfg, payload, presenter, control):
+        """In a background run's thread: the run, on a socket of its own."""
+        import zmq
+
+        events = None
+        try:
+            events = self.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
+            return execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
+                           log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events)
+        finally:
+            payload.release()
+            if events is not None:
+                events[0].close(linger=0)
+            presenter.finish()
+
+    def _background(self, presenter, target, label: str, where: str = ""):
+        """Start ``target(control)`` in its own thread; the handle the cell returns."""
+        from accel_magics.kernel_ext.background import BackgroundRun
+
+        from .background_handle import BackgroundCell
+
+        run = BackgroundRun(target, name=label, on_done=lambda run: self._background_runs.discard(run))
+        self._background_runs.add(run)
+        return BackgroundCell(run, label, self._deliver, where)
+
+    def _deliver(self, result):
+        """A finished run's outcome in the notebook: the --return names
+        assigned, rank 0's last expression returned (errors for what could not come)."""
         user_ns = self.shell.user_ns
         user_ns.update(result.returns)
         if result.missing:
@@ -444,14 +493,14 @@ class DistributedMagics(Magics):
             )
         return f"# %%distributed {line}\n{body}"
 
-    def _payload(self, source: str, return_names: list[str]):
+    def _payload(self, source: str, return_names: list[str], defined: frozenset | set = frozenset()):
         count = self._cell_number()
         exclude = set(self.shell.user_ns_hidden) | {"In", "Out", "get_ipython", "exit", "quit"}
         exclude |= {name for name in self.shell.user_ns if _HISTORY_NAME.match(name)}
         try:
             return build_payload(
                 source, self.shell.user_ns, filename=f"<%%distributed In[{count}]>",
-                exclude=exclude, return_names=return_names, code_label=self._cell_label,
+                exclude=exclude, return_names=return_names, code_label=self._cell_label, defined=defined,
             )
         except PayloadError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
@@ -467,4 +516,7 @@ class DistributedMagics(Magics):
 
     def close(self) -> None:
         self.tracker.uninstall()
+        for run in list(self._background_runs):
+            run.stop()
+        self.session = None
         self.launcher.close()

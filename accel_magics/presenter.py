@@ -35,7 +35,8 @@ def widgets_available() -> bool:
 
 class Presenter:
     def __init__(self, mode: str, in_kernel: bool, label: str, started: Optional[float] = None,
-                 launcher_ready: bool = True, interactive: bool = True) -> None:
+                 launcher_ready: bool = True, interactive: bool = True, background: bool = False,
+                 note: str = "") -> None:
         if mode == "auto":
             mode = "widget" if in_kernel and interactive and widgets_available() else "text"
         if mode == "widget" and not in_kernel:
@@ -52,11 +53,20 @@ class Presenter:
             self.view = RunView(log_dir=log_dir, started=started)
             if not launcher_ready:   # the first cell waits for it (torch import): say so at once
                 self.view.note = "starting the launcher (it imports torch, once per kernel)"
-                self.view.refresh(force=True)
+            if note:
+                self.view.note = note
+            self.view.refresh(force=True)
             self.handle = display(self.view.widget, display_id=True)
         else:
             self.live = DisplayLive() if in_kernel else StreamLive()
             self.text = TextView(self.live)
+            if note:
+                self.live.write([f"[accel_magics] {note}"])
+        # A background run: its outputs are made now, in the cell that starts it,
+        # and only updated later (from the run's thread, while other cells run).
+        self.background = background and in_kernel
+        if self.background and self.view is None:
+            self.live.open()
 
     @property
     def excerpt(self):
@@ -84,6 +94,17 @@ class Presenter:
 
     def finish(self) -> None:
         """The run is over (whatever its outcome): leave the record behind."""
+        if self.background:
+            # Replaced in place (display update): a new output now would land
+            # wherever the notebook is executing meanwhile.
+            if self.view is not None:
+                self.view.refresh(force=True)
+                self.handle.update({"text/html": self.view.summary_html(), "text/plain": self.record.render()},
+                                   raw=True)
+                self.view.close()
+            else:
+                self.live.replace(self.record.render())
+            return
         if self.view is not None:
             from IPython.display import display
 

@@ -86,6 +86,18 @@ class DisplayLive:
         if self.handle is not None:
             self.handle.update({"text/plain": ""}, raw=True)
 
+    def open(self) -> None:
+        """Make the display now (a background run: later, other cells run)."""
+        if self.handle is None:
+            from IPython.display import display
+
+            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+
+    def replace(self, text: str) -> None:
+        """The display's final text (a background run's record)."""
+        self.open()
+        self.handle.update({"text/plain": text.rstrip("\n")}, raw=True)
+
 
 class TextView:
     def __init__(self, live=None, progress_interval: float = 1.0) -> None:

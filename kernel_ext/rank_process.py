@@ -208,7 +208,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     idle = [t for t in others if t not in busy]
     out = []
     for title, frames in main:
-        out.append("the cell's thread:")
+        out.append("the cell's thread:" if frames else "the cell's thread: (its code had not started)")
         out.extend(render(frames))
     for title, frames in busy:
         out.append(title.replace("Thread", "thread", 1))

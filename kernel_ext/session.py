@@ -178,6 +178,13 @@ class DistributedSession:
             raise SessionGone(f"the session was lost between cells: {why}")
 
     # -- cells ------------------------------------------------------------------------
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no cell runs (a background one); the stop button ends the wait."""
+        if not self._busy.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._busy.release()
+        return True
+
     def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
         handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
                            pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier)

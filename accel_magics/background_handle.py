@@ -1,0 +1,121 @@
+"""What a ``%%distributed --background`` cell returns: a handle on its run.
+
+The cell's value (``Out[N]``, so ``h = _`` works).  ``h.wait()`` gives what
+the cell would have given in the foreground: rank 0's last expression, the
+``--return`` names assigned in the notebook, or the run's error (root cause,
+stacks) raised in the cell that waits.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Optional
+
+from accel_magics.kernel_ext.background import BackgroundRun
+from accel_magics.kernel_ext.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
+                                            RunInterrupted, SessionLostError)
+
+STOP_WAIT = 30.0   # h.stop(): how long it waits for the run to end (the escalation ends it well before)
+
+
+class BackgroundCell:
+    """A run going on while the notebook is free.  ``done()``, ``wait()``,
+    ``stop()``, ``returns``, ``status``; its repr says where it stands."""
+
+    def __init__(self, run: BackgroundRun, label: str, deliver: Callable, where: str = "") -> None:
+        self._run = run
+        self.label = label
+        self._deliver = deliver   # (result) -> value: assigns the --return names, raises for missing ones
+        self._where = where       # "in the session" or ""
+
+    # -- the user's API ------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the run is over (whatever its outcome)."""
+        return self._run.done()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Wait for the run; rank 0's last expression (its --return names are
+        then assigned in the notebook), or the run's error.  The stop button
+        stops the waiting, not the run (``stop()`` stops the run)."""
+        try:
+            finished = self._run.wait(timeout)
+        except KeyboardInterrupt:
+            print(f"accel_magics: stopped waiting; {self.label} goes on in the background "
+                  "(its handle's .stop() stops it).", file=sys.stderr)
+            raise
+        if not finished:
+            raise TimeoutError(f"{self.label} is still running after {timeout:g}s; .wait() again, or .stop() it.")
+        if self._run.error is not None:
+            raise self._run.error
+        return self._deliver(self._run.result)
+
+    def stop(self) -> None:
+        """Stop the run as the stop button would (stacks, then every rank
+        stopped; a session lives on if its ranks come back) and wait until it
+        has ended."""
+        self._run.stop()
+        deadline = time.monotonic() + STOP_WAIT
+        while not self._run.wait(0.1):
+            if time.monotonic() > deadline:   # the escalation: a second stop kills the ranks
+                self._run.stop()
+                deadline = time.monotonic() + STOP_WAIT
+
+    @property
+    def returns(self) -> dict:
+        """The ``--return`` values (empty until the run succeeded)."""
+        result = self._run.result
+        return dict(result.returns) if result is not None else {}
+
+    @property
+    def result(self):
+        """Rank 0's last expression, None until the run succeeded."""
+        result = self._run.result
+        return result.value if result is not None and result.has_value else None
+
+    @property
+    def status(self) -> str:
+        """running, done, failed, interrupted, timeout, stalled or lost."""
+        if not self._run.done():
+            return "running"
+        error = self._run.error
+        if error is None:
+            return "done"
+        if isinstance(error, SessionLostError):
+            return "lost"
+        if isinstance(error, RunInterrupted):
+            return "interrupted"
+        if isinstance(error, DistributedStallError):
+            return "stalled"
+        if isinstance(error, DistributedTimeoutError):
+            return "timeout"
+        return "failed"
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._run.error
+
+    def __repr__(self) -> str:
+        status = self.status
+        began = self._run.started
+        where = f" {self._where}" if self._where else ""
+        if status == "running":
+            return (f"<background run {self.label}{where}: running for {time.monotonic() - began:.1f}s; "
+                    ".wait() for its result, .stop() to stop it>")
+        took = f"{(self._run.ended or began) - began:.1f}s"
+        if status == "done":
+            value = self.result
+            shown = "" if value is None else f": {_short(repr(value))}"
+            names = f", returned {', '.join(self.returns)}" if self.returns else ""
+            return f"<background run {self.label}{where}: done in {took}{names}{shown}; .wait() assigns and returns>"
+        error = self._run.error
+        summary = str(error).splitlines()[0] if error is not None else ""
+        if isinstance(error, DistributedRunError):
+            summary = f"rank {error.root.rank} failed: {error.root.summary}"
+        return f"<background run {self.label}{where}: {status} after {took}: {_short(summary)}; .wait() raises it>"
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,259 @@
+"""``%distributed_session`` and ``%%distributed --session``: ranks that stay.
+
+A session is opt-in: ``%distributed_session start -n 2`` starts N ranks with
+the torchrun environment that live until ``stop`` (or the kernel ends);
+``%%distributed --session`` cells run on them one at a time, each rank
+keeping its own namespace.  The engine side is ``kernel_ext.session``; this
+module only adapts it to IPython (flags, messages, the view, the handle).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from accel_magics.kernel_ext.payload import _NameCollector, parse
+from accel_magics.kernel_ext.session import DistributedSession, SessionGone
+
+from .magics import LAUNCH_OPTION_NAMES, _parse, _return_names, launch_options
+
+#: Options a session fixes when it starts: a session cell cannot change them.
+SESSION_FIXED = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port", "max_restarts",
+                 "mixed_precision", "rendezvous_timeout", "stall_timeout", "config_file")
+NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
+              "options of %%distributed), then run this cell again. Nothing was launched.")
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _names_read(source: str) -> set:
+    collector = _NameCollector()
+    collector.visit(parse(source, "<cell>"))
+    return set(collector.loaded)
+
+
+def session_cell(magics, args, line: str, cell: str, started: float):
+    """``%%distributed --session``: the cell on the running session's ranks."""
+    session = magics.session
+    if session is None or not session.alive:
+        lost = f" (the last one was lost: {session.lost})" if session is not None and session.lost else ""
+        raise UsageError(NO_SESSION.replace("no session is running", f"no session is running{lost}"))
+    fixed = [f"--{name}" for name in SESSION_FIXED if getattr(args, name, None) is not None]
+    if args.oversubscribe:
+        fixed.append("--oversubscribe")
+    if fixed:
+        raise UsageError(f"{', '.join(fixed)} belong(s) to the session, fixed when it started: "
+                         f"`%distributed_session restart {' '.join(fixed)} ...` starts a fresh one with them "
+                         "(its state is lost). Nothing was run.")
+    return_names = _return_names(args.return_names)
+    if args.timeout is not None:
+        from accel_magics.kernel_ext.environment import ConfigError, _check_seconds
+
+        try:
+            _check_seconds("--timeout", args.timeout)
+        except ConfigError as exc:
+            raise UsageError(f"{exc}\nNothing was run.") from None
+    timeout = args.timeout if args.timeout is not None else session.cfg.timeout
+    busy = session.current
+    if args.background and busy:
+        raise UsageError(f"the session is running {busy} (a session runs one cell at a time): wait for it "
+                         "(its handle's .wait()) or stop it (.stop()), then run this cell again. Nothing was run.")
+    source = magics._source(line, cell)
+    label = f"In[{magics._cell_number()}]"
+    note = f"waiting for {busy} to finish (the session runs one cell at a time)" if busy else ""
+    presenter = magics._presenter(args, started, background=args.background, note=note)
+    try:
+        if busy:   # its turn comes when the running (background) cell ends: the names it set count
+            session.wait_idle()
+        owned = set(session.owned)
+        payload = magics._payload(source, return_names, defined=owned)
+    except BaseException:
+        presenter.discard()
+        raise
+    _say_which_names(magics, source, owned, session)
+
+    def run(control=None):
+        try:
+            return session.run_cell(payload, label, on_event=presenter, heartbeat=0.25, log_dir=presenter.log_dir,
+                                    excerpt=presenter.excerpt, timeout=timeout, control=control)
+        except SessionGone as exc:
+            raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
+        finally:
+            presenter.finish()
+
+    if args.background:
+        return magics._background(presenter, run, label=label, where="in the session")
+    result = run()
+    value = magics._deliver(result)
+    for name in result.returns:
+        magics._returned[name] = id(magics.shell.user_ns.get(name))
+    return value
+
+
+def _say_which_names(magics, source: str, owned: set, session) -> None:
+    """Both the session and the notebook have a name the cell uses: the
+    session's is used (the rule); say so, never silently."""
+    user_ns = magics.shell.user_ns
+    both = sorted(name for name in _names_read(source) & owned
+                  if name in user_ns and not name.startswith("_")
+                  and magics._returned.get(name) != id(user_ns[name]))
+    if both:
+        listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in both)
+        print(f"accel_magics: the session's own {listed} used, not the notebook's. To send the notebook's "
+              f"value instead: `%distributed_session push {' '.join(both)}`.", file=sys.stderr)
+
+
+@magics_class
+class SessionMagics(Magics):
+    """``%distributed_session start|stop|restart|status|push``."""
+
+    def __init__(self, shell, dist) -> None:
+        super().__init__(shell)
+        self.dist = dist   # the DistributedMagics: its launcher, defaults and session
+
+    @magic_arguments()
+    @argument("action", nargs="?", default="status", choices=("start", "stop", "restart", "status", "push"),
+              help="start: N persistent ranks; stop: end them (frees their memory, GPU memory included); "
+                   "restart: stop, then start with the same options (state gone); status: per rank pid, state, "
+                   "memory and the cell it runs; push NAMES: the notebook's values of NAMES replace the "
+                   "session's in the next cells that use them.")
+    @argument("names", nargs="*", help="push: the names.")
+    @launch_options
+    @argument("--oversubscribe", action="store_true",
+              help="Allow more processes than GPUs (or than 4x the CPU cores on a CPU-only machine).")
+    @line_magic
+    def distributed_session(self, line: str):
+        """Keep ranks, and what they hold, across ``%%distributed --session`` cells.
+
+        Example::
+
+            %distributed_session start -n 2
+
+            %%distributed --session
+            from accelerate import Accelerator
+            accelerator = Accelerator()
+            model, optimizer = accelerator.prepare(make_model(), make_optimizer())
+
+            %%distributed --session --return loss
+            loss = train_one_epoch(model, optimizer)
+
+            %distributed_session stop
+        """
+        args = _parse(self.distributed_session, line)
+        if args.names and args.action != "push":
+            raise UsageError(f"unexpected {' '.join(args.names)!r}: only `push` takes names.")
+        return getattr(self, "_" + args.action)(args)
+
+    # -- actions -----------------------------------------------------------------
+    def _given(self, args) -> dict:
+        return {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
+
+    def _start(self, args, given=None):
+        session = self.dist.session
+        if session is not None and session.alive:
+            raise UsageError(f"a session is already running ({len(session.pids)} ranks): "
+                             "`%distributed_session restart` starts a fresh one, `stop` ends it.")
+        given = self._given(args) if given is None else given
+        for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
+                                           "`%distributed_session restart` starts a fresh one"),
+                          ("output", "a cell option: give it on the %%distributed --session cell"),
+                          ("timeout", "a cell option: give it on the %%distributed --session cell")):
+            if given.get(name):
+                raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
+        args_like = _Args(given, getattr(args, "oversubscribe", False))
+        cfg = self.dist._config(args_like)   # its --timeout (a default) is the cells' default
+        self.dist._preflight()
+        started = time.monotonic()
+        session = DistributedSession(self.dist.launcher, cfg, options=given)
+        try:
+            session.start()
+        except KeyboardInterrupt:
+            raise
+        except SessionGone as exc:
+            raise UsageError(f"{exc}. Nothing is left running.") from None
+        self.dist.session = session
+        print(f"accel_magics: session started: {cfg.num_processes} rank(s)"
+              + (f" on node {cfg.node_rank} of {cfg.num_nodes}" if cfg.num_nodes > 1 else "")
+              + f", world size {cfg.world_size}, in {time.monotonic() - started:.2f}s. "
+              "Run cells on it with %%distributed --session.")
+
+    def _stop(self, args, quiet: bool = False):
+        session = self.dist.session
+        if session is None or not session.alive:
+            if not quiet:
+                print("accel_magics: no session is running.")
+            return
+        for run in list(self.dist._background_runs):   # its background cell first
+            run.stop()
+        for run in list(self.dist._background_runs):
+            run.wait(30)
+        started = time.monotonic()
+        session.stop()
+        if not quiet:
+            print(f"accel_magics: session stopped ({session.cells_run} cell(s) run); its ranks are gone "
+                  f"({time.monotonic() - started:.2f}s).")
+
+    def _restart(self, args):
+        session = self.dist.session
+        given = dict(session.options) if session is not None else {}
+        given.update(self._given(args))
+        self._stop(args, quiet=True)
+        self._start(args, given)
+
+    def _status(self, args):
+        session = self.dist.session
+        if session is None:
+            print("accel_magics: no session (start one with `%distributed_session start -n 2`).")
+            return
+        try:
+            if session.current is None:
+                session.check()
+        except SessionGone as exc:
+            print(f"accel_magics: {exc}. `%distributed_session restart` starts a new one.")
+            return
+        if not session.alive:
+            print(f"accel_magics: the session was lost: {session.lost}. `%distributed_session restart` starts a "
+                  "new one.")
+            return
+        rows = session.status()
+        cfg = session.cfg
+        print(f"session: {len(rows)} rank(s), world size {cfg.world_size}, {session.cells_run} cell(s) run, "
+              f"{session.current + ' running' if session.current else 'idle'}; "
+              f"{len(session.owned)} name(s) of its own")
+        print(f"{'rank':>4}  {'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")
+        for row in rows:
+            print(f"{row['rank']:>4}  {row['pid']:>7}  {row['state']:<9} {_fmt_bytes(row['rss']):>9}  "
+                  f"{_fmt_bytes(row['gpu']):>9}  {row['cell'] or '-'}")
+
+    def _push(self, args):
+        session = self.dist.session
+        if session is None or not session.alive:
+            raise UsageError(NO_SESSION)
+        if not args.names:
+            raise UsageError("push needs the names to send: `%distributed_session push lr epochs`.")
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"{', '.join(missing)} not defined in the notebook: nothing to push.")
+        session.push_names(args.names)
+        print(f"accel_magics: {', '.join(args.names)} now come(s) from the notebook: the next session cell that "
+              "uses them gets the notebook's value.")
+
+
+class _Args:
+    """The launch options as DistributedMagics._config reads them off parsed flags."""
+
+    def __init__(self, given: dict, oversubscribe: bool) -> None:
+        for name in LAUNCH_OPTION_NAMES:
+            setattr(self, name, given.get(name))
+        self.oversubscribe = oversubscribe

@@ -1,0 +1,380 @@
+"""Sessions and background runs (issue 15), in real kernels with real ranks (gloo).
+
+A session keeps its ranks and their namespaces across ``%%distributed
+--session`` cells; a background cell returns a handle at once.  Everything
+one-shot cells guarantee (root cause, stop button, --timeout with stacks, no
+orphans) must hold here too.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import time
+
+import pytest
+
+from cases import alive
+from kernel_harness import descendants, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+START = "%distributed_session start -n 2"
+
+
+def by_rank(text: str) -> dict[int, list[str]]:
+    """``[rank N] line`` output (the text view's record) split per rank."""
+    ranks = collections.defaultdict(list)
+    for line in text.splitlines():
+        m = re.match(r"\[rank (\d+)\] (.*)$", line)
+        if m:
+            ranks[int(m.group(1))].append(m.group(2))
+    return dict(ranks)
+
+
+def session_pids(k) -> set[int]:
+    """The session's processes: its ranks (from ``%distributed_session status``)
+    and their parent, the session's supervisor."""
+    status = k.ok("%distributed_session status").stdout
+    ranks = {int(m.group(1)) for m in re.finditer(r"^\s+\d+\s+(\d+)\s", status, re.M)}
+    assert len(ranks) == 2, status
+    with open(f"/proc/{next(iter(ranks))}/stat") as f:
+        supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
+    return ranks | {supervisor}
+
+
+@pytest.fixture
+def session(kernel):
+    """The module's kernel with a 2-rank session; stopped (and checked for leaks) after."""
+    kernel.ok(START)
+    yield kernel
+    kernel.run("%distributed_session stop", timeout=60)
+    kernel.assert_no_leaks()
+
+
+def cell(k, body: str, flags: str = "", timeout: float = 60):
+    return k.run(f"%%distributed --session --output text {flags}\n{body}", timeout=timeout)
+
+
+def ok_cell(k, body: str, flags: str = "", timeout: float = 60):
+    res = cell(k, body, flags, timeout)
+    assert res.status == "ok", res.error_text + res.stderr
+    return res
+
+
+ACCELERATE_SETUP = '''
+import torch
+
+def make_data(n=512, seed=0):
+    """Two Gaussian blobs in 8 dimensions: a linear model learns them in a few epochs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+'''
+
+ACCELERATE_BUILD = '''
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+accelerator = Accelerator()
+set_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+train = torch.utils.data.DataLoader(make_data(), batch_size=32, shuffle=True)
+test = torch.utils.data.DataLoader(make_data(256, seed=1), batch_size=64)
+model, optimizer, train, test = accelerator.prepare(model, optimizer, train, test)
+
+def evaluate():
+    model.eval()
+    right = total = 0
+    with torch.no_grad():
+        for x, y in test:
+            pred = model(x).argmax(-1)
+            pred, y = accelerator.gather_for_metrics((pred, y))
+            right += (pred == y).sum().item()
+            total += len(y)
+    model.train()
+    return right / total
+
+def epoch():
+    for x, y in train:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+
+print("state", accelerator.state.distributed_type, accelerator.num_processes, id(model))
+acc = evaluate()
+print("acc", acc)
+'''
+
+
+def test_state_lives_across_cells_with_accelerate(session):
+    k = session
+    k.ok(ACCELERATE_SETUP)
+    first = by_rank(ok_cell(k, ACCELERATE_BUILD, timeout=120).stdout)
+    second = by_rank(ok_cell(k, "epoch()\nprint('acc', evaluate(), id(model))").stdout)
+    third = by_rank(ok_cell(k, "epoch()\nprint('acc', evaluate(), id(model))").stdout)
+    for rank in (0, 1):
+        state = first[rank][0].split()
+        assert state[1:3] == ["DistributedType.MULTI_CPU", "2"], first
+        model_id = state[3]
+        accs = [float(first[rank][1].split()[1]), float(second[rank][0].split()[1]), float(third[rank][0].split()[1])]
+        assert second[rank][0].split()[2] == third[rank][0].split()[2] == model_id, "not the same model object"
+        assert accs[0] < accs[1] <= accs[2] and accs[2] > accs[0] + 0.2, accs
+    # Both ranks see the same (gathered) accuracy: one model, trained by DDP.
+    assert first[0][1] == first[1][1] and third[0][0].split()[1] == third[1][0].split()[1]
+
+
+def test_a_session_name_wins_and_says_so_a_kernel_name_is_sent_fresh(session):
+    k = session
+    k.ok("lr = 0.5\nscale = 2\ndef scaled(v):\n    return v * scale")
+    ok_cell(k, "lr = 0.1   # the session's own lr from now on")
+    k.ok("lr = 0.9\nscale = 3")
+    res = ok_cell(k, "print(lr, scaled(1))")
+    # lr: the session's (and the cell says so); scale: the kernel's, as it is now.
+    assert by_rank(res.stdout) == {0: ["0.1 3"], 1: ["0.1 3"]}, res.stdout
+    assert "the session's own `lr`" in res.stderr and "push lr" in res.stderr, res.stderr
+    # A notebook function that reads a session name finds the session's value.
+    k.ok("def show_lr():\n    return lr")
+    assert by_rank(ok_cell(k, "print(show_lr())").stdout)[1] == ["0.1"]
+    # push: the notebook's value replaces the session's.
+    k.ok("%distributed_session push lr")
+    res = ok_cell(k, "print(lr)")
+    assert by_rank(res.stdout)[0] == ["0.9"] and "session's own" not in res.stderr
+    # A --return value is the notebook's copy of the session's: no note for it.
+    ok_cell(k, "counter = 41", flags="--return counter")
+    res = ok_cell(k, "print(counter + 1)")
+    assert by_rank(res.stdout)[0] == ["42"] and "session's own" not in res.stderr, res.stderr
+
+
+def test_a_failure_with_no_collective_pending_keeps_the_session(session):
+    k = session
+    ok_cell(k, "import os\nrank = int(os.environ['RANK'])\ncounter = 10 + rank")
+    res = cell(k, "counter += 1\nif rank == 1:\n    raise ValueError('bad batch')")
+    assert res.status == "error"
+    assert res.error["evalue"].startswith("rank 1 failed: ValueError: bad batch"), res.error_text
+    assert "The session lives on" in res.error_text
+    assert by_rank(ok_cell(k, "print(counter)").stdout) == {0: ["11"], 1: ["12"]}
+
+
+def test_a_failure_while_a_peer_waits_in_a_collective_loses_the_session_and_restart_works(session):
+    k = session
+    ok_cell(k, "import os, torch, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
+               "dist.init_process_group('gloo')")
+    pids = session_pids(k)
+    started = time.monotonic()
+    res = cell(k, "if rank == 1:\n    raise ValueError('rank 1 broke')\nt = torch.ones(1)\ndist.all_reduce(t)")
+    took = time.monotonic() - started
+    assert res.status == "error" and res.error["ename"] == "SessionLostError", res.error_text
+    assert re.search(r"session lost: rank 0 was in all_reduce \(In\[\d+\] line 5\) waiting for rank 1, which "
+                     "failed", res.error["evalue"]), res.error["evalue"]
+    assert "%distributed_session restart" in res.error["evalue"]
+    assert "ValueError: rank 1 broke" in res.error_text and "--- rank 1 traceback (root cause) ---" in res.error_text
+    assert took < 10, took
+    wait_until(lambda: not alive(pids), 10, "the lost session's processes to exit")
+    res = cell(k, "print('still here?')")
+    assert res.status == "error" and "no session is running (the last one was lost" in res.error["evalue"]
+    k.ok("%distributed_session restart")
+    res = ok_cell(k, "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                     "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'rank' in dir())")
+    assert by_rank(res.stdout) == {0: ["2.0 False"], 1: ["2.0 False"]}, res.stdout   # fresh: old names gone
+
+
+LOOP = ("import time, torch\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.zeros(4, requires_grad=True)\nsteps = 0\n")
+TRAIN_FOREVER = ("opt = torch.optim.SGD([w], lr=0.01)\nprint('training', flush=True)\n"
+                 "while True:\n    opt.zero_grad()\n    ((w - 1) ** 2).sum().backward()\n    opt.step()\n"
+                 "    steps += 1\n    time.sleep(0.001)\n")
+
+
+def test_stop_during_a_python_training_loop_keeps_the_session_and_its_state(session):
+    k = session
+    ok_cell(k, LOOP)
+
+    def on_output(text, fired=[]):
+        if text.count("training") >= 2 and not fired:
+            fired.append(True)
+            k.interrupt()
+    # The live view shows lines as they come; the record comes at the end.
+    started = time.monotonic()
+    res = k.run("%%distributed --session --output text\n" + TRAIN_FOREVER, timeout=60,
+                on_output=lambda t: on_output(t))
+    if res.status == "ok" or "training" not in "".join(res.live) + res.stdout:
+        pytest.fail(f"the loop did not run: {res.stdout} {res.error_text}")
+    assert res.error["ename"] == "RunInterrupted", res.error_text
+    assert "The session lives on" in res.error_text and time.monotonic() - started < 20
+    assert "while True" in res.error_text or "time.sleep" in res.error_text, res.error_text   # where each was
+    after = by_rank(ok_cell(k, "print(steps > 0, round(w.sum().item(), 3) > 0)").stdout)
+    assert after == {0: ["True True"], 1: ["True True"]}, after
+
+
+def test_stop_during_a_blocked_collective_ends_the_session_within_seconds(session):
+    k = session
+    ok_cell(k, "import os, time, torch, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
+               "dist.init_process_group('gloo')")
+    pids = session_pids(k)
+
+    def on_output(text, fired=[]):
+        if "waiting" in text and not fired:
+            fired.append(True)
+            k.interrupt()
+    started = time.monotonic()
+    res = k.run("%%distributed --session --output text\nprint('waiting', flush=True)\nif rank == 0:\n"
+                "    dist.barrier()\nelse:\n    time.sleep(3600)\n", timeout=60, on_output=on_output)
+    took = time.monotonic() - started
+    assert res.error["ename"] == "SessionLostError", res.error_text
+    assert "rank 0 was in barrier" in res.error["evalue"] and "did not come back from the stop" in \
+        res.error["evalue"], res.error["evalue"]
+    assert took < 15, took
+    wait_until(lambda: not alive(pids), 10, "the session's processes to exit")
+
+
+def test_a_session_timeout_keeps_the_session_and_shows_each_ranks_stack(session):
+    k = session
+    ok_cell(k, "kept = 'yes'")
+    res = cell(k, "import time\ndef slow_step():\n    time.sleep(600)\nslow_step()", flags="--timeout 2")
+    assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert "slow_step" in res.error_text and "rank 1:" in res.error_text and "The session lives on" in res.error_text
+    assert by_rank(ok_cell(k, "print(kept)").stdout) == {0: ["yes"], 1: ["yes"]}
+
+
+def test_bad_session_use_is_a_usage_error_and_changes_nothing(kernel):
+    res = kernel.run("%%distributed --session\nprint(1)")
+    assert res.error["ename"] == "UsageError" and "%distributed_session start" in res.error["evalue"]
+    for line, words in (("%distributed_session start -n 2 --max_restarts 2", "never restarted by itself"),
+                        ("%distributed_session start -n 2 --timeout 5", "a cell option"),
+                        ("%distributed_session stop x", "only `push` takes names"),
+                        ("%distributed_session frobnicate", "invalid choice")):
+        res = kernel.run(line)
+        assert res.status == "error" and words in res.error_text, (line, res.error_text)
+    kernel.ok(START)
+    try:
+        res = kernel.run(START)
+        assert res.error["ename"] == "UsageError" and "already running" in res.error["evalue"]
+        res = kernel.run("%%distributed --session -n 4\npass")
+        assert "belong(s) to the session" in res.error["evalue"] and "restart" in res.error["evalue"]
+        res = kernel.run("%%distributed --session\nprint(undefined_anywhere)")
+        assert "is not defined" in res.error["evalue"]
+        assert by_rank(ok_cell(kernel, "print('fine')").stdout) == {0: ["fine"], 1: ["fine"]}
+        status = kernel.ok("%distributed_session status").stdout
+        assert re.search(r"^\s+0\s+\d+\s+sleeping", status, re.M) and "idle" in status, status
+    finally:
+        kernel.ok("%distributed_session stop")
+    kernel.assert_no_leaks()
+
+
+# -- background runs ------------------------------------------------------------------
+
+def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_kernel):
+    k = clean_kernel
+    started = time.monotonic()
+    res = k.ok("%%distributed -n 2 --background --output text --return total\n"
+               "import time, torch, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\ntime.sleep(6)\n"
+               "t = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()\n'value of rank 0'")
+    returned = time.monotonic() - started
+    assert returned < 1.0, returned
+    assert "<background run In[" in res.result and "running" in res.result
+    k.ok("h = _")
+    assert k.ok("2 + 2").result == "4"                 # ordinary cells run meanwhile
+    assert k.ok("h.done(), h.status").result == "(False, 'running')"
+    assert k.ok("h.wait()").result == "'value of rank 0'"
+    assert time.monotonic() - started >= 6
+    assert k.ok("total, h.returns, h.status").result == "(2.0, {'total': 2.0}, 'done')"
+    assert "done in" in k.ok("h").result
+
+
+def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text\nimport os, time\n"
+         "if os.environ['RANK'] == '1':\n    raise KeyError('missing column')\ntime.sleep(30)")
+    k.ok("h = _")
+    res = k.run("h.wait(timeout=30)")
+    assert res.error["ename"] == "DistributedRunError", res.error_text
+    assert res.error["evalue"].startswith("rank 1 failed: KeyError: 'missing column'")
+    assert "--- rank 1 traceback (root cause) ---" in res.error_text
+    assert k.ok("h.status").result == "'failed'" and "failed after" in k.ok("h").result
+
+
+def test_stop_ends_a_background_run(clean_kernel, tmp_path):
+    k = clean_kernel
+    up = tmp_path / "up"
+    k.ok(f"%%distributed -n 2 --background --output text\nimport os, time\nopen('{up}' + os.environ['RANK'], 'w')"
+         "\ntime.sleep(600)")
+    k.ok("h = _")
+    wait_until(lambda: os.path.exists(f"{up}0") and os.path.exists(f"{up}1"), 30, "both ranks to be in the cell")
+    started = time.monotonic()
+    k.ok("h.stop()", timeout=30)
+    assert time.monotonic() - started < 15
+    assert k.ok("h.status").result == "'interrupted'"
+    res = k.run("h.wait()")
+    assert res.error["ename"] == "RunInterrupted" and "time.sleep(600)" in res.error_text, res.error_text
+
+
+def test_a_session_cell_sent_while_a_background_one_runs_waits_its_turn(session):
+    k = session
+    k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(2)\norder = ['first']")
+    k.ok("h = _")
+    res = k.run("%%distributed --session --background\npass")
+    assert res.error["ename"] == "UsageError" and "one cell at a time" in res.error["evalue"]
+    res = ok_cell(k, "order.append('second')\nprint(order)")
+    assert "waiting for In[" in "".join(res.live) + res.stdout
+    assert by_rank(res.stdout)[0] == ["['first', 'second']"]
+    assert k.ok("h.status").result == "'done'"
+
+
+def test_nothing_is_left_after_the_kernel_shuts_down_with_a_session_and_a_background_run():
+    from conftest import LoadedKernel
+
+    for how in ("shutdown", "kill"):
+        k = LoadedKernel()
+        try:
+            k.ok(START)
+            k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(600)")
+            k.ok("%%distributed -n 2 --background --output text\nimport time\ntime.sleep(600)")
+            # The launcher, the session's supervisor and ranks, the background run's.
+            wait_until(lambda: len(descendants(k.pid)) >= 7, 30, "both runs to start")
+            tree = descendants(k.pid)
+            k.kc.stop_channels()
+            k.km.shutdown_kernel(now=how == "kill")
+            wait_until(lambda: not alive(tree), 15, f"every process to end after a kernel {how}")
+            assert not [d for d in os.listdir(k.tmpdir) if d.startswith("accel_magics-")]
+        finally:
+            import shutil
+            shutil.rmtree(k.tmpdir, ignore_errors=True)
+
+
+def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
+    """No orphans, ports, fds or shared memory after 50 mixed session cells and a stop."""
+    from cases import memfds
+    k = kernel
+    fds_before = len(os.listdir(f"/proc/{k.pid}/fd"))
+    k.ok(START)
+    k.ok("import numpy as np\nbig = np.ones(2_000_000)")   # 16 MB: shipped through shared memory
+    ok_cell(k, "import os\nrank = int(os.environ['RANK'])\nn = 0")
+    for i in range(50):
+        kind = i % 5
+        if kind == 0:
+            ok_cell(k, "n += 1\nprint(n)")
+        elif kind == 1:
+            res = cell(k, "n += 1\nif rank == 1:\n    raise RuntimeError('x')")
+            assert "The session lives on" in res.error_text, res.error_text
+        elif kind == 2:
+            ok_cell(k, "n += 1\ntotal = float(big.sum())", flags="--return total")
+        elif kind == 3:
+            res = cell(k, "n += 1\nimport time\ntime.sleep(30)", flags="--timeout 0.5")
+            assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+        else:
+            k.ok("%%distributed --session --background --output text\nn += 1")
+            k.ok("_.wait()")
+    assert by_rank(ok_cell(k, "print(n)").stdout) == {0: ["50"], 1: ["50"]}
+    assert memfds(k.pid) == 0
+    k.ok("%distributed_session stop")
+    k.assert_no_leaks()
+    # ipykernel closes the iopub pipe of each thread that published (a background
+    # run's) every 10 s once the thread is gone.
+    wait_until(lambda: len(os.listdir(f"/proc/{k.pid}/fd")) <= fds_before + 2, 25,
+               "the kernel's fds to come back to what they were")
+    assert not [p for p in os.listdir("/dev/shm") if "accel" in p or "torch" in p]
