@@ -167,7 +167,7 @@ def loaded_kernel(env=None) -> KernelSession:
     return k
 
 
-SECTIONS = ("first", "empty", "training", "globals", "scale", "output", "ddp")
+SECTIONS = ("first", "empty", "session", "training", "globals", "scale", "output", "ddp")
 
 
 def main() -> None:
@@ -244,6 +244,32 @@ def _main() -> None:
             mt = statistics.median(tail)
             row(f"empty cell tail over {tail_runs} runs", f"median {mt * 1000:.1f} ms, max {max(tail) * 1000:.1f} ms",
                 "-", f"max/median {max(tail) / mt:.1f}", "none > 3x median", max(tail) <= 3 * mt)
+
+        if want("session"):
+            # 8. A trivial cell on persistent ranks: a session cell vs ipyparallel's
+            # %%px on 2 engines that stay up (its cluster started once, as a user does).
+            ours.ok("%distributed_session start -n 2")
+            px = KernelSession(extra_env={"PYTHONUNBUFFERED": "1"})
+            try:
+                px.ok("import ipyparallel as ipp\ncluster = ipp.Cluster(n=2, log_level=40)\n"
+                      "rc = cluster.start_and_connect_sync(activate=True)\nrc.wait_for_engines(2, timeout=120)",
+                      timeout=300)
+                a_code, b_code = "%%distributed --session --output text\npass\n", "%%px\npass\n"
+                for _ in range(3):
+                    timed(ours, a_code), timed(px, b_code)
+                a, b = [], []
+                for _ in range(max(reps, 20)):
+                    a.append(timed(ours, a_code))
+                    b.append(timed(px, b_code))
+                ma, mb = statistics.median(a), statistics.median(b)
+                row("trivial session cell, 2 persistent ranks", median_ms(a), f"ipyparallel %%px, 2 engines "
+                    f"{median_ms(b)}", f"{ma / mb:.2f}x", "<= 1.0x (no slower)", ma / mb <= 1.0)
+            finally:
+                try:
+                    px.ok("cluster.stop_cluster_sync()", timeout=120)
+                finally:
+                    px.shutdown()
+                ours.ok("%distributed_session stop")
 
         if want("training"):
             # 3. The Accelerate training cell, A/B.

@@ -39,6 +39,7 @@ from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_
                          Supervisor)
 
 RECALL_WAIT = 3.0     # after SIGINT, how long the ranks get to be back at their prompt
+FORCE_AFTER = 2.0     # ... and when those still out get a second SIGINT (raise now: see worker._after_optimizer_step)
 READY_WAIT = 120.0    # how long the ranks get to set up (import what the environment needs)
 
 
@@ -64,6 +65,8 @@ class SessionSupervisor(Supervisor):
         self.lost: Optional[str] = None        # why the session cannot go on
         self.stop_id: Optional[str] = None
         self.recall_at: Optional[float] = None
+        self.force_at: Optional[float] = None
+        self.verdict_at: Optional[float] = None
         self.cell_sources: dict = {}           # every cell's source by filename (stacks show them)
         self.verifier = wire.signed_session(self.session.key)
         self.cells = self.ctx.socket(zmq.PULL)
@@ -186,7 +189,7 @@ class SessionSupervisor(Supervisor):
         self.started = time.time()
         self.stopping = None
         self.first_failure = None
-        self.stack_deadline = self.kill_deadline = self.recall_at = None
+        self.stack_deadline = self.kill_deadline = self.recall_at = self.force_at = self.verdict_at = None
         self.timeout_deadline = time.monotonic() + content["timeout"] if content.get("timeout") else None
         stall = self.spec.get("stall_timeout")
         self.stall_check = time.monotonic() + STALL_CHECK if stall else None
@@ -347,6 +350,7 @@ class SessionSupervisor(Supervisor):
             if r.in_cell:
                 self._sigint(r)
         self.recall_at = time.monotonic() + RECALL_WAIT
+        self.force_at = time.monotonic() + FORCE_AFTER
 
     def _sigint(self, r: RankProcess) -> None:
         r.signalled = True
@@ -357,9 +361,10 @@ class SessionSupervisor(Supervisor):
 
     def _next_timeout(self) -> Optional[float]:
         due = super()._next_timeout()
-        if self.recall_at is not None:
-            left = max(0.0, self.recall_at - time.monotonic())
-            due = left if due is None else min(due, left)
+        for at in (self.recall_at, self.force_at, self.verdict_at):
+            if at is not None:
+                left = max(0.0, at - time.monotonic())
+                due = left if due is None else min(due, left)
         return due
 
     def _on_time(self) -> None:
@@ -375,8 +380,21 @@ class SessionSupervisor(Supervisor):
             if dumped or now >= self.stack_deadline:
                 self.stack_deadline = None
                 self._interrupt_cell()
+        if self.force_at is not None and now >= self.force_at:
+            self.force_at = None
+            for r in self._out():
+                if r.in_cell:
+                    self._sigint(r)
         if self.recall_at is not None and now >= self.recall_at:
             self.recall_at = None
+            if self._out():   # where they are now (not at the stop): a fresh dump, then the verdict
+                for r in self._out():
+                    if r.in_cell:
+                        r.stack = bytearray()
+                        r.signal(signal.SIGUSR1)
+                self.verdict_at = now + 3 * STACK_QUIET
+        if self.verdict_at is not None and now >= self.verdict_at:
+            self.verdict_at = None
             if self._out():
                 self._lose(self._describe_stuck())
         if self.kill_deadline is not None and now >= self.kill_deadline:
@@ -456,12 +474,13 @@ class SessionSupervisor(Supervisor):
                 if r.stack or r.native:
                     self._send_stack(r)
         self.logs.close()
+        self.logs = RankLogs("")   # what a thread of a rank prints between cells goes nowhere
         self._send({"kind": "finished", "reason": self.stopping, "session": "alive",
                     "elapsed": time.time() - self.started})
         self.cell = None
         self.spec["run_id"] = self.session_id
         self.spec["payload"] = None
         self.stopping = None
-        self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = None
+        self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = self.force_at = self.verdict_at = None
         for r in self.ranks:
             r.stack, r.native, r.reported_stack = bytearray(), "", False

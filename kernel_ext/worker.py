@@ -414,6 +414,21 @@ _in_cell = False
 _cell_begun = False
 _interrupt_pending = False
 
+# The stop in a session's training loop.  DDP ranks meet in an all-reduce every
+# step; a KeyboardInterrupt that lands on one rank before the step's
+# all-reduce, while its peer already waits in it, leaves the peer stuck for
+# good.  So in a rank of a world of several ranks (a process group is up),
+# the first SIGINT asks for a stop at an optimizer step every rank agrees on
+# (the first rank to get there proposes its step + 2 in the process group's
+# store, the others read it; DDP ranks are at most one step apart), raised
+# right after that step.  A second SIGINT (the supervisor sends one when a
+# rank is not back soon: no optimizer steps) raises at once.
+_cell_id = ""
+_steps = 0                  # optimizer steps in this cell
+_stop_wanted = False        # a stop was asked for, at the agreed step
+_stop_step: Optional[int] = None
+_step_hook = None
+
 
 def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) -> tuple[dict, int]:
     """Run one cell in ``ns``: (the event that reports it, the exit code a
@@ -497,13 +512,60 @@ def _execute(spec: dict, local_rank: int) -> int:
 
 def _on_session_sigint(signum, frame) -> None:
     """A session rank's SIGINT (the stop button): KeyboardInterrupt in the
-    cell's code, kept for it if the code has not begun; at the prompt
+    cell's code (at an agreed optimizer step in a world of several ranks, see
+    _after_optimizer_step), kept for it if the code has not begun; at the prompt
     (between cells) it is ignored."""
-    global _interrupt_pending
+    global _interrupt_pending, _stop_wanted
     if _in_cell:
-        raise KeyboardInterrupt
+        if _stop_wanted or not _training():
+            raise KeyboardInterrupt
+        _stop_wanted = True
+        return
     if _cell_begun:
         _interrupt_pending = True
+
+
+def _world_store():
+    """The default process group's store when several ranks train together, else None."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _training() -> bool:
+    return _world_store() is not None
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """torch's global optimizer step hook: count steps; stop at the agreed one."""
+    global _steps, _stop_step
+    _steps += 1
+    if not (_stop_wanted and _in_cell):
+        return
+    if _stop_step is None:
+        store = _world_store()
+        try:
+            agreed = store.compare_set(f"accel_magics/stop/{_cell_id}", "", str(_steps + 2)) if store else b""
+            _stop_step = int(agreed) if agreed else _steps
+        except Exception:
+            _stop_step = _steps
+    if _steps >= _stop_step:
+        raise KeyboardInterrupt(f"stopped after optimizer step {_steps} of this cell (the same step on every rank)")
+
+
+def _install_step_hook() -> None:
+    global _step_hook
+    if _step_hook is None and "torch" in sys.modules:
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
+        except Exception:   # an old torch: the stop raises at once, as in any cell
+            _step_hook = False
 
 
 def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
@@ -514,16 +576,19 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
     its prompt.  EOF (the session is stopped, or its supervisor is gone)
     ends the rank.
     """
-    global _cell_begun, _interrupt_pending
+    global _cell_begun, _interrupt_pending, _cell_id, _steps, _stop_wanted, _stop_step
     main = _enter_rank(spec, local_rank)
     signal.signal(signal.SIGINT, _on_session_sigint)
+    _install_step_hook()
     emit({"kind": "session_ready"})
     while True:
         frame = wire.read_frame(go_fd)
         if frame is None:
             return 0
         _interrupt_pending, _cell_begun = False, True
+        _steps, _stop_wanted, _stop_step = 0, False, None
         cell = pickle.loads(frame)
+        _cell_id = cell["run_id"]
         emit({"kind": "cell_started", "cell": cell["run_id"]})
         event, _ = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
         event["cell"] = cell["run_id"]

@@ -280,11 +280,101 @@ def multi_node():
     ]
 
 
+SESSION_DATA = '''import torch
+
+def make_data(n, seed):
+    """Two classes in 8 dimensions, synthetic (no downloads)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return torch.utils.data.TensorDataset(x, y)'''
+
+SESSION_BUILD = '''%%distributed --session --output text
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+accelerator = Accelerator()
+set_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+train = torch.utils.data.DataLoader(make_data(512, seed=0), batch_size=32, shuffle=True)
+test = torch.utils.data.DataLoader(make_data(256, seed=1), batch_size=64)
+model, optimizer, train, test = accelerator.prepare(model, optimizer, train, test)
+
+def evaluate():
+    model.eval()
+    right = total = 0
+    with torch.no_grad():
+        for x, y in test:
+            pred, y = accelerator.gather_for_metrics((model(x).argmax(-1), y))
+            right += (pred == y).sum().item()
+            total += len(y)
+    model.train()
+    return right / total
+
+def train_epoch():
+    for x, y in train:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+
+accelerator.print(f"{accelerator.num_processes} processes, {accelerator.distributed_type}")
+accelerator.print(f"before training: accuracy {evaluate():.2f}")'''
+
+
+def sessions():
+    return [
+        new_markdown_cell(
+            "# Sessions: ranks that keep their state across cells
+
+"
+            "`%distributed_session start` starts persistent ranks; `%%distributed --session` cells run on them, "
+            "and what one cell builds (the model, the optimizer, `Accelerator()`) is there in the next."
+        ),
+        new_code_cell("%load_ext accel_magics"),
+        new_code_cell("%distributed_session start -n 2"),
+        new_markdown_cell("The data comes from the notebook, as for any cell."),
+        new_code_cell(SESSION_DATA),
+        new_markdown_cell("Build once: the model, its optimizer and the data loaders, prepared by Accelerate."),
+        new_code_cell(SESSION_BUILD),
+        new_markdown_cell("Train an epoch, look, train on: the same model each time."),
+        new_code_cell("%%distributed --session --output text
+train_epoch()
+"
+                      "accelerator.print(f\"after epoch 1: accuracy {evaluate():.2f}\")"),
+        new_code_cell("%%distributed --session --output text --return acc
+"
+                      "for group in optimizer.param_groups:\n    group[\"lr\"] = 0.1\n"
+                      "train_epoch()
+acc = evaluate()
+accelerator.print(f\"after epoch 2: accuracy {acc:.2f}\")"),
+        new_code_cell("round(acc, 2)"),
+        new_markdown_cell(
+            "A rank that raises fails the cell with its own traceback; every rank is back at its prompt, so "
+            "the session and its state live on."
+        ),
+        new_code_cell("%%distributed --session --output text
+if accelerator.process_index == 1:
+"
+                      "    raise ValueError(\"a bad batch on rank 1\")",
+                      metadata={"tags": ["raises-exception"]}),
+        new_code_cell("%%distributed --session --output text
+"
+                      "accelerator.print(f\"still trained: accuracy {evaluate():.2f}\")"),
+        new_markdown_cell(
+            "`%distributed_session stop` ends the ranks and frees their memory (GPU memory included)."
+        ),
+        new_code_cell("%distributed_session stop"),
+    ]
+
+
 NOTEBOOKS = {
     "quickstart.ipynb": quickstart,
     "accelerate_tutorial.ipynb": accelerate_tutorial,
     "failures_and_interrupts.ipynb": failures_and_interrupts,
     "multi_node.ipynb": multi_node,
+    "sessions.ipynb": sessions,
 }
 
 

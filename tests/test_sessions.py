@@ -32,12 +32,17 @@ def by_rank(text: str) -> dict[int, list[str]]:
     return dict(ranks)
 
 
-def session_pids(k) -> set[int]:
-    """The session's processes: its ranks (from ``%distributed_session status``)
-    and their parent, the session's supervisor."""
+def rank_pids(k) -> dict[int, int]:
+    """rank -> pid, from ``%distributed_session status``."""
     status = k.ok("%distributed_session status").stdout
-    ranks = {int(m.group(1)) for m in re.finditer(r"^\s+\d+\s+(\d+)\s", status, re.M)}
+    ranks = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"^\s+(\d+)\s+(\d+)\s", status, re.M)}
     assert len(ranks) == 2, status
+    return ranks
+
+
+def session_pids(k) -> set[int]:
+    """The session's processes: its ranks and their parent, the session's supervisor."""
+    ranks = set(rank_pids(k).values())
     with open(f"/proc/{next(iter(ranks))}/stat") as f:
         supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
     return ranks | {supervisor}
@@ -378,3 +383,116 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
     wait_until(lambda: len(os.listdir(f"/proc/{k.pid}/fd")) <= fds_before + 2, 25,
                "the kernel's fds to come back to what they were")
     assert not [p for p in os.listdir("/dev/shm") if "accel" in p or "torch" in p]
+
+
+def test_one_shot_cells_run_beside_a_session_and_leave_it_alone(session):
+    k = session
+    ok_cell(k, "import os\nmine = 'session ' + os.environ['RANK']")
+    res = k.ok("%%distributed -n 2 --output text\nimport os\nprint('one-shot', os.environ['RANK'])")
+    assert by_rank(res.stdout) == {0: ["one-shot 0"], 1: ["one-shot 1"]}
+    k.ok("%%distributed -n 2 --background --output text\nimport time\ntime.sleep(1)")
+    k.ok("h = _")
+    assert by_rank(ok_cell(k, "print(mine)").stdout) == {0: ["session 0"], 1: ["session 1"]}
+    k.ok("h.wait()")
+
+
+def test_sys_exit_in_a_session_cell_is_the_cells_outcome_not_the_ranks_end(session):
+    k = session
+    ok_cell(k, "import sys\nkept = 1\nsys.exit(0)")
+    res = cell(k, "import sys\nsys.exit(3)")
+    assert re.match(r"rank [01] failed: SystemExit: sys.exit\(3\)", res.error["evalue"]), res.error_text
+    assert "The session lives on" in res.error_text
+    assert by_rank(ok_cell(k, "print(kept)").stdout) == {0: ["1"], 1: ["1"]}
+
+
+def test_a_rank_killed_during_a_cell_or_between_cells_ends_the_session(kernel):
+    k = kernel
+    for when in ("during", "between"):
+        k.ok(START)
+        pids = session_pids(k)
+        ok_cell(k, "import os\nrank = int(os.environ['RANK'])")
+        if when == "during":
+            res = cell(k, "import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                          "time.sleep(60)")
+            assert res.error["ename"] == "SessionLostError", res.error_text
+            assert "rank 1 killed by SIGKILL; a session cannot go on without one of its ranks" in res.error["evalue"]
+        else:
+            import signal
+            os.kill(rank_pids(k)[1], signal.SIGKILL)
+            wait_until(lambda: not alive(pids), 10, "the session to end without its rank")
+            res = cell(k, "print(rank)")
+            assert res.error["ename"] == "UsageError" and "lost between cells" in res.error["evalue"], \
+                res.error_text
+        wait_until(lambda: not alive(pids), 10, "the session's processes to exit")
+        assert "no session is running" in cell(k, "print(1)").error["evalue"]
+    k.assert_no_leaks()
+
+
+def test_a_two_node_session_keeps_one_world_across_cells():
+    """Two kernels as two nodes (one kernel per node): each starts its part of the
+    session; session cells on both form one world of 4 and keep it."""
+    from test_multinode import Node, _free_port
+
+    pair = [Node(), Node()]
+    try:
+        port = _free_port()
+        starts = [node.start(f"%distributed_session start -n 2 --num_nodes 2 --node_rank {i} "
+                             f"--master_addr 127.0.0.1 --master_port {port} --rendezvous_timeout 60")
+                  for i, node in enumerate(pair)]
+        for node, msg in zip(pair, starts):
+            out = node.collect(msg, timeout=120)
+            assert out["error"] is None and "world size 4" in out["stdout"], out
+        body = ("%%distributed --session --output text\nimport torch, torch.distributed as dist\n"
+                "if not dist.is_initialized():\n    dist.init_process_group('gloo')\n"
+                "t = torch.tensor([dist.get_rank() + 1.0])\ndist.all_reduce(t)\n"
+                "print(f'sum={t.item():g} rank={dist.get_rank()} world={dist.get_world_size()} pg={id(dist.group.WORLD)}')")
+        seen = []
+        for _ in range(2):
+            msgs = [node.start(body) for node in pair]
+            outs = [node.collect(m, timeout=120) for node, m in zip(pair, msgs)]
+            for out in outs:
+                assert out["error"] is None, out
+            seen.append(by_rank(outs[0]["stdout"] + outs[1]["stdout"]))
+        for cells in seen:
+            assert sorted(cells) == [0, 1, 2, 3]
+            assert all(lines[0].startswith(f"sum=10 rank={r} world=4") for r, lines in cells.items()), cells
+        assert all(seen[0][r][0] == seen[1][r][0] for r in range(4)), "the process group was not kept"
+        for node in pair:
+            node.ok("%distributed_session stop", timeout=60)
+    finally:
+        for node in pair:
+            node.shutdown()
+
+
+DDP_LOOP = '''import os, torch, torch.distributed as dist
+from accelerate import Accelerator
+accelerator = Accelerator()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+model, optimizer = accelerator.prepare(model, optimizer)
+g = torch.Generator().manual_seed(accelerator.process_index)
+x, y = torch.randn(64, 32, generator=g), torch.randn(64, 1, generator=g)
+steps = 0
+'''
+
+
+def test_stop_during_ddp_training_stops_every_rank_at_the_same_step_and_keeps_the_session(session):
+    """The hard case: DDP ranks meet in an all-reduce every step, so a stop that
+    lands between them would leave one waiting for good.  The ranks stop after
+    the same optimizer step instead, and the model trained so far is kept."""
+    k = session
+    ok_cell(k, DDP_LOOP, timeout=120)
+    for attempt in range(3):   # the stop lands at a different moment of a step each time
+        def on_output(text, fired=[]):
+            if "training" in text and not fired:
+                fired.append(True)
+                k.interrupt()
+        res = k.run("%%distributed --session --output text\nprint('training', flush=True)\nwhile True:\n"
+                    "    optimizer.zero_grad()\n"
+                    "    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))\n"
+                    "    optimizer.step()\n    steps += 1\n", timeout=60, on_output=on_output)
+        assert res.error["ename"] == "RunInterrupted", res.error_text
+        assert "The session lives on" in res.error_text, res.error_text
+        state = by_rank(ok_cell(k, "print(steps, round(sum(p.sum().item() for p in model.parameters()), 6))").stdout)
+        assert state[0] == state[1] and int(state[0][0].split()[0]) > 0, state   # same step, same weights
