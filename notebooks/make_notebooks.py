@@ -326,9 +326,7 @@ accelerator.print(f"before training: accuracy {evaluate():.2f}")'''
 def sessions():
     return [
         new_markdown_cell(
-            "# Sessions: ranks that keep their state across cells
-
-"
+            "# Sessions: ranks that keep their state across cells\n\n"
             "`%distributed_session start` starts persistent ranks; `%%distributed --session` cells run on them, "
             "and what one cell builds (the model, the optimizer, `Accelerator()`) is there in the next."
         ),
@@ -339,28 +337,20 @@ def sessions():
         new_markdown_cell("Build once: the model, its optimizer and the data loaders, prepared by Accelerate."),
         new_code_cell(SESSION_BUILD),
         new_markdown_cell("Train an epoch, look, train on: the same model each time."),
-        new_code_cell("%%distributed --session --output text
-train_epoch()
-"
+        new_code_cell("%%distributed --session --output text\ntrain_epoch()\n"
                       "accelerator.print(f\"after epoch 1: accuracy {evaluate():.2f}\")"),
-        new_code_cell("%%distributed --session --output text --return acc
-"
+        new_code_cell("%%distributed --session --output text --return acc\n"
                       "for group in optimizer.param_groups:\n    group[\"lr\"] = 0.1\n"
-                      "train_epoch()
-acc = evaluate()
-accelerator.print(f\"after epoch 2: accuracy {acc:.2f}\")"),
+                      "train_epoch()\nacc = evaluate()\naccelerator.print(f\"after epoch 2: accuracy {acc:.2f}\")"),
         new_code_cell("round(acc, 2)"),
         new_markdown_cell(
             "A rank that raises fails the cell with its own traceback; every rank is back at its prompt, so "
             "the session and its state live on."
         ),
-        new_code_cell("%%distributed --session --output text
-if accelerator.process_index == 1:
-"
+        new_code_cell("%%distributed --session --output text\nif accelerator.process_index == 1:\n"
                       "    raise ValueError(\"a bad batch on rank 1\")",
                       metadata={"tags": ["raises-exception"]}),
-        new_code_cell("%%distributed --session --output text
-"
+        new_code_cell("%%distributed --session --output text\n"
                       "accelerator.print(f\"still trained: accuracy {evaluate():.2f}\")"),
         new_markdown_cell(
             "`%distributed_session stop` ends the ranks and frees their memory (GPU memory included)."
