@@ -99,8 +99,10 @@ class BackgroundCell:
         began = self._run.started
         where = f" {self._where}" if self._where else ""
         if status == "running":
-            return (f"<background run {self.label}{where}: running for {time.monotonic() - began:.1f}s; "
-                    ".wait() for its result, .stop() to stop it>")
+            running = time.monotonic() - began
+            # As the cell's value it is shown once, at the start: its view tells how the run goes.
+            how = "started (its view shows how it goes)" if running < 1 else f"running for {running:.1f}s"
+            return f"<background run {self.label}{where}: {how}; .wait() for its result, .stop() to stop it>"
         took = f"{(self._run.ended or began) - began:.1f}s"
         if status == "done":
             value = self.result

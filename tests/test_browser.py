@@ -357,3 +357,59 @@ def test_nested_bars_narrow_window_follow_the_tail_and_dark_theme():
         track = page.locator(CELL).nth(1).locator(".accel-magics-summary .accel-magics-track").first
         color = track.evaluate("e => getComputedStyle(e).backgroundColor")
         assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color
+
+
+BACKGROUND_CELL = (
+    "%%distributed --session --background\n"
+    "import time\n"
+    "from tqdm.auto import tqdm\n"
+    "for step in tqdm(range(60), desc='background'):\n"
+    "    time.sleep(0.1)\n"
+    "print('trained in the background')\n"
+)
+
+
+def test_a_background_session_cell_keeps_its_view_live_while_other_cells_run():
+    """Issue 15 in a real browser: a background cell's live view keeps updating
+    while another cell runs, and is replaced by its record (in its own cell)
+    when the run ends."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    cells = ("%load_ext accel_magics", "%distributed_session start -n 2", BACKGROUND_CELL,
+             "import time\nfor i in range(3):\n    print('meanwhile', i)\n    time.sleep(1)",
+             "h = Out[3] if 3 in Out else _\nh.wait()\nprint(h.status)", "%distributed_session stop")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "background.ipynb")
+    with _lab_page(lab, {"width": 1300, "height": 1200}, "failure-background.png") as page:
+        page.goto(lab.url("background.ipynb"))
+        _wait_idle(page, lab)
+        for i in (0, 1):
+            _run_cell(page, i)
+            _wait_done(page, i)
+        _run_cell(page, 2)
+        _wait_done(page, 2)                      # returned at once: a handle
+        bg = page.locator(CELL).nth(2)
+        assert "background run In[" in bg.locator(".jp-OutputArea").inner_text()
+        bg.locator(".accel-magics-run .accel-magics-row").nth(1).wait_for()
+        _run_cell(page, 3)                       # another cell runs meanwhile...
+        widths = []
+        while len(widths) < 20:
+            widths.append(max(bg.evaluate(BAR_WIDTHS_JS) or [0]))
+            time.sleep(0.1)
+        assert len(set(widths)) >= 3 and 0 < max(widths) < 100, widths   # ...and the view keeps moving
+        bg.screenshot(path=str(ARTIFACTS / "11-background-live.png"))
+        _wait_done(page, 3)
+        out3 = page.locator(CELL).nth(3).locator(".jp-OutputArea").inner_text()
+        assert "meanwhile 2" in out3 and "[rank" not in out3, out3    # its output stayed in its own cell
+        _run_cell(page, 4)
+        _wait_done(page, 4)
+        assert "done" in page.locator(CELL).nth(4).locator(".jp-OutputArea").inner_text()
+        summary = bg.locator(".accel-magics-summary")
+        summary.wait_for()                       # the record replaced the live view, in the cell that ran it
+        text = summary.inner_text()
+        assert "trained in the background" in text and text.count("100%") >= 2, text
+        assert bg.locator(".accel-magics-run").count() == 0
+        bg.screenshot(path=str(ARTIFACTS / "12-background-record.png"))
+        _run_cell(page, 5)
+        _wait_done(page, 5)
