@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from accel_magics.kernel_ext.errors import ReportedError
 from accel_magics.kernel_ext.payload import _NameCollector, parse
 from accel_magics.kernel_ext.session import DistributedSession, SessionGone
 
@@ -25,6 +26,10 @@ SESSION_FIXED = ("num_processes", "num_nodes", "node_rank", "master_addr", "mast
                  "mixed_precision", "rendezvous_timeout", "stall_timeout", "config_file")
 NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
               "options of %%distributed), then run this cell again. Nothing was launched.")
+
+
+class WaitStopped(ReportedError, KeyboardInterrupt):
+    """The stop button while a session cell waited for its turn: it never ran."""
 
 
 def _fmt_bytes(n) -> str:
@@ -75,7 +80,11 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     presenter = magics._presenter(args, started, background=args.background, note=note)
     try:
         if busy:   # its turn comes when the running (background) cell ends: the names it set count
-            session.wait_idle()
+            try:
+                session.wait_idle()
+            except KeyboardInterrupt:
+                raise WaitStopped(f"stopped while it waited for {busy}: this cell did not run; {busy} goes on "
+                                  "(its handle's .stop() stops it)") from None
         owned = set(session.owned)
         payload = magics._payload(source, return_names, defined=owned)
     except BaseException:

@@ -328,6 +328,18 @@ def test_a_session_cell_sent_while_a_background_one_runs_waits_its_turn(session)
     assert "waiting for In[" in "".join(res.live) + res.stdout
     assert by_rank(res.stdout)[0] == ["['first', 'second']"]
     assert k.ok("h.status").result == "'done'"
+    # The stop button while a cell waits for its turn stops the waiting cell only.
+    k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(3)\norder.append('third')")
+    k.ok("h = _")
+
+    def on_output(text, fired=[]):
+        if "waiting for In[" in text and not fired:
+            fired.append(True)
+            k.interrupt()
+    res = k.run("%%distributed --session --output text\norder.append('never')", on_output=on_output)
+    assert res.error["ename"] == "WaitStopped" and "did not run" in res.error["evalue"], res.error_text
+    k.ok("h.wait()")
+    assert by_rank(ok_cell(k, "print(order)").stdout)[0] == ["['first', 'second', 'third']"]
 
 
 def test_nothing_is_left_after_the_kernel_shuts_down_with_a_session_and_a_background_run():
