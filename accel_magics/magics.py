@@ -46,7 +46,7 @@ class ReturnValueError(ReportedError, ValueError):
 
 LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
                        "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout",
-                       "stall_timeout", "config_file")
+                       "stall_timeout", "config_file", "launcher", "slurm_args")
 
 
 def launch_options(func):
@@ -76,6 +76,13 @@ def launch_options(func):
                       "one: the ranks get the environment `accelerate launch --config_file` would give them "
                       "(mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless "
                       "given here."),
+        argument("--launcher", default=None, choices=("local", "slurm"),
+                 help="local (default): ranks on this machine (one kernel per node for several). slurm: on "
+                      "every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): "
+                      "--num_processes per node, --num_nodes defaults to the allocation's node count."),
+        argument("--slurm_args", default=None, metavar="ARGS",
+                 help="--launcher slurm: extra srun arguments for the node agents' step, quoted "
+                      "(e.g. \"--gres=gpu:4 --cpus-per-task=8\")."),
         argument("--stall_timeout", type=float, default=None,
                  help="Stop the run when a rank, after another rank finished the cell, uses no CPU and prints "
                       "nothing for this many seconds, and show where it is stuck (default 30; 0: never)."),
@@ -123,7 +130,7 @@ def config_summary(values: dict) -> str:
 
 
 _BUILTIN_DEFAULTS = {"num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "max_restarts": 0,
-                     "output": "auto", "rendezvous_timeout": 300.0, "stall_timeout": 30.0}
+                     "output": "auto", "rendezvous_timeout": 300.0, "stall_timeout": 30.0, "launcher": "local"}
 
 
 def command_line(values: dict) -> str:
@@ -157,6 +164,7 @@ class DistributedMagics(Magics):
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
         self.defaults: dict = {}
         self.session = None             # the %distributed_session (kernel_ext.session.DistributedSession)
+        self._slurm = None              # the node agents of --launcher slurm (kernel_ext.slurm.SlurmAgents)
         self._background_runs: set = set()
         self._returned: dict = {}       # name -> id() of the value a session cell's --return assigned
         self._form = None               # the config form, one per kernel
@@ -249,6 +257,10 @@ class DistributedMagics(Magics):
             from .session_magic import session_cell
 
             return session_cell(self, args, line, cell, started)
+        if (args.launcher or self.defaults.get("launcher")) == "slurm":
+            from .slurm_magic import slurm_cell
+
+            return slurm_cell(self, args, line, cell, started)
         presenter = self._presenter(args, started, background=args.background)
         try:
             cfg = self._config(args)
@@ -365,6 +377,10 @@ class DistributedMagics(Magics):
             self._form.sync(self.effective_defaults())
             self._update_form_texts()
         print(config_summary(self.effective_defaults()))
+        from .slurm_magic import describe_allocation
+
+        if describe_allocation():
+            print(describe_allocation())
         return None
 
     def _show_form(self) -> None:
@@ -376,8 +392,10 @@ class DistributedMagics(Magics):
 
         self.ensure_defaults_known()
         if self._form is None:
+            from .slurm_magic import describe_allocation
+
             self._form = ConfigForm(self.effective_defaults(), check=self._check_defaults,
-                                    apply=self._apply_defaults, describe=command_line)
+                                    apply=self._apply_defaults, describe=command_line, info=describe_allocation())
             self._form.on_applied = self._update_form_texts
         else:
             self._form.sync(self.effective_defaults())
@@ -405,13 +423,23 @@ class DistributedMagics(Magics):
         gpus = (self.launcher.info or {}).get("gpu_count", 0)
         values = {"num_processes": gpus or 2, "num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1",
                   "master_port": None, "max_restarts": 0, "mixed_precision": None, "timeout": None,
-                  "output": "auto"}
+                  "output": "auto", "launcher": "local"}
         values.update(self.defaults)
         return values
 
     def _check_defaults(self, values: dict) -> str:
         """'' if these defaults can launch, else what is wrong with them."""
         merged = {**self.effective_defaults(), **values}
+        if merged.get("launcher") == "slurm":
+            from accel_magics.kernel_ext.slurm import SlurmError, allocation
+
+            try:
+                alloc = allocation()
+            except SlurmError as exc:
+                return str(exc)
+            if merged.get("num_nodes", 1) > alloc["count"]:
+                return f"the allocation has {alloc['count']} node(s); --num_nodes {merged['num_nodes']} needs more."
+            return ""   # nodes, ranks and the master address come from the allocation
         if merged.get("config_file") is not None:
             try:
                 accelerate_config.resolve(merged["config_file"])
@@ -493,7 +521,8 @@ class DistributedMagics(Magics):
             )
         return f"# %%distributed {line}\n{body}"
 
-    def _payload(self, source: str, return_names: list[str], defined: frozenset | set = frozenset()):
+    def _payload(self, source: str, return_names: list[str], defined: frozenset | set = frozenset(),
+                 share: bool = True):
         count = self._cell_number()
         exclude = set(self.shell.user_ns_hidden) | {"In", "Out", "get_ipython", "exit", "quit"}
         exclude |= {name for name in self.shell.user_ns if _HISTORY_NAME.match(name)}
@@ -501,6 +530,7 @@ class DistributedMagics(Magics):
             return build_payload(
                 source, self.shell.user_ns, filename=f"<%%distributed In[{count}]>",
                 exclude=exclude, return_names=return_names, code_label=self._cell_label, defined=defined,
+                share=share,
             )
         except PayloadError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
@@ -519,4 +549,6 @@ class DistributedMagics(Magics):
         for run in list(self._background_runs):
             run.stop()
         self.session = None
+        if self._slurm is not None:
+            self._slurm.close()
         self.launcher.close()

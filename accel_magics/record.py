@@ -61,6 +61,9 @@ class RunRecord:
         elif isinstance(event, ev.RunStarted):
             for rank in event.ranks:
                 self.logs.setdefault(rank, _RankLog())
+            if event.nodes and not event.attempt:   # one kernel driving every node: which rank ran where
+                self.notes.append(f"[accel_magics] {len(event.ranks)} ranks on {event.num_nodes} nodes: "
+                                  f"{event.placement()}")
             if event.attempt:
                 self.logs = {rank: _RankLog() for rank in event.ranks}
                 self.bars = {}

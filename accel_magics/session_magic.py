@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -115,7 +116,7 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
     session's is used (the rule); say so, never silently."""
     user_ns = magics.shell.user_ns
     both = sorted(name for name in _names_read(source) & owned
-                  if name in user_ns and not name.startswith("_")
+                  if name in user_ns and not name.startswith("_") and not isinstance(user_ns[name], types.ModuleType)
                   and magics._returned.get(name) != id(user_ns[name]))
     if both:
         listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in both)

@@ -167,7 +167,7 @@ def loaded_kernel(env=None) -> KernelSession:
     return k
 
 
-SECTIONS = ("first", "empty", "session", "training", "globals", "scale", "output", "ddp")
+SECTIONS = ("first", "empty", "session", "slurm", "training", "globals", "scale", "output", "ddp")
 
 
 def main() -> None:
@@ -270,6 +270,39 @@ def _main() -> None:
                 finally:
                     px.shutdown()
                 ours.ok("%distributed_session stop")
+
+        if want("slurm"):
+            # 9. A warm cell on a 2-node Slurm allocation (tests/slurm_cluster.py: slurmctld and two
+            # slurmd on this machine), 2 ranks per node, vs a one-node warm 2-rank cell, A/B.
+            from slurm_cluster import SlurmCluster, missing
+
+            why = missing()
+            if why:
+                print(f"slurm: skipped ({why})", flush=True)
+            else:
+                cluster = SlurmCluster(nodes=2, cpus=2)
+                try:
+                    alloc = cluster.allocate(2)
+                    sk = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", **alloc})
+                    try:
+                        sk.ok("%load_ext accel_magics")
+                        a_code = "%%distributed --launcher slurm -n 2 --output text\npass\n"
+                        b_code = "%%distributed -n 2 --output text\npass\n"
+                        first = timed(sk, a_code, 300)
+                        timed(sk, a_code), timed(sk, b_code)
+                        a, b = [], []
+                        for _ in range(max(reps, 10)):
+                            a.append(timed(sk, a_code))
+                            b.append(timed(sk, b_code))
+                        ma, mb = statistics.median(a), statistics.median(b)
+                        row("second cell on a 2-node Slurm allocation (2 ranks per node), warm", median_ms(a),
+                            f"one-node warm cell {median_ms(b)}",
+                            f"{ma / mb:.2f}x (first cell, agents starting: {first:.1f} s)", "<= 2x", ma / mb <= 2)
+                    finally:
+                        sk.shutdown()
+                        cluster.release(alloc["SLURM_JOB_ID"])
+                finally:
+                    cluster.stop()
 
         if want("training"):
             # 3. The Accelerate training cell, A/B.

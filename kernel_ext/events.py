@@ -24,6 +24,15 @@ class RunStarted:
     master_addr: str
     master_port: int
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> node name (one kernel driving every node)
+
+    def placement(self) -> str:
+        """Which ranks run on which node: 'n1: ranks 0-1, n2: ranks 2-3' ('' on one node)."""
+        by_node: dict = {}
+        for rank, node in sorted(self.nodes.items()):
+            by_node.setdefault(node, []).append(rank)
+        return ", ".join(f"{node}: " + (f"ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"rank {r[0]}")
+                         for node, r in by_node.items())
 
 
 @dataclass

@@ -235,6 +235,7 @@ def build_payload(
     return_names: list[str] | None = None,
     code_label: Optional[Callable[[str], Optional[str]]] = None,
     defined: set | frozenset = frozenset(),
+    share: bool = True,
 ) -> Payload:
     """Check the cell and ship the globals it references.
 
@@ -266,6 +267,7 @@ def build_payload(
 
     shipped = {n: namespace[n] for n in wanted}
     arena = SharedArena()
+    arena.enabled = share
     with _noting_interrupts() as interrupts:
         try:
             blob, sources = _dumps(shipped, arena, namespace, code_label, keep_out=defined)
@@ -306,6 +308,8 @@ class SharedArena:
     fork.  Nothing is left behind: the memory is freed when the kernel
     closes the fd after the run.
     """
+
+    enabled = True   # False: ranks on other machines (nothing is shared, arrays are pickled)
 
     def __init__(self) -> None:
         self.fd: Optional[int] = None
@@ -462,6 +466,8 @@ class _SharingPickler(cloudpickle.Pickler):
         elif type(obj).__name__ == "_lru_cache_wrapper" and getattr(obj, "__module__", None) == "__main__":
             self._note_definition(obj)
             return _lru_cached, (obj.__wrapped__, obj.cache_parameters())
+        if not self.arena.enabled:
+            return super().reducer_override(obj)
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and obj.nbytes >= SHARE_THRESHOLD \
                 and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):

@@ -80,7 +80,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     session = lost = None
     assigned: set = set()
     deleted: set = set()
-    ranks = [cfg.global_rank(i) for i in cfg.local_ranks]
+    # A run on every node of an allocation (kernel_ext.slurm) has every rank here.
+    ranks = getattr(handle, "ranks", None) or [cfg.global_rank(i) for i in cfg.local_ranks]
     messages = handle.messages(heartbeat)
     try:
         while True:
@@ -96,8 +97,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     emit(ev.RunStarted(
                         run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
                         world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
-                        ranks=ranks, master_addr=cfg.master_addr, master_port=handle.master_port,
-                        pids=msg["pids"],
+                        ranks=ranks, master_addr=msg.get("master_addr", cfg.master_addr),
+                        master_port=handle.master_port, pids=msg["pids"], nodes=msg.get("nodes", {}),
                     ))
                 elif kind == "output":
                     if msg["text"] is not None:
@@ -111,7 +112,8 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     elif event["kind"] == "result":
                         departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
                                           event.get("timestamp", time.time()))
-                        if "value" in event or "returns" in event:
+                        # Each node's local rank 0 reports values; the run's are global rank 0's.
+                        if ("value" in event or "returns" in event) and rank == ranks[0]:
                             result = event
                     elif event["kind"] == "progress":
                         emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))

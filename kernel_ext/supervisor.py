@@ -50,6 +50,7 @@ RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked t
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as moving
 NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
+RDZV_POLL = 0.01          # several nodes: seconds between looks at the store (joined? all finished?)
 
 
 class Supervisor:
@@ -296,7 +297,7 @@ class Supervisor:
                     self._send({"kind": "waiting", "joined": joined, "expected": nodes,
                                 "address": self.rdzv.address})
                 self.rdzv.check_deadline(joined)
-                self._poll(0.2)
+                self._poll(RDZV_POLL)
         except RendezvousTimeout as exc:
             self._rendezvous_failed(str(exc))
         except Exception as exc:   # e.g. node 0 could not listen on the port
@@ -377,7 +378,7 @@ class Supervisor:
             return
         deadline = time.monotonic() + FINISH_WAIT
         while self.rdzv.finished() < self.spec["num_nodes"] and time.monotonic() < deadline:
-            self._poll(0.2)
+            self._poll(RDZV_POLL)
             if self.stopping in ("interrupt", "terminated"):
                 return
 

@@ -359,12 +359,51 @@ def sessions():
     ]
 
 
+def multi_node_slurm():
+    return [
+        new_markdown_cell(
+            "# Several nodes from one notebook: a Slurm allocation\n\n"
+            "This kernel runs inside a Slurm allocation of 2 nodes (`salloc -N 2`, then Jupyter). "
+            "`--launcher slurm` runs the cell on every node of it: one world, all ranks in one view. "
+            "(Executed under nbval by tests/test_slurm.py, inside an allocation of its two-node test cluster; "
+            "the default test run ignores it.)"
+        ),
+        new_code_cell("%load_ext accel_magics"),
+        new_code_cell("%distributed_config --launcher slurm"),
+        new_code_cell(
+            "%%distributed --num_processes 2 --output text --return total\n"
+            "import os, torch, torch.distributed as dist\n"
+            "dist.init_process_group(\"gloo\")\n"
+            "rank = dist.get_rank()\n"
+            "total = torch.tensor([rank + 1.0])\n"
+            "dist.all_reduce(total)\n"
+            "print(f\"rank {rank} of {dist.get_world_size()} on {os.environ['SLURMD_NODENAME']}: "
+            "sum = {total.item():g}\")\n"
+            "dist.destroy_process_group()"
+        ),
+        new_code_cell("total"),
+        new_markdown_cell("A rank failing on the second node is named with its node; nothing hangs."),
+        new_code_cell(
+            "%%distributed --num_processes 2 --output text\n"
+            "import torch.distributed as dist\n"
+            "dist.init_process_group(\"gloo\")\n"
+            "if dist.get_rank() == 3:\n"
+            "    raise ValueError(\"bad shard on rank 3\")\n"
+            "dist.barrier()",
+            metadata={"tags": ["raises-exception"]},
+        ),
+        new_code_cell("%distributed_config --reset"),
+    ]
+
+
 NOTEBOOKS = {
     "quickstart.ipynb": quickstart,
     "accelerate_tutorial.ipynb": accelerate_tutorial,
     "failures_and_interrupts.ipynb": failures_and_interrupts,
     "multi_node.ipynb": multi_node,
     "sessions.ipynb": sessions,
+    # Needs a Slurm allocation (tests/test_slurm.py regenerates and runs it inside one).
+    "multi_node_slurm.ipynb": multi_node_slurm,
 }
 
 
@@ -374,6 +413,9 @@ def main() -> None:
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     for name, cells in NOTEBOOKS.items():
         if only and name not in only:
+            continue
+        if name == "multi_node_slurm.ipynb" and execute and not os.environ.get("SLURM_JOB_ID"):
+            print("skipped", name, "(run it inside a Slurm allocation)")
             continue
         nb = new_notebook(cells=cells())
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -17,7 +17,7 @@ for epoch in tqdm(range(3), desc='epoch'):
         time.sleep(0.002)
     print(f'rank {{rank}} epoch {{epoch}} loss {{0.5 / (epoch + 1):.3f}}')
 """
-BAR_DONE = r"epoch: 100% 3/3 \[\d\d:\d\d<00:00, [\d.]+it/s\]"
+BAR_DONE = r"epoch: 100% 3/3 \[\d\d:\d\d<00:00, +[\d.]+it/s\]"
 
 
 def _record(res) -> tuple[str, str]:

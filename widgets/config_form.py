@@ -26,12 +26,12 @@ _UNREADABLE = object()   # a field whose text is not a value: never applied unti
 INT_FIELDS = ("num_processes", "num_nodes", "node_rank", "max_restarts")
 LABELS = {"num_processes": "processes / node", "num_nodes": "nodes", "node_rank": "this node's rank",
           "master_addr": "master address", "master_port": "master port", "max_restarts": "max restarts",
-          "mixed_precision": "mixed precision", "timeout": "timeout (s)", "output": "output"}
+          "mixed_precision": "mixed precision", "timeout": "timeout (s)", "output": "output", "launcher": "launcher"}
 
 
 class ConfigForm:
     def __init__(self, values: dict, check: Callable[[dict], str], apply: Callable[[dict], None],
-                 describe: Callable[[dict], str]) -> None:
+                 describe: Callable[[dict], str], info: str = "") -> None:
         self.check, self.apply, self.describe = check, apply, describe
         self.applied = dict(values)
         self.pending: dict = {}        # field -> (value, why it was refused)
@@ -46,12 +46,16 @@ class ConfigForm:
                                         placeholder="none")
         self.fields["output"] = w.Dropdown(options=["auto", "widget", "text"], description=LABELS["output"],
                                            style=style)
+        # local: this machine (one kernel per node); slurm: every node of this kernel's allocation.
+        self.fields["launcher"] = w.Dropdown(options=["local", "slurm"], description=LABELS["launcher"], style=style)
         self.notes = {name: w.HTML() for name in self.fields}
         self.status = w.HTML()
         self.command = w.HTML()
         rows = [w.HBox([self.fields[name], self.notes[name]]) for name in self.fields]
-        self.widget = w.VBox([w.HTML("<b>%%distributed defaults</b> (each field applies on its own)"), *rows,
-                              self.status, self.command])
+        head = [w.HTML("<b>%%distributed defaults</b> (each field applies on its own)")]
+        if info:   # the Slurm allocation this kernel runs in, and its nodes
+            head.append(w.HTML(f"<span style='color:var(--jp-ui-font-color2,#666)'>{html.escape(info)}</span>"))
+        self.widget = w.VBox([*head, *rows, self.status, self.command])
         self.widget.add_class("accel-magics-config")
         self.on_applied: Optional[Callable[[], None]] = None
         self.sync(values)

@@ -99,6 +99,7 @@ class _RankState:
     count: int = 0
     pane_dirty: bool = False
     bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
+    node: str = ""                                # the node it runs on (one kernel driving every node)
 
     def latest_printed(self) -> str:
         """The newest line the rank printed: not a finished bar's final line
@@ -124,7 +125,8 @@ def _row_html(s: _RankState) -> str:
     color = STATE_COLORS.get(s.state, "#888")
     bars = "".join(_bar_html(b, color) for b in s.shown_bars())
     latest = s.failure or s.latest
-    return (f"<div class='accel-magics-row'><span class='accel-magics-label'>rank {s.rank} "
+    where = f" &middot; {html.escape(s.node)}" if s.node else ""
+    return (f"<div class='accel-magics-row'><span class='accel-magics-label'>rank {s.rank}{where} "
             f"<b style='color:{color}'>{html.escape(s.state)}</b></span>"
             + (f"<div class='accel-magics-bars'>{bars}</div>" if bars else "") +
             f"<code class='accel-magics-latest' title='{html.escape(latest[-300:], quote=True)}'>"
@@ -193,6 +195,8 @@ class RunView:
     def on_RunStarted(self, e) -> None:
         self.status, self.note = "running", ""
         nodes = f"node {e.node_rank} of {e.num_nodes}" if e.num_nodes > 1 else "1 node"
+        if getattr(e, "nodes", None):
+            nodes = f"{e.num_nodes} nodes ({e.placement()})"
         self.world = (f"{_plural(len(e.ranks), 'rank')} on {nodes} "
                       f"(world size {e.world_size}; ranks {e.ranks[0]}-{e.ranks[-1]}), "
                       f"master {e.master_addr}:{e.master_port}")
@@ -203,6 +207,7 @@ class RunView:
         for rank in e.ranks:
             state = self._rank(rank)
             state.state, state.latest, state.failure = "running", "", ""
+            state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
 
     def on_Output(self, e) -> None:

@@ -1,0 +1,396 @@
+"""Kernel side of ``--launcher slurm``: one run on every node of the allocation.
+
+The kernel runs inside a Slurm allocation (``salloc -N 2`` then Jupyter, or
+Jupyter started by ``sbatch``).  :class:`SlurmAgents` starts one agent per
+node with a single ``srun`` step (:mod:`slurm_agent`) the first time a cell
+needs them and keeps them for the later cells of that allocation, so a
+second cell costs a few milliseconds, not srun plus ``import torch``.
+
+A run is one run per node, as if each node had its own kernel (the
+one-kernel-per-node mode), all dispatched and watched from here:
+:class:`SlurmRun` sends each agent its node's part (``node_rank`` = the
+node's index in the allocation, node 0's address as ``MASTER_ADDR``, one
+port for all) and merges what the nodes say into the messages of one run,
+which ``run._collect`` turns into events as for a local run.
+
+Stopping never goes through srun's signals (one SIGINT to srun forwards
+nothing, two kill the tasks; SIGKILL to its process group leaves the tasks
+running): the stop button, ``--timeout`` and shutdown go through the signed
+channel to each agent.  Agents end when the kernel's connection is gone
+(heartbeats), and at shutdown srun is stopped and the step cancelled
+(``scancel``) as the last resort, so nothing outlives the kernel on any node.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import weakref
+from typing import Iterator, Optional
+
+import zmq
+
+from . import wire
+from .environment import LaunchConfig
+from .errors import LauncherError
+
+START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
+STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents are told to kill
+KILL_WAIT = 5.0         # after that, how long before the run ends as forced
+GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for agents in list(_live):
+        agents.close()
+
+
+class SlurmError(Exception):
+    """No allocation, or one that cannot run the cell; the message says what to do."""
+
+
+def allocation() -> dict:
+    """The allocation this kernel runs in: job id, node names, node count."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job:
+        raise SlurmError("--launcher slurm needs a Slurm allocation, and this kernel runs outside one "
+                         "(no SLURM_JOB_ID). Start Jupyter inside one (`salloc -N 2` then `jupyter lab`, or "
+                         "an sbatch job that starts it), or use one kernel per node (see Several nodes).")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
+    nodes = expand_nodelist(nodelist)
+    count = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or len(nodes) or 1)
+    return {"job": job, "nodelist": nodelist, "nodes": nodes, "count": count}
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """``n[1-3],gpu7`` -> ``['n1', 'n2', 'n3', 'gpu7']`` (``scontrol show hostnames``,
+    else a parser of the common forms)."""
+    if not nodelist:
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=10)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    names = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", nodelist):
+        m = re.match(r"^(.*)\[(.*)\]$", part)
+        if not m:
+            names.append(part)
+            continue
+        prefix, ranges = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                names.append(f"{prefix}{str(i).zfill(len(lo))}")
+    return names
+
+
+def _kernel_address() -> str:
+    """Where the agents reach the kernel: this host's address on the cluster network."""
+    override = os.environ.get("ACCEL_MAGICS_KERNEL_ADDR")
+    if override:
+        return override
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class SlurmAgents:
+    """The agents of one allocation: started once, kept, stopped with the kernel."""
+
+    def __init__(self, num_nodes: int, slurm_args: str = "", python: str = sys.executable) -> None:
+        self.alloc = allocation()
+        self.num_nodes = num_nodes
+        self.slurm_args = slurm_args
+        self.python = python
+        self.proc: Optional[subprocess.Popen] = None
+        self.nodes: dict[int, dict] = {}      # SLURM_NODEID -> its hello
+        self.dir = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and len(self.nodes) == self.num_nodes
+
+    def matches(self, num_nodes: int, slurm_args: str) -> bool:
+        return self.alive and num_nodes == self.num_nodes and slurm_args == self.slurm_args
+
+    def start(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="accel_magics-slurm-")   # 0700: srun's log
+        self.key = wire.new_key()
+        self.session = wire.signed_session(self.key)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        address = _kernel_address()
+        port = self.sock.bind_to_random_port(f"tcp://{address}")
+        argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
+                "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",
+                *shlex.split(self.slurm_args), self.python, "-m", "accel_magics.kernel_ext.slurm_agent"]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        self.log_path = os.path.join(self.dir, "srun.log")
+        log = open(self.log_path, "ab")
+        try:
+            # Its own session: the kernel's interrupt (SIGINT to its group) must
+            # never reach srun (two SIGINTs within a second kill the step).
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                         start_new_session=True, close_fds=True)
+        except OSError as exc:
+            log.close()
+            self.close()
+            raise SlurmError(f"could not start srun ({exc}); is Slurm's client installed here?") from None
+        log.close()
+        _live.add(self)
+        try:
+            self.proc.stdin.write((json.dumps({"address": f"tcp://{address}:{port}",
+                                               "key": self.key.decode()}) + "\n").encode())
+            self.proc.stdin.close()
+            self._wait_hellos()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_hellos(self) -> None:
+        deadline = time.monotonic() + START_WAIT
+        while len(self.nodes) < self.num_nodes:
+            if self.proc.poll() is not None:
+                raise SlurmError(f"srun ended (code {self.proc.returncode}) before every agent started:\n"
+                                 + self.log_tail())
+            if time.monotonic() > deadline:
+                raise SlurmError(f"only {len(self.nodes)} of {self.num_nodes} node agents started within "
+                                 f"{START_WAIT:g}s:\n" + self.log_tail())
+            msg = self.receive(500)
+            if msg is not None and msg.get("kind") == "hello":
+                self.nodes[msg["node"]] = msg
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    # -- the channel --------------------------------------------------------------------
+    def send(self, node: int, content: dict) -> None:
+        try:
+            self.session.send(self.sock, "kernel", content, ident=[f"node{node}".encode()])
+        except zmq.ZMQError as exc:   # ROUTER_MANDATORY: that agent is not connected
+            raise LauncherError(f"the agent on node {node} is gone ({exc})") from None
+
+    def receive(self, timeout_ms: int) -> Optional[dict]:
+        """The next verified message from any agent (None: nothing within the timeout)."""
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart()
+        try:
+            _, frames = self.session.feed_identities(frames[1:])
+            return self.session.deserialize(frames)["content"]
+        except Exception:
+            return {}   # not signed with the allocation's key: dropped unread
+
+    def free_port(self) -> int:
+        """A free port on node 0 (its supervisor hosts the rendezvous there)."""
+        request = uuid.uuid4().hex[:8]
+        self.send(0, {"op": "port", "request": request})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = self.receive(200)
+            if msg and msg.get("kind") == "port" and msg.get("request") == request:
+                return msg["port"]
+        raise LauncherError("node 0's agent did not answer")
+
+    def close(self) -> None:
+        """Agents told to end, srun stopped, the step cancelled if anything is left."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for node in list(self.nodes):
+                try:
+                    self.send(node, {"op": "shutdown"})
+                except Exception:
+                    pass
+            try:
+                proc.wait(GONE_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.terminate()   # SIGTERM to srun: it kills the tasks within ~50 ms
+                try:
+                    proc.wait(GONE_WAIT)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._cancel_steps()
+        if getattr(self, "sock", None) is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.dir:
+            import shutil
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = ""
+        self.nodes = {}
+        _live.discard(self)
+
+    def _cancel_steps(self) -> None:
+        """The last resort: scancel any step of ours still in squeue."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", self.alloc["job"], "-o", "%i %j"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            for line in out.splitlines():
+                step, _, name = line.partition(" ")
+                if name.strip() == "accel_magics-agents":
+                    subprocess.run(["scancel", step], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+
+class SlurmRun:
+    """One cell on every node: the interface of ``run_handle.RunHandle`` that
+    ``run._collect`` uses, over the agents' messages."""
+
+    def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt) -> None:
+        self.agents = agents
+        self.run_id = uuid.uuid4().hex[:12]
+        self.cfg = cfg
+        self.finished = False
+        self.session_cell = False
+        self.forced: Optional[str] = None
+        nodes = sorted(agents.nodes)
+        self.master_addr = agents.nodes[nodes[0]]["address"]
+        self.master_port = cfg.master_port or agents.free_port()
+        P = cfg.num_processes
+        self.ranks = list(range(cfg.num_nodes * P))
+        self.node_of = {node_rank * P + i: agents.nodes[node]["nodename"]
+                        for node_rank, node in enumerate(nodes) for i in range(P)}
+        self.pending = {node: None for node in nodes}    # node -> its "finished" message, once there
+        self.started: dict[int, dict] = {}
+        self.stop_at = self.kill_at = None
+        self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
+        self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
+        for node_rank, node in enumerate(nodes):
+            part = {name: getattr(cfg, name) for name in ("num_processes", "max_restarts", "mixed_precision",
+                                                          "timeout", "rendezvous_timeout", "extra_env")}
+            part.update(num_nodes=cfg.num_nodes, node_rank=node_rank, master_addr=self.master_addr,
+                        master_port=self.master_port, stall_timeout=0)
+            agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
+                               "log_dir": log_dir, "excerpt": excerpt})
+
+    def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
+        beat = int((heartbeat or 0.5) * 1000)
+        while not self.finished:
+            msg = self.agents.receive(beat)
+            if msg is None:
+                if heartbeat is not None:
+                    yield {"kind": "heartbeat"}
+            elif msg and msg.get("run_id") == self.run_id:
+                yield from self._merge(msg)
+            if not self.finished and self._check(time.monotonic()):
+                yield {"kind": "finished", "reason": "interrupt", "forced": self.forced}
+
+    def _merge(self, msg: dict) -> list[dict]:
+        node, kind = msg.get("node"), msg.get("kind")
+        if kind in ("output", "rank_event", "stacks", "exit"):
+            self.rendezvous_at = None
+            return [msg]
+        if kind == "started":
+            self.started[node] = msg
+            if len(self.started) < len(self.pending):
+                return []
+            pids = {r: p for m in self.started.values() for r, p in m["pids"].items()}
+            return [{"kind": "started", "pids": pids, "nodes": self.node_of, "master_addr": self.master_addr}]
+        if kind == "finished":
+            self.pending[node] = msg
+            if any(m is None for m in self.pending.values()):
+                return []
+            self.finished = True
+            reasons = [m.get("reason") for m in self.pending.values()]
+            reason = next((r for r in ("interrupt", "timeout", "terminated", "rendezvous", "stalled", "failed",
+                                       "remote_failed") if r in reasons), None)
+            if reason == "remote_failed":
+                reason = "failed"
+            return [{"kind": "finished", "reason": reason, "forced": self.forced}]
+        if kind == "supervisor_error":
+            return [msg]
+        if kind in ("waiting", "rendezvous_failed", "stalled"):
+            return [msg]
+        if kind == "remote_failure":
+            return []   # every node's own failures come here directly: the root cause is found from them all
+        return []
+
+    def _check(self, now: float) -> bool:
+        """The kernel's backstop: nodes that do not finish after a stop are told to
+        kill; True when the run must end without them (forced)."""
+        if self.agents.proc is None or self.agents.proc.poll() is not None:
+            self.forced = "srun (the node agents) ended during the run"
+            self.finished = True
+            raise LauncherError("the node agents ended during the run (srun exited):\n" + self.agents.log_tail())
+        for deadline in ("timeout_at", "rendezvous_at"):
+            at = getattr(self, deadline)
+            if at is not None and now >= at and self.stop_at is None:
+                setattr(self, deadline, None)
+                self.interrupt()
+        if self.stop_at is not None and now >= self.stop_at:
+            self.stop_at = None
+            self._each({"op": "kill", "run_id": self.run_id})
+            self.kill_at = now + KILL_WAIT
+        if self.kill_at is not None and now >= self.kill_at:
+            self.kill_at = None
+            self.forced = "a node did not answer the stop"
+            self.finished = True
+            return True
+        return False
+
+    def _each(self, content: dict) -> None:
+        for node, done in self.pending.items():
+            if done is None:
+                try:
+                    self.agents.send(node, content)
+                except LauncherError:
+                    pass
+
+    def interrupt(self) -> None:
+        """The stop button: every node's supervisor stops its ranks (stacks first)."""
+        if self.stop_at is None and self.kill_at is None:
+            self._each({"op": "interrupt", "run_id": self.run_id})
+            self.stop_at = time.monotonic() + STOP_WAIT
+        else:   # pressed again: kill now
+            self.stop_at = time.monotonic()
+
+    def kill(self) -> None:
+        self._each({"op": "kill", "run_id": self.run_id})
+
+    def close(self) -> None:
+        pass
+
+
+def run_slurm(agents: SlurmAgents, cfg: LaunchConfig, payload, on_event=None, heartbeat: Optional[float] = None,
+              log_dir: str = "", excerpt=None):
+    """Run ``payload`` on every node of the allocation; its result, or the error
+    that tells its story (the root cause names its rank and node)."""
+    from .run import _collect, conclude
+
+    emit = on_event or (lambda event: None)
+    started = time.time()
+    try:
+        handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
+        outcome = _collect(handle, cfg, 0, emit, heartbeat)
+        for failure in outcome.finished.failures:
+            node = handle.node_of.get(failure.rank)
+            if node and "(on node" not in failure.summary:
+                failure.summary += f" (on node {node})"
+        return conclude(outcome, cfg, handle, 0, started)
+    finally:
+        payload.release()

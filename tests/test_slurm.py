@@ -1,0 +1,280 @@
+"""``--launcher slurm`` on a real two-node Slurm cluster (issue 16).
+
+The cluster (tests/slurm_cluster.py) is one slurmctld and two slurmd on this
+machine; the kernel runs inside an allocation of both nodes, as after
+``salloc -N 2`` or in an sbatch job.  Marked ``slurm`` (``-m slurm``; .ci/run
+installs Slurm and runs them).  Without Slurm's packages they skip, saying why.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from kernel_harness import KernelSession, wait_until
+from slurm_cluster import SlurmCluster, missing
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+why = missing()
+if why:
+    pytest.skip(f"no Slurm test cluster: {why}", allow_module_level=True)
+
+WORLD = ("%%distributed --launcher slurm -n 2 --output text\n"
+         "import os, torch, torch.distributed as dist\n"
+         "dist.init_process_group('gloo')\n"
+         "t = torch.tensor([dist.get_rank() + 1.0])\n"
+         "dist.all_reduce(t)\n"
+         "print(f\"sum={t.item():g} rank={dist.get_rank()} local={os.environ['LOCAL_RANK']} "
+         "node={os.environ['NODE_RANK']} world={dist.get_world_size()} on={os.environ['SLURMD_NODENAME']}\")\n"
+         "dist.destroy_process_group()\n")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = SlurmCluster(nodes=2, cpus=2)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+class AllocKernel(KernelSession):
+    """A kernel started inside an allocation of both nodes."""
+
+    def __init__(self, cluster: SlurmCluster) -> None:
+        self.cluster = cluster
+        self.alloc = cluster.allocate(2)
+        self.tmpdir = os.path.join(cluster.dir, f"tmp-{self.alloc['SLURM_JOB_ID']}")
+        os.makedirs(self.tmpdir)
+        super().__init__(extra_env={"PYTHONUNBUFFERED": "1", "TMPDIR": self.tmpdir, **self.alloc})
+        self.ok("%load_ext accel_magics")
+
+    @property
+    def job(self) -> str:
+        return self.alloc["SLURM_JOB_ID"]
+
+    def processes(self) -> list[int]:
+        """Every live process of this job's agents, launchers, supervisors and ranks (on any
+        node: they all live on this machine) and srun: what carries the job id and our name."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            ours = b"accel_magics" in cmd or any(e.startswith(b"ACCEL_MAGICS_LAUNCHER=") for e in env)
+            if ours and f"SLURM_JOB_ID={self.job}".encode() in env and int(pid) != self.pid:
+                found.append(int(pid))
+        return found
+
+    def end(self) -> None:
+        try:
+            self.shutdown()
+        finally:
+            self.cluster.release(self.job)
+
+
+@pytest.fixture(scope="module")
+def kernel(cluster):
+    k = AllocKernel(cluster)
+    try:
+        yield k
+    finally:
+        k.end()
+
+
+def by_rank(text: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"\[rank (\d+)\] (.*)$", line)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+def test_a_two_node_cell_is_one_world_of_four_in_one_view(kernel):
+    res = kernel.run(WORLD, timeout=240)
+    assert res.status == "ok", res.error_text
+    ranks = by_rank(res.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3], res.stdout
+    for rank, lines in ranks.items():
+        node, local = divmod(rank, 2)
+        assert lines == [f"sum=10 rank={rank} local={local} node={node} world=4 on=n{node + 1}"], lines
+    # The record says which node each rank ran on.
+    assert "n1" in res.stdout and "n2" in res.stdout
+
+
+def test_rank_0s_value_and_return_names_come_back(kernel):
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --return where\nimport os\n"
+                     "where = os.environ['SLURMD_NODENAME']\nint(os.environ['RANK']) * 10", timeout=120)
+    assert res.status == "ok" and res.result == "0", res.error_text
+    assert kernel.ok("where").result == "'n1'"
+
+
+TRAIN = '''
+import torch
+from torch.utils.data import Dataset, DataLoader
+from accelerate import Accelerator
+
+class SyntheticImages(Dataset):
+    """Small synthetic 'images': the class is which quadrant is brightest (no downloads)."""
+    def __init__(self, n=256, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.x = torch.randn(n, 1, 16, 16, generator=g) * 0.5
+        for i, c in enumerate(self.y.tolist()):
+            r, q = divmod(c, 2)
+            self.x[i, 0, r*8:(r+1)*8, q*8:(q+1)*8] += 1.0
+    def __len__(self):
+        return len(self.y)
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+def training_function(epochs=4, lr=3e-3, batch_size=16, seed=42):
+    torch.manual_seed(seed)
+    accelerator = Accelerator()
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4))
+    train = DataLoader(SyntheticImages(), batch_size=batch_size, shuffle=True)
+    evald = DataLoader(SyntheticImages(128, seed=1), batch_size=batch_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt, train, evald = accelerator.prepare(model, opt, train, evald)
+    for epoch in range(epochs):
+        model.train()
+        for x, y in train:
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step(); opt.zero_grad()
+        model.eval(); correct = total = 0
+        for x, y in evald:
+            with torch.no_grad():
+                pred = model(x).argmax(1)
+            pred, y = accelerator.gather_for_metrics((pred, y))
+            correct += (pred == y).sum().item(); total += len(y)
+        accelerator.print(f"epoch {epoch}: {100 * correct / total:.1f}% world {accelerator.num_processes}")
+    return correct / total
+'''
+
+
+def test_the_seed_tutorials_training_trains_on_two_nodes_as_on_one(kernel):
+    kernel.ok(TRAIN)
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --return acc\nacc = training_function()",
+                     timeout=240)
+    assert res.status == "ok", res.error_text
+    on_two = kernel.ok("acc").result
+    assert "world 4" in res.stdout, res.stdout
+    local = kernel.run("%%distributed --launcher local -n 4 --output text --return acc\nacc = training_function()",
+                       timeout=240)
+    assert local.status == "ok", local.error_text
+    on_one = kernel.ok("acc").result
+    assert float(on_two) >= 0.8 and abs(float(on_two) - float(on_one)) <= 0.05, (on_two, on_one)
+
+
+def test_a_rank_failing_on_node_1_is_named_with_its_node_and_nothing_hangs(kernel):
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\nif dist.get_rank() == 2:\n"
+                     "    raise ValueError('bad shard on rank 2')\ndist.barrier()", timeout=120)
+    assert time.monotonic() - started < 60
+    assert res.error["ename"] == "DistributedRunError", res.error_text
+    assert res.error["evalue"].startswith("rank 2 failed: ValueError: bad shard on rank 2 (on node n2)"), \
+        res.error["evalue"]
+    assert "--- rank 2 traceback (root cause) ---" in res.error_text
+    assert kernel.run(WORLD, timeout=120).status == "ok"   # the next cell works
+
+
+def test_the_stop_button_stops_every_rank_on_every_node_within_seconds(kernel):
+    def on_output(text, fired=[]):
+        if "waiting" in text and not fired:
+            fired.append(True)
+            kernel.interrupt()
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, time, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\nprint('waiting', flush=True)\n"
+                     "if dist.get_rank() == 3:\n    time.sleep(3600)\ndist.barrier()", timeout=120,
+                     on_output=on_output)
+    assert res.error is not None and res.error["ename"] == "RunInterrupted", res.error_text
+    assert time.monotonic() - started < 30
+    assert all(f"rank {r}:" in res.error_text for r in range(4)), res.error_text   # stacks from both nodes
+    assert "time.sleep(3600)" in res.error_text and "barrier" in res.error_text
+
+
+def test_a_timeout_shows_the_stacks_of_both_nodes(kernel):
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --timeout 4\nimport time\n"
+                     "def stuck_on_this_node():\n    time.sleep(3600)\nstuck_on_this_node()", timeout=120)
+    assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert all(f"rank {r}:" in res.error_text for r in range(4)) and "stuck_on_this_node" in res.error_text
+
+
+def test_bad_slurm_flags_are_usage_errors_before_anything_starts(kernel):
+    for flags, words in (("--num_nodes 3", "has only 2 node(s)"), ("--node_rank 1", "cannot be given"),
+                         ("--master_addr 10.0.0.1", "cannot be given"), ("--max_restarts 1", "not supported"),
+                         ("--session", "does not work with --launcher slurm")):
+        res = kernel.run(f"%%distributed --launcher slurm -n 2 {flags}\npass")
+        assert res.error and res.error["ename"] == "UsageError" and words in res.error["evalue"], (flags, res.error_text)
+    out = kernel.ok("%distributed_config --launcher slurm").stdout
+    assert "n[1-2]" in out and "launcher slurm" in out, out
+    kernel.ok("%distributed_config --reset")
+
+
+def test_no_allocation_is_a_usage_error():
+    k = KernelSession(extra_env={"SLURM_JOB_ID": "", "SLURM_JOBID": ""})
+    try:
+        k.ok("%load_ext accel_magics")
+        res = k.run("%%distributed --launcher slurm\npass")
+        assert res.error["ename"] == "UsageError" and "needs a Slurm allocation" in res.error["evalue"]
+        assert "salloc" in res.error["evalue"]
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.parametrize("how", ["kill", "shutdown"])
+def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
+    k = AllocKernel(cluster)
+    try:
+        assert k.run(WORLD, timeout=240).status == "ok"
+        k.kc.execute("%%distributed --launcher slurm -n 2 --output text\nimport time\ntime.sleep(3600)")
+        # srun, 2 agents, their launchers, 2 supervisors and 4 ranks at least
+        wait_until(lambda: len(k.processes()) >= 11, 60, "the agents and a run on both nodes")
+        assert cluster.steps(k.job), "the agents' step is not in squeue"
+        k.kc.stop_channels()
+        if how == "kill":
+            os.kill(k.pid, signal.SIGKILL)
+        else:
+            k.km.shutdown_kernel(now=False)
+        wait_until(lambda: not k.processes(), 15, "every process of the run on both nodes to end")
+        wait_until(lambda: not cluster.steps(k.job), 15, "the agents' step to leave squeue")
+    finally:
+        try:
+            k.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
+        cluster.release(k.job)
+
+
+def test_the_multi_node_regression_notebook_runs_a_real_multi_node_cell(cluster, tmp_path):
+    """notebooks/multi_node_slurm.ipynb under nbval, in a kernel inside an allocation:
+    its stored outputs come from a real two-node run, and must come again."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    alloc = cluster.allocate(2)
+    try:
+        env = dict(os.environ, **alloc, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                              "--nbval", "--nbval-sanitize-with", os.path.join(root, "notebooks", "sanitize.cfg"),
+                              os.path.join(root, "notebooks", "multi_node_slurm.ipynb")],
+                             env=env, capture_output=True, text=True, timeout=280, cwd=root)
+        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    finally:
+        cluster.release(alloc["SLURM_JOB_ID"])
