@@ -253,14 +253,14 @@ class DistributedMagics(Magics):
         """
         started = time.monotonic()
         args = _parse(self.distributed, line)
-        if args.session:
-            from .session_magic import session_cell
-
-            return session_cell(self, args, line, cell, started)
         if (args.launcher or self.defaults.get("launcher")) == "slurm":
             from .slurm_magic import slurm_cell
 
             return slurm_cell(self, args, line, cell, started)
+        if args.session:
+            from .session_magic import session_cell
+
+            return session_cell(self, args, line, cell, started)
         presenter = self._presenter(args, started, background=args.background)
         try:
             cfg = self._config(args)

@@ -175,6 +175,9 @@ class SessionMagics(Magics):
             raise UsageError(f"a session is already running ({len(session.pids)} ranks): "
                              "`%distributed_session restart` starts a fresh one, `stop` ends it.")
         given = self._given(args) if given is None else given
+        if given.get("launcher") == "slurm":
+            raise UsageError("sessions do not work with --launcher slurm yet: start the session with the local "
+                             "launcher (one kernel per node for several nodes). Nothing was started.")
         for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
                                            "`%distributed_session restart` starts a fresh one"),
                           ("output", "a cell option: give it on the %%distributed --session cell"),
