@@ -124,6 +124,12 @@ class NodeRendezvous:
 
         if time.monotonic() >= self.deadline:
             raise RendezvousTimeout(self.timeout_message(0))
+        # Not listening yet (node 0 is a moment behind): say so at once. torch's
+        # client would retry with its own back-off, costing this run up to a second.
+        try:
+            socket.create_connection((self.host, self.port), timeout=min(attempt_timeout, 0.5)).close()
+        except OSError:
+            return False
         try:
             self.store = _bounded(lambda: TCPStore(self.host, self.port, None, False,
                                                    timedelta(seconds=attempt_timeout)),
