@@ -243,3 +243,15 @@ def rank_environment(
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     env.update({k: str(v) for k, v in cfg.extra_env.items()})
     return env
+
+
+def host_address(override: str) -> str:
+    """This host's address on the cluster network: ``$override`` if set, else what
+    its name resolves to (how Slurm and torchrun name a node), else loopback."""
+    given = os.environ.get(override)
+    if given:
+        return given
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -111,3 +111,12 @@ def kill_marked(token: str) -> int:
         except (ProcessLookupError, PermissionError):
             pass
     return len(victims)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, a process that just died, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -29,6 +29,7 @@ from .errors import (DistributedRunError, DistributedStallError, DistributedTime
                      ReportedError, RunInterrupted, SessionLostError)
 from .launcher import Launcher
 from .payload import Payload
+from .process_tree import running
 from .run import RunControl, RunResult, _collect, conclude
 from .run_handle import RunHandle
 
@@ -132,9 +133,9 @@ class DistributedSession:
     def _wait_gone(self, handle: RunHandle) -> None:
         """The supervisor exits after its ranks: wait for that (bounded), else kill."""
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and _alive(self.supervisor_pid):
+        while time.monotonic() < deadline and running(self.supervisor_pid):
             time.sleep(0.02)
-        if _alive(self.supervisor_pid):
+        if running(self.supervisor_pid):
             handle.finished = False
             handle.force_kill()
 
@@ -170,7 +171,7 @@ class DistributedSession:
                 continue
             if content.get("kind") == "session_lost":
                 why = content.get("lost") or "its ranks ended"
-        if why is None and not _alive(self.supervisor_pid):
+        if why is None and not running(self.supervisor_pid):
             why = "its processes ended (the launcher was stopped or replaced)"
         if why is not None:
             self.lost = why
@@ -259,14 +260,6 @@ class DistributedSession:
             rows.append({"rank": rank, "pid": pid, "state": state, "rss": rss, "gpu": gpu.get(pid),
                          "cell": self.current if state not in ("gone", "zombie") else None})
         return rows
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 _STATES = {"R": "running", "S": "sleeping", "D": "in I/O", "T": "stopped", "t": "traced", "Z": "zombie"}

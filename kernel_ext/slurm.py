@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from typing import Iterator, Optional
 import zmq
 
 from . import wire
-from .environment import LaunchConfig
+from .environment import LaunchConfig, host_address
 from .errors import LauncherError
 
 START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
@@ -99,17 +98,6 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return names
 
 
-def _kernel_address() -> str:
-    """Where the agents reach the kernel: this host's address on the cluster network."""
-    override = os.environ.get("ACCEL_MAGICS_KERNEL_ADDR")
-    if override:
-        return override
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 class SlurmAgents:
     """The agents of one allocation: started once, kept, stopped with the kernel."""
 
@@ -137,7 +125,7 @@ class SlurmAgents:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        address = _kernel_address()
+        address = host_address("ACCEL_MAGICS_KERNEL_ADDR")
         port = self.sock.bind_to_random_port(f"tcp://{address}")
         argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
                 "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",

@@ -32,23 +32,12 @@ from typing import Optional
 import zmq
 
 from . import wire
-from .environment import LaunchConfig, free_port
+from .environment import LaunchConfig, free_port, host_address
 from .launcher import Launcher
 
 LOST_AFTER = 5.0        # seconds without the kernel's connection before the agent gives up
 HEARTBEAT_MS = 1000     # ZMTP heartbeat interval (and 5x that as its timeout)
 IDLE_POLL_MS = 200
-
-
-def node_address() -> str:
-    """This node's address as other nodes reach it (node 0 hosts the rendezvous there)."""
-    override = os.environ.get("ACCEL_MAGICS_NODE_ADDR")
-    if override:
-        return override
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class Agent:
@@ -103,7 +92,7 @@ class Agent:
         self.launcher.start()
         info = self.launcher.wait_ready()
         self.send({"kind": "hello", "nodename": self.nodename, "hostname": socket.gethostname(),
-                   "address": node_address(), "pid": os.getpid(), "gpu_count": info.get("gpu_count", 0)})
+                   "address": host_address("ACCEL_MAGICS_NODE_ADDR"), "pid": os.getpid(), "gpu_count": info.get("gpu_count", 0)})
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)

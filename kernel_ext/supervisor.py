@@ -50,7 +50,7 @@ RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked t
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as moving
 NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
-RDZV_POLL = 0.01          # several nodes: seconds between looks at the store (joined? all finished?)
+RDZV_POLL = 0.002         # several nodes: seconds between looks at the store (joined? all finished?)
 
 
 class Supervisor:

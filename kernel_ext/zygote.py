@@ -29,7 +29,7 @@ from typing import Optional
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
 from . import payload, pg_guard, rank_stdio, session_supervisor, supervisor, wire, worker  # noqa: F401
-from .process_tree import children, kill_orphans
+from .process_tree import children, kill_orphans, running
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
@@ -368,17 +368,8 @@ class Zygote:
             time.sleep(0.01)
         # The kernel owns the private directory (its log tells why this
         # process ended); only when the kernel is gone is nobody left to remove it.
-        if self.kernel_gone or not _alive(self.kernel_pid):
+        if self.kernel_gone or not running(self.kernel_pid):
             shutil.rmtree(self.private_dir, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, a kernel that just died, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def main() -> None:
