@@ -35,7 +35,7 @@ from . import native_stacks, wire
 from .output_batch import Excerpt, bound_text
 from .rank_logs import RankLogs
 from .rank_process import RankProcess, user_stack, where_blocked
-from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK, STALL_CPU,
+from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 
 RECALL_WAIT = 3.0     # after SIGINT, how long the ranks get to be back at their prompt
@@ -110,15 +110,7 @@ class SessionSupervisor(Supervisor):
             self._release_all()   # EOF at their prompt: each rank exits by itself
         else:
             self._terminate()
-        deadline = time.monotonic() + (REAP_WAIT if self.ending == "stop" else self.grace)
-        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
-            self._poll(0.05)
-        for r in self.ranks:
-            if r.status is None:
-                r.signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + REAP_WAIT
-        while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
-            self._poll(0.05)
+        self._wait_ranks_gone(REAP_WAIT if self.ending == "stop" else self.grace)
         for r in self.ranks:
             self._drain(r)
             r.output.end()
@@ -269,10 +261,7 @@ class SessionSupervisor(Supervisor):
 
     # -- rank events --------------------------------------------------------------------
     def _on_rank_event(self, r: RankProcess, event: dict) -> None:
-        drained = 0
-        while "out" in r.fds and drained < 64 and self._on_readable("out", r, r.fds["out"]):
-            drained += 1
-        self._flush()
+        self._catch_up(r)
         kind = event.get("kind")
         if kind == "session_ready":
             r.ready = True
@@ -370,7 +359,7 @@ class SessionSupervisor(Supervisor):
     def _on_time(self) -> None:
         now = time.monotonic()
         if self.stall_check is not None and now >= self.stall_check:
-            self._check_session_stall(now)
+            self._check_stall(now)   # as for one-shot runs: a back rank is one that finished
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
             self._recall("timeout")
@@ -407,30 +396,9 @@ class SessionSupervisor(Supervisor):
         if self.flush_due is not None and now >= self.flush_due:
             self._flush()
 
-    def _check_session_stall(self, now: float) -> None:
-        """As for one-shot runs: a rank still in the cell, with no CPU time and no
-        output for ``stall_timeout`` seconds after another rank finished it."""
-        self.stall_check = now + STALL_CHECK
-        if self.stopping is not None or self.cell is None:
-            self.stall_check = None
-            return
-        finished = [r for r in self.ranks if r.back]
-        running = self._out()
-        if not finished or not running:
-            return
-        since = min(r.done_time for r in finished)
-        for r in running:
-            cpu = native_stacks.cpu_seconds(r.pid)
-            if cpu is None:
-                return
-            if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
-                r.cpu_seen, r.cpu_since = cpu, now
-        limit = self.spec["stall_timeout"]
-        if min(now - max(r.cpu_since, r.last_output, since) for r in running) < limit:
-            return
-        self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
-                    "finished": [r.rank for r in finished]})
-        self._recall("stalled")
+    def _stop(self, reason: str, stacks: bool) -> None:
+        """The one-shot supervisor's stop (its stall check calls it): here, a recall."""
+        self._recall(reason)
 
     def _describe_stuck(self) -> str:
         """Why the session is lost: where each stuck rank was, and what it waited for."""
@@ -470,9 +438,7 @@ class SessionSupervisor(Supervisor):
             r.output.end()
         self._flush()
         if self.stopping in ("interrupt", "timeout", "stalled"):
-            for r in self.ranks:
-                if r.stack or r.native:
-                    self._send_stack(r)
+            self._send_stacks()
         self.logs.close()
         self.logs = RankLogs("")   # what a thread of a rank prints between cells goes nowhere
         self._send({"kind": "finished", "reason": self.stopping, "session": "alive",

@@ -310,12 +310,10 @@ class SlurmRun:
             if reason == "remote_failed":
                 reason = "failed"
             return [{"kind": "finished", "reason": reason, "forced": self.forced}]
-        if kind == "supervisor_error":
+        if kind in ("supervisor_error", "waiting", "rendezvous_failed", "stalled"):
             return [msg]
-        if kind in ("waiting", "rendezvous_failed", "stalled"):
-            return [msg]
-        if kind == "remote_failure":
-            return []   # every node's own failures come here directly: the root cause is found from them all
+        # "remote_failure" included: every node's own failures come here directly,
+        # and the root cause is found from them all.
         return []
 
     def _check(self, now: float) -> bool:

@@ -147,7 +147,13 @@ class Supervisor:
         while time.monotonic() < deadline and self.stopping not in ("interrupt", "terminated"):
             self._poll(deadline - time.monotonic())
         self._release_all()
-        deadline = time.monotonic() + REAP_WAIT
+        self._wait_ranks_gone(REAP_WAIT)
+        self._sweep_orphans()
+
+    def _wait_ranks_gone(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for every rank to exit, then SIGKILL what
+        is left (and its children) and wait up to REAP_WAIT for that."""
+        deadline = time.monotonic() + wait
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
         for r in self.ranks:
@@ -156,7 +162,6 @@ class Supervisor:
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
             self._poll(0.05)
-        self._sweep_orphans()
 
     def _sweep_orphans(self, wait: float = 2.0) -> None:
         """Kill what the ranks left behind until nothing is left: a chain of
@@ -556,14 +561,17 @@ class Supervisor:
         if self.first_failure is None or candidate < self.first_failure:
             self.first_failure = candidate
 
-    def _on_rank_event(self, r: RankProcess, event: dict) -> None:
-        # What the rank printed before it sent this event is in its output
-        # pipe already: read it first, so prints and events (a bar that
-        # closes after a print) reach the kernel in the rank's order.
+    def _catch_up(self, r: RankProcess) -> None:
+        """What the rank printed before it sent an event is in its output pipe
+        already: read it (bounded) and send it first, so prints and events (a
+        bar that closes after a print) reach the kernel in the rank's order."""
         drained = 0
         while "out" in r.fds and drained < 64 and self._on_readable("out", r, r.fds["out"]):
             drained += 1
         self._flush()
+
+    def _on_rank_event(self, r: RankProcess, event: dict) -> None:
+        self._catch_up(r)
         if event.get("kind") == "failed":
             r.failed = True
             summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]

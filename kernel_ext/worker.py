@@ -517,7 +517,7 @@ def _on_session_sigint(signum, frame) -> None:
     (between cells) it is ignored."""
     global _interrupt_pending, _stop_wanted
     if _in_cell:
-        if _stop_wanted or not _training():
+        if _stop_wanted or _world_store() is None:   # no peers to agree with: at once
             raise KeyboardInterrupt
         _stop_wanted = True
         return
@@ -534,10 +534,6 @@ def _world_store():
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
-
-
-def _training() -> bool:
-    return _world_store() is not None
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

@@ -508,3 +508,22 @@ def test_stop_during_ddp_training_stops_every_rank_at_the_same_step_and_keeps_th
         assert "The session lives on" in res.error_text, res.error_text
         state = by_rank(ok_cell(k, "print(steps, round(sum(p.sum().item() for p in model.parameters()), 6))").stdout)
         assert state[0] == state[1] and int(state[0][0].split()[0]) > 0, state   # same step, same weights
+
+
+def test_a_rank_stalled_in_a_session_cell_is_reported_and_the_session_ends(kernel):
+    """The one-shot stall check serves sessions too: rank 0 is back at its
+    prompt, rank 1 waits in a barrier it alone entered."""
+    k = kernel
+    k.ok("%distributed_session start -n 2 --stall_timeout 2")
+    try:
+        ok_cell(k, "import os, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
+                   "dist.init_process_group('gloo')")
+        started = time.monotonic()
+        res = cell(k, "if rank == 1:\n    dist.barrier()")
+        assert time.monotonic() - started < 20
+        assert res.error["ename"] == "SessionLostError", res.error_text
+        assert "rank 1 was in barrier" in res.error["evalue"], res.error["evalue"]
+        assert "DistributedStallError: rank(s) 1 stalled" in res.error_text, res.error_text
+    finally:
+        k.run("%distributed_session stop")
+    k.assert_no_leaks()
