@@ -176,6 +176,11 @@ class Launcher:
             proc.stdin.close()   # EOF: the zygote stops its runs and exits
         except OSError:
             pass
+        # Removed now, not after the wait: nothing needs it any more (the log's
+        # tail was read by whoever closes for a reason), and a kernel killed
+        # while it waits (a shutdown that takes too long) must not leave it,
+        # since a zygote that saw EOF from a live kernel leaves it to the kernel.
+        shutil.rmtree(self.dir, ignore_errors=True)
         try:
             proc.wait(0 if kill else 5)
         except subprocess.TimeoutExpired:
@@ -189,7 +194,6 @@ class Launcher:
         process_tree.kill_marked(self.token)
         proc.stdout.close()
         self.pull.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
         self.info = {}
         self.live.clear()
         self._pending_preload = []
