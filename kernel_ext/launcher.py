@@ -76,9 +76,14 @@ def _private_dir() -> str:
 class Launcher:
     """The kernel's handle on its launcher process."""
 
-    def __init__(self, preload: Optional[list[str]] = None, python: str = sys.executable) -> None:
+    def __init__(self, preload: Optional[list[str]] = None, python: str = sys.executable,
+                 report_to: Optional[str] = None) -> None:
+        """``report_to``: where runs send their messages instead of this
+        launcher's own socket (a Slurm node's agent: the kernel's, over TCP;
+        the runs sign them with a key the kernel knows, see ``launch(key=)``)."""
         self.preload = preload
         self.python = python
+        self.report_to = report_to
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
         self.dropped = 0          # messages that failed verification (forged, stale)
@@ -122,12 +127,12 @@ class Launcher:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _start(self) -> None:
-        self.events_addr = f"ipc://{self.dir}/events"
+        self.events_addr = self.report_to or f"ipc://{self.dir}/events"
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.bind(self.events_addr)
+        self.pull.bind(f"ipc://{self.dir}/events")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         # Every process of this launcher carries the marker (ranks keep it too),
@@ -365,27 +370,32 @@ class Launcher:
     def launch(self, cfg: LaunchConfig, payload: Optional[Payload], *, attempt: int = 0, grace: float = 3.0,
                log_dir: str = "", excerpt: Optional[tuple[int, int]] = None, events=None,
                extra: Optional[dict] = None, stop_wait: Optional[float] = None,
-               persistent: bool = False) -> "RunHandle":
+               persistent: bool = False, run_id: Optional[str] = None,
+               key: Optional[bytes] = None) -> "RunHandle":
         """Hand the run to the launcher; ``log_dir`` and ``excerpt``: see ``run.execute``.
 
         ``events``: (PULL socket, address) from :meth:`channel`, for a run read
         on a socket of its own (a background run, a session); ``extra``: more
         of the spec (a session's).  ``persistent``: the run may outlive the cell
         (a session, a background run): later runs must not end it; it stays in
-        :attr:`live` until the caller removes it.
+        :attr:`live` until the caller removes it.  ``run_id`` and ``key``: the
+        run's id and signing key, when its messages go to a reader that chose
+        them (``report_to``); else a fresh id and a fresh random key.
         """
         with self._lock:
-            handle = self._launch(cfg, payload, attempt, grace, log_dir, excerpt, events, extra or {}, stop_wait)
+            handle = self._launch(cfg, payload, attempt, grace, log_dir, excerpt, events, extra or {}, stop_wait,
+                                  run_id, key)
             if persistent:   # before the lock is let go: no other run's dispatch may end it
                 self.live[handle.run_id] = handle.supervisor_pid
             return handle
 
-    def _launch(self, cfg, payload, attempt, grace, log_dir, excerpt, events, extra, stop_wait) -> "RunHandle":
+    def _launch(self, cfg, payload, attempt, grace, log_dir, excerpt, events, extra, stop_wait,
+                run_id=None, key=None) -> "RunHandle":
         info = self.ensure_running()
         gpus = info.get("gpu_count", 0)
-        run_id = uuid.uuid4().hex[:12]
+        run_id = run_id or uuid.uuid4().hex[:12]
         port = cfg.master_port or free_port(cfg.master_addr if cfg.num_nodes == 1 else "0.0.0.0")
-        key = wire.new_key()
+        key = key or wire.new_key()
         spec = {
             "run_id": run_id,
             "events_addr": self.events_addr,

@@ -93,7 +93,8 @@ class NodeRendezvous:
         master address only, so a one-node store is not reachable from other
         machines.  Returns the socket's fd, to watch for the first connection.
         """
-        address = resolve_host(self.host)   # numeric addresses skip the resolver
+        # Several nodes: every interface, as the store itself listens (see host_store).
+        address = resolve_host(self.host) if self.num_nodes == 1 else "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,11 +125,7 @@ class NodeRendezvous:
 
         if time.monotonic() >= self.deadline:
             raise RendezvousTimeout(self.timeout_message(0))
-        # Not listening yet (node 0 is a moment behind): say so at once. torch's
-        # client would retry with its own back-off, costing this run up to a second.
-        try:
-            socket.create_connection((self.host, self.port), timeout=min(attempt_timeout, 0.5)).close()
-        except OSError:
+        if not self.probe(min(attempt_timeout, 0.5)):
             return False
         try:
             self.store = _bounded(lambda: TCPStore(self.host, self.port, None, False,
@@ -139,6 +136,20 @@ class NodeRendezvous:
             return False
         self.store.set_timeout(timedelta(seconds=30))
         return True
+
+    def probe(self, timeout: float = 0.5) -> bool:
+        """Is node 0 listening yet?  A plain TCP connect, closed at once.
+
+        Not yet (node 0 is a moment behind): say so at once, where torch's
+        client would retry with its own back-off, costing the run up to a
+        second.  Listening is enough for a rank to connect: its connection
+        waits in the backlog until the store accepts it (see :meth:`listen`).
+        """
+        try:
+            socket.create_connection((self.host, self.port), timeout=timeout).close()
+            return True
+        except OSError:
+            return False
 
     def join_step(self) -> int:
         """Count this node in (once); how many nodes have joined so far."""

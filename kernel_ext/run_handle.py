@@ -130,6 +130,20 @@ class RunHandle:
         finally:
             poller.unregister(pull)
 
+    @property
+    def pidfd(self) -> Optional[int]:
+        """Readable once the supervisor has exited (None where pidfds are missing)."""
+        return self._pidfd
+
+    def watch(self) -> bool:
+        """For a caller that does not read the run's messages (a Slurm node's
+        agent: the kernel reads them, and owns the --timeout and rendezvous
+        backstops): carry a stop that is not answered on (SIGUSR2, then
+        SIGKILL); True once the supervisor has exited."""
+        self.timeout_at = self.rendezvous_at = None
+        self._escalate(time.monotonic())
+        return self._supervisor_gone()
+
     def _note(self, msg: dict) -> None:
         kind = msg.get("kind")
         if kind == "finished":
@@ -236,6 +250,11 @@ class RunHandle:
         else:
             self._why = "it did not answer the stop"
             self.force_kill()
+
+    def peers_ended(self) -> None:
+        """A run on several nodes, dispatched together: another node failed
+        (this one stops), or every node is done (node 0 closes its store)."""
+        self._signal(signal.SIGHUP)
 
     def kill(self) -> None:
         """Stop now: SIGUSR2, then SIGKILL if that is not answered."""

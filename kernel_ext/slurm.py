@@ -23,6 +23,7 @@ channel to each agent.  Agents end when the kernel's connection is gone
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import re
@@ -45,6 +46,7 @@ START_WAIT = 180.0      # seconds for srun and every agent to start (each import
 STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents are told to kill
 KILL_WAIT = 5.0         # after that, how long before the run ends as forced
 GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
+GONE_DRAIN = 2.0        # a node's supervisor exited: how long its last messages may take
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
 
@@ -108,7 +110,7 @@ class SlurmAgents:
         self.python = python
         self.proc: Optional[subprocess.Popen] = None
         self.nodes: dict[int, dict] = {}      # SLURM_NODEID -> its hello
-        self.dir = ""
+        self.log = None   # srun's output: a file with no name (nothing to leave behind, even on kill -9)
 
     @property
     def alive(self) -> bool:
@@ -118,7 +120,6 @@ class SlurmAgents:
         return self.alive and num_nodes == self.num_nodes and slurm_args == self.slurm_args
 
     def start(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="accel_magics-slurm-")   # 0700: srun's log
         self.key = wire.new_key()
         self.session = wire.signed_session(self.key)
         self.ctx = zmq.Context.instance()
@@ -127,26 +128,31 @@ class SlurmAgents:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         address = host_address("ACCEL_MAGICS_KERNEL_ADDR")
         port = self.sock.bind_to_random_port(f"tcp://{address}")
+        # The runs' own messages, from every node's supervisor (see slurm_agent).
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        events_port = self.events.bind_to_random_port(f"tcp://{address}")
         argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
                 "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",
                 *shlex.split(self.slurm_args), self.python, "-m", "accel_magics.kernel_ext.slurm_agent"]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-        self.log_path = os.path.join(self.dir, "srun.log")
-        log = open(self.log_path, "ab")
+        self.log = tempfile.TemporaryFile(prefix="accel_magics-srun-")
+        # O_APPEND: srun writes at the end whatever this side reads (log_tail uses pread).
+        fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL, fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         try:
             # Its own session: the kernel's interrupt (SIGINT to its group) must
             # never reach srun (two SIGINTs within a second kill the step).
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, env=env,
                                          start_new_session=True, close_fds=True)
         except OSError as exc:
-            log.close()
             self.close()
             raise SlurmError(f"could not start srun ({exc}); is Slurm's client installed here?") from None
-        log.close()
         _live.add(self)
         try:
             self.proc.stdin.write((json.dumps({"address": f"tcp://{address}:{port}",
+                                               "events": f"tcp://{address}:{events_port}",
                                                "key": self.key.decode()}) + "\n").encode())
             self.proc.stdin.close()
             self._wait_hellos()
@@ -169,9 +175,11 @@ class SlurmAgents:
 
     def log_tail(self, n: int = 30) -> str:
         try:
-            with open(self.log_path, "rb") as f:
-                return b"".join(f.readlines()[-n:]).decode("utf-8", "replace")
-        except OSError:
+            fd = self.log.fileno()
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+            return b"".join(data.splitlines(keepends=True)[-n:]).decode("utf-8", "replace")
+        except (OSError, AttributeError, ValueError):   # closed, or never opened
             return ""
 
     # -- the channel --------------------------------------------------------------------
@@ -222,13 +230,13 @@ class SlurmAgents:
                     proc.kill()
                     proc.wait()
             self._cancel_steps()
-        if getattr(self, "sock", None) is not None:
-            self.sock.close(linger=0)
-            self.sock = None
-        if self.dir:
-            import shutil
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = ""
+        for name in ("sock", "events"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).close(linger=0)
+                setattr(self, name, None)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
         self.nodes = {}
         _live.discard(self)
 
@@ -252,11 +260,13 @@ class SlurmRun:
     def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt) -> None:
         self.agents = agents
         self.run_id = uuid.uuid4().hex[:12]
+        # Its supervisors sign with a key both ends derive from the allocation's.
+        self.session = wire.signed_session(wire.derive_key(agents.key, self.run_id))
         self.cfg = cfg
         self.finished = False
         self.session_cell = False
         self.forced: Optional[str] = None
-        nodes = sorted(agents.nodes)
+        nodes = self.node_ids = sorted(agents.nodes)   # node_rank -> SLURM_NODEID
         self.master_addr = agents.nodes[nodes[0]]["address"]
         self.master_port = cfg.master_port or agents.free_port()
         P = cfg.num_processes
@@ -265,6 +275,8 @@ class SlurmRun:
                         for node_rank, node in enumerate(nodes) for i in range(P)}
         self.pending = {node: None for node in nodes}    # node -> its "finished" message, once there
         self.started: dict[int, dict] = {}
+        self.exited: dict[int, float] = {}   # node -> when its agent saw its supervisor exit (+ drain)
+        self.peers_told = False   # the other nodes were told to stop (a rank failed)
         self.stop_at = self.kill_at = None
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
         self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
@@ -278,21 +290,63 @@ class SlurmRun:
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         beat = int((heartbeat or 0.5) * 1000)
+        poller = zmq.Poller()
+        poller.register(self.agents.events, zmq.POLLIN)
+        poller.register(self.agents.sock, zmq.POLLIN)
         while not self.finished:
-            msg = self.agents.receive(beat)
-            if msg is None:
-                if heartbeat is not None:
-                    yield {"kind": "heartbeat"}
-            elif msg and msg.get("run_id") == self.run_id:
-                yield from self._merge(msg)
+            ready = dict(poller.poll(beat))
+            if not ready and heartbeat is not None:
+                yield {"kind": "heartbeat"}
+            if self.agents.events in ready:
+                for msg in self._run_messages():
+                    msg["node"] = self.node_ids[msg.get("node_rank", 0)]
+                    yield from self._merge(msg)
+                    if self.finished:
+                        return
+            if self.agents.sock in ready:
+                while True:
+                    msg = self.agents.receive(0)
+                    if msg is None:
+                        break
+                    if msg and msg.get("run_id") == self.run_id:
+                        yield from self._agent_message(msg)
             if not self.finished and self._check(time.monotonic()):
                 yield {"kind": "finished", "reason": "interrupt", "forced": self.forced}
 
+    def _run_messages(self) -> list[dict]:
+        """What the supervisors said, verified with the run's key before unpickling
+        (an earlier run's stragglers, signed with its own key, are dropped)."""
+        out = []
+        while True:
+            try:
+                frames = self.agents.events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                _, frames = self.session.feed_identities(frames)
+                content = self.session.deserialize(frames)["content"]
+            except Exception:
+                continue
+            if content.get("run_id") == self.run_id:
+                out.append(content)
+
+    def _agent_message(self, msg: dict) -> list[dict]:
+        if msg.get("kind") == "supervisor_exit":
+            # Its "finished" may still be on its way (another connection): a moment's grace.
+            if self.pending.get(msg["node"]) is None:
+                self.exited[msg["node"]] = time.monotonic() + GONE_DRAIN
+            return []
+        return self._merge(msg)
+
     def _merge(self, msg: dict) -> list[dict]:
         node, kind = msg.get("node"), msg.get("kind")
-        if kind in ("output", "rank_event", "stacks", "exit"):
+        if kind in ("output", "rank_event", "stacks", "exit", "released"):
             self.rendezvous_at = None
-            return [msg]
+            failed = ((kind == "rank_event" and msg["event"].get("kind") == "failed")
+                      or (kind == "exit" and not msg["stopped"] and (msg["exitcode"] or msg["signal"])))
+            if failed:
+                self._peers_failed(node)
+            return [msg] if kind != "released" else []
         if kind == "started":
             self.started[node] = msg
             if len(self.started) < len(self.pending):
@@ -301,6 +355,8 @@ class SlurmRun:
             return [{"kind": "started", "pids": pids, "nodes": self.node_of, "master_addr": self.master_addr}]
         if kind == "finished":
             self.pending[node] = msg
+            if msg.get("reason") not in (None, "interrupt"):
+                self._peers_failed(node)
             if any(m is None for m in self.pending.values()):
                 return []
             self.finished = True
@@ -323,6 +379,11 @@ class SlurmRun:
             self.forced = "srun (the node agents) ended during the run"
             self.finished = True
             raise LauncherError("the node agents ended during the run (srun exited):\n" + self.agents.log_tail())
+        for node, at in list(self.exited.items()):
+            if self.pending.get(node) is None and now >= at:
+                self.finished = True
+                name = self.agents.nodes[node]["nodename"]
+                raise LauncherError(f"the run's supervisor on node {node} ({name}) exited without finishing the run")
         for deadline in ("timeout_at", "rendezvous_at"):
             at = getattr(self, deadline)
             if at is not None and now >= at and self.stop_at is None:
@@ -339,13 +400,31 @@ class SlurmRun:
             return True
         return False
 
-    def _each(self, content: dict) -> None:
+    def _each(self, content: dict, skip: Optional[int] = None) -> None:
+        """To every node still running; with its ranks' pids (what a kill takes if it comes to that)."""
         for node, done in self.pending.items():
-            if done is None:
+            if done is None and node != skip:
                 try:
-                    self.agents.send(node, content)
+                    pids = list(self.started.get(node, {}).get("pids", {}).values())
+                    self.agents.send(node, {**content, "pids": pids})
                 except LauncherError:
                     pass
+
+    def _peers_failed(self, node: int) -> None:
+        """A rank failed on ``node``: the other nodes stop (their ranks would wait
+        for it); the root cause is that node's, which the kernel already has."""
+        if not self.peers_told:
+            self.peers_told = True
+            self._each({"op": "peers_ended", "run_id": self.run_id}, skip=node)
+
+    def close(self) -> None:
+        """The run is over: node 0 (waiting after its "finished", its store up for
+        the others) may end, whatever the way out (done, error, interrupt)."""
+        for node in self.pending:
+            try:
+                self.agents.send(node, {"op": "peers_ended", "run_id": self.run_id})
+            except Exception:
+                pass
 
     def interrupt(self) -> None:
         """The stop button: every node's supervisor stops its ranks (stacks first)."""
@@ -357,9 +436,6 @@ class SlurmRun:
 
     def kill(self) -> None:
         self._each({"op": "kill", "run_id": self.run_id})
-
-    def close(self) -> None:
-        pass
 
 
 def run_slurm(agents: SlurmAgents, cfg: LaunchConfig, payload, on_event=None, heartbeat: Optional[float] = None,

@@ -4,15 +4,21 @@ Started by the kernel, one per node, with ``srun --nodes N --ntasks-per-node 1
 python -m accel_magics.kernel_ext.slurm_agent``, and kept for the later cells
 of the same allocation.  On its node it plays the kernel's part for the
 launcher: it runs a :class:`launcher.Launcher` (the node's launcher process,
-which forks each run's supervisor and ranks, exactly as on a workstation)
-and relays between it and the kernel.
+which forks each run's supervisor and ranks, exactly as on a workstation),
+hands it the runs the kernel sends, passes stops on, and says when a run's
+supervisor has exited.
 
-The channel to the kernel is ZMQ over TCP on the cluster network (a DEALER
-connected to the kernel's ROUTER).  It carries pickles, so every message,
-both ways, is HMAC-signed with the allocation's random key and checked
-before it is unpickled (jupyter_client's ``Session``, as for the local
-channel).  The key and the kernel's address come on srun's stdin, never on a
-command line or in an environment that ranks inherit.
+Two channels to the kernel, ZMQ over TCP on the cluster network.  Commands
+and the agent's own messages: a DEALER connected to the kernel's ROUTER.  A
+run's messages (output, rank events, "finished"): from the node's supervisor
+straight to the kernel's PULL socket, so the agent is never a hop (nor a
+process to wake on a busy node) on a rank's output.  Both carry pickles, so
+every message is HMAC-signed and checked before it is unpickled
+(jupyter_client's ``Session``, as for the local channel): the agent's with
+the allocation's random key, a run's with a key derived from it for that run
+(:func:`wire.derive_key`: both ends compute it, nothing more travels).  The
+key and the kernel's addresses come on srun's stdin, never on a command line
+or in an environment that ranks inherit.
 
 The agent ends, and its launcher with every run of this node, when the
 kernel says so, when the kernel's connection is gone for ``LOST_AFTER``
@@ -41,9 +47,10 @@ IDLE_POLL_MS = 200
 
 
 class Agent:
-    def __init__(self, address: str, key: bytes) -> None:
+    def __init__(self, address: str, events: str, key: bytes) -> None:
         self.node = int(os.environ.get("SLURM_NODEID", "0"))
         self.nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.key = key
         self.session = wire.signed_session(key)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -56,9 +63,12 @@ class Agent:
         self.sock.connect(address)
         self.connected = False
         self.lost_since: Optional[float] = time.monotonic()   # until the first connection
-        self.launcher = Launcher()
+        # The node's runs report straight to the kernel (``events``), signed with
+        # a key derived from the allocation's for each run: this agent only starts,
+        # stops and watches them, and is never a hop on their output.
+        self.launcher = Launcher(report_to=events)
         self.handle = None          # the run in progress on this node
-        self.messages = None
+        self.run_id = None
         self.stopping = False
 
     # -- the channel ----------------------------------------------------------------
@@ -96,12 +106,16 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        watched = None
         while not self.stopping:
-            if self.messages is not None:
-                self._relay()   # blocks at most ~50 ms (the handle's heartbeat)
-                ready = dict(poller.poll(0))
-            else:
-                ready = dict(poller.poll(IDLE_POLL_MS))
+            exit_fd = self.handle.pidfd if self.handle is not None else None
+            if exit_fd != watched:
+                if watched is not None:
+                    poller.unregister(watched)
+                if exit_fd is not None:
+                    poller.register(exit_fd, zmq.POLLIN)
+                watched = exit_fd
+            ready = dict(poller.poll(IDLE_POLL_MS))
             if self.monitor in ready:
                 self._watch_connection()
             if self.sock in ready:
@@ -111,72 +125,57 @@ class Agent:
                         break
                     if msg:
                         self._on_command(msg)
+            if self.handle is not None and self.handle.watch():
+                self._end_run()
             if self.lost_since is not None and time.monotonic() - self.lost_since > LOST_AFTER:
                 print(f"accel_magics agent on {self.nodename}: the kernel's connection is gone; ending",
                       file=sys.stderr, flush=True)
                 break
 
     def close(self) -> None:
-        if self.handle is not None and not self.handle.finished:
+        if self.handle is not None:
             self.handle.kill()
         self.launcher.close()
         self.sock.close(linger=500)
 
     def _on_command(self, msg: dict) -> None:
         op = msg.get("op")
+        mine = self.handle is not None and msg.get("run_id") == self.run_id
         if op == "run":
             self._start_run(msg)
         elif op == "port":
             self.send({"kind": "port", "port": free_port("0.0.0.0"), "request": msg.get("request")})
-        elif op == "interrupt" and self.handle is not None and msg.get("run_id") == self.run_id:
+        elif op == "interrupt" and mine:
             self.handle.interrupt()
-        elif op == "kill" and self.handle is not None and msg.get("run_id") == self.run_id:
+        elif op == "peers_ended" and mine:
+            self.handle.peers_ended()
+        elif op == "kill" and mine:
+            self.handle.rank_pids = set(msg.get("pids", ()))   # what SIGKILL takes if it comes to that
             self.handle.kill()
         elif op == "shutdown":
             self.stopping = True
 
     def _start_run(self, msg: dict) -> None:
-        self.run_id = msg["run_id"]
-        if self.messages is not None:   # the kernel starts a run only after the last one finished
+        if self.handle is not None:   # the kernel starts a run only after the last one finished
             self.handle.kill()
+            self.handle.close()
+        self.handle, self.run_id = None, msg["run_id"]
         cfg = LaunchConfig(**msg["cfg"])
         try:
+            # Every node got the run at once from one kernel: no count-in before the ranks start.
             self.handle = self.launcher.launch(cfg, msg["payload"], log_dir=msg.get("log_dir", ""),
-                                               excerpt=msg.get("excerpt"))
+                                               excerpt=msg.get("excerpt"), extra={"dispatched_together": True},
+                                               run_id=self.run_id, key=wire.derive_key(self.key, self.run_id))
         except Exception as exc:
-            self.handle = self.messages = None
             self.send({"kind": "supervisor_error", "run_id": self.run_id, "message": str(exc),
                        "traceback": f"the launcher on node {self.node} ({self.nodename}) could not start the run: "
                                     f"{type(exc).__name__}: {exc}"})
-            return
-        self.messages = self.handle.messages(heartbeat=0.05)
-
-    def _relay(self) -> None:
-        """Forward what the node's run says (one message, or none within 50 ms)."""
-        try:
-            msg = next(self.messages)
-        except StopIteration:
-            self._end_run()
-            return
-        except Exception as exc:   # the node's supervisor died without finishing
-            self.send({"kind": "supervisor_error", "run_id": self.run_id, "message": str(exc),
-                       "traceback": f"on node {self.node} ({self.nodename}): {exc}"})
-            self._end_run()
-            return
-        if msg.get("kind") == "heartbeat":
-            return
-        msg["run_id"] = self.run_id
-        self.send(msg)
-        if msg.get("kind") == "finished":
-            self._end_run()
 
     def _end_run(self) -> None:
-        if self.messages is not None:
-            self.messages.close()
-        if self.handle is not None:
-            self.handle.close()
-            self.launcher.learn_modules([])
-        self.messages = self.handle = None
+        """The run's supervisor exited: the kernel decides whether it had finished."""
+        self.send({"kind": "supervisor_exit", "run_id": self.run_id})
+        self.handle.close()
+        self.handle = None
 
 
 def main() -> None:
@@ -187,7 +186,7 @@ def main() -> None:
     if not line:
         return
     hello = json.loads(line)
-    agent = Agent(hello["address"], hello["key"].encode())
+    agent = Agent(hello["address"], hello["events"], hello["key"].encode())
     try:
         agent.serve()
     finally:

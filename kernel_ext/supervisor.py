@@ -35,7 +35,7 @@ from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_sta
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
-SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
+SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGHUP}
 REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
 REMOTE_CHECK = 0.5        # seconds between looks at other nodes' failure flag
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
@@ -76,6 +76,8 @@ class Supervisor:
         self.flush_due: Optional[float] = None
         self._fds: list[int] = []          # every fd a rank must not inherit
         self.rdzv = None
+        self.spec: dict = {}
+        self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.stall_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
@@ -100,15 +102,19 @@ class Supervisor:
 
                 SessionSupervisor.adopt(self).serve_session()
                 return
-            if self.spec["num_nodes"] > 1 and self.stopping is None:
+            together = self.spec.get("dispatched_together")
+            if self.spec["num_nodes"] > 1 and self.stopping is None and not together:
                 self.remote_check = time.monotonic() + REMOTE_CHECK
             elif self.spec.get("stall_timeout"):
                 self.stall_check = time.monotonic() + STALL_CHECK
             self._loop()
-            self._finish_nodes()
+            if not together:
+                self._finish_nodes()
             self.logs.close()   # complete on disk before the kernel hears "finished"
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
+            if together and self.spec["node_rank"] == 0:
+                self._keep_store_for_peers()
             if self.rdzv is not None:
                 self.rdzv.close()   # stop listening (joins the store's thread: after "finished")
             self._reap_rest()
@@ -182,7 +188,7 @@ class Supervisor:
         set_nonblocking(w)
         self.wakeup_r, self.wakeup_w = r, w
         signal.set_wakeup_fd(w)
-        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
@@ -284,9 +290,12 @@ class Supervisor:
         self.rdzv = NodeRendezvous(spec["master_addr"], spec["master_port"], nodes, spec["node_rank"],
                                    spec["rdzv_timeout"])
         try:
-            if nodes == 1:
+            if nodes == 1 or (spec.get("dispatched_together") and spec["node_rank"] == 0):
                 fd = self.rdzv.listen()
                 self.sel.register(fd, selectors.EVENT_READ, ("store", None))
+                return
+            if spec.get("dispatched_together"):
+                self._wait_listening()
                 return
             if spec["node_rank"] == 0:
                 self.rdzv.host_store()
@@ -308,6 +317,48 @@ class Supervisor:
         except Exception as exc:   # e.g. node 0 could not listen on the port
             self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
                                     f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
+
+    def _wait_listening(self) -> None:
+        """Nodes handed the run at once by one kernel (``--launcher slurm``).
+
+        The kernel started every node's part in the same moment and watches
+        them all, so the one-kernel-per-node count-in before the ranks start
+        (for a person who has not run the other node's cell yet), and the
+        store client each node keeps for it, only cost the run time: the
+        kernel stops the other nodes when one fails, and tells node 0 when
+        every node is done (SIGHUP both, see :meth:`_peers_ended`).  Node 0
+        listens at once and hosts its store on the first connection, as on
+        one node; the other nodes start their ranks as soon as node 0's port
+        accepts (a rank's connection then waits in its backlog, never in
+        torch's retry back-off, which costs about half a second).
+        """
+        last_note = time.monotonic()
+        while self.stopping is None and not self.rdzv.probe():
+            if time.monotonic() - last_note >= 1.0:
+                last_note = time.monotonic()
+                self._send({"kind": "waiting", "joined": 1, "expected": self.spec["num_nodes"],
+                            "address": self.rdzv.address})
+            self.rdzv.check_deadline(0)
+            self._poll(RDZV_POLL)
+
+    def _peers_ended(self) -> None:
+        """SIGHUP, from the kernel through this node's agent (runs dispatched
+        together): while the run goes on, a rank failed on another node, so
+        this node stops (its ranks would wait for the lost one); once this
+        node has finished, every node has, so node 0 may close its store."""
+        if not self.spec or not self.spec.get("dispatched_together"):
+            return
+        if self.ranks and not all(r.reported for r in self.ranks):
+            self._stop("remote_failed", stacks=False)
+        self.peers_done = True
+
+    def _keep_store_for_peers(self) -> None:
+        """Node 0, after its "finished": ranks of other nodes may still be
+        starting or use the store it hosts; keep listening until the kernel
+        says every node is done (or the launcher ends this run)."""
+        self._release_all()   # done here: no parked ranks meanwhile (their memory, their GPUs)
+        while not self.peers_done and self.stopping not in ("interrupt", "terminated"):
+            self._poll(None)
 
     def _host_store(self, fd: int) -> None:
         """A rank is connecting to the store for the first time: start it now."""
@@ -403,6 +454,7 @@ class Supervisor:
 
     def _send(self, content: dict) -> None:
         content["run_id"] = self.spec["run_id"]
+        content["node_rank"] = self.spec["node_rank"]   # several nodes may report to one reader
         self.session.send(self.sock, "run_event", content)
 
     # -- event loop -------------------------------------------------------
@@ -464,6 +516,8 @@ class Supervisor:
                 self._reap()
             elif signum == signal.SIGUSR1:
                 self._stop("interrupt", stacks=True)
+            elif signum == signal.SIGHUP:
+                self._peers_ended()
             elif signum in (signal.SIGUSR2, signal.SIGTERM):
                 # SIGUSR2: the kernel's "stop now".  SIGTERM comes from elsewhere
                 # (a rank, the system, the launcher ending): the run says so.

@@ -15,6 +15,8 @@ Two channels, each with one job:
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import pickle
 import secrets
@@ -28,6 +30,12 @@ _LEN = struct.Struct("<Q")
 def new_key() -> bytes:
     """A fresh random HMAC key (hex, as Jupyter's connection files use)."""
     return secrets.token_hex(32).encode()
+
+
+def derive_key(key: bytes, label: str) -> bytes:
+    """A key of its own for ``label`` (a run), from a shared secret: both ends
+    compute it, so it never travels, and holding it reveals nothing of ``key``."""
+    return hmac.new(key, label.encode(), hashlib.sha256).hexdigest().encode()
 
 
 def signed_session(key: bytes) -> Session:

@@ -192,6 +192,38 @@ def test_a_rank_failing_on_node_1_is_named_with_its_node_and_nothing_hangs(kerne
     assert kernel.run(WORLD, timeout=120).status == "ok"   # the next cell works
 
 
+def test_a_rank_failing_before_the_rendezvous_stops_the_other_nodes_waiting_in_it(kernel):
+    """Rank 0 (node n1) fails before init_process_group; node n2's ranks sit in it
+    waiting for rank 0, which never comes (torch would wait 30 minutes): the kernel
+    tells node n2 to stop, and the cell names rank 0 on n1 in seconds."""
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, torch.distributed as dist\n"
+                     "if os.environ['RANK'] == '0':\n    raise KeyError('no shard for rank 0')\n"
+                     "dist.init_process_group('gloo')\ndist.barrier()", timeout=120)
+    assert time.monotonic() - started < 30
+    assert res.error["evalue"].startswith("rank 0 failed: KeyError: 'no shard for rank 0' (on node n1)"), \
+        res.error_text
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
+def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel):
+    """kill -9 of node n2's supervisor (rank 2's parent) mid-run: the cell ends with
+    an error naming that node (nothing waits for its "finished"), and the next cell
+    works (the agents start again)."""
+    def on_output(text, fired=[]):
+        m = re.search(r"supervisor=(\d+)", text)
+        if m and not fired:
+            fired.append(True)
+            os.kill(int(m.group(1)), signal.SIGKILL)
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, time\n"
+                     "if os.environ['RANK'] == '2':\n    print(f'supervisor={os.getppid()}', flush=True)\n"
+                     "time.sleep(3600)", timeout=120, on_output=on_output)
+    assert time.monotonic() - started < 30
+    assert res.error is not None and "node 1 (n2)" in res.error_text, res.error_text
+    assert kernel.run(WORLD, timeout=240).status == "ok"
+
+
 def test_the_stop_button_stops_every_rank_on_every_node_within_seconds(kernel):
     def on_output(text, fired=[]):
         if text.count("entering the barrier") >= 4 and not fired:
@@ -237,7 +269,7 @@ def test_no_allocation_is_a_usage_error():
         k.shutdown()
 
 
-@pytest.mark.parametrize("how", ["kill", "shutdown"])
+@pytest.mark.parametrize("how", ["kill", "shutdown", "restart"])
 def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
     k = AllocKernel(cluster)
     try:
@@ -249,10 +281,14 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         k.kc.stop_channels()
         if how == "kill":
             os.kill(k.pid, signal.SIGKILL)
+        elif how == "restart":   # the kernel menu's Restart: a graceful shutdown, then a fresh kernel
+            k.km.restart_kernel(now=False)
         else:
             k.km.shutdown_kernel(now=False)
         wait_until(lambda: not k.processes(), 15, "every process of the run on both nodes to end")
         wait_until(lambda: not cluster.steps(k.job), 15, "the agents' step to leave squeue")
+        # No file either: srun's log has no name, the nodes' launchers remove their directories.
+        wait_until(lambda: not os.listdir(k.tmpdir), 10, f"the kernel's temp dir to be empty: {os.listdir(k.tmpdir)}")
     finally:
         try:
             k.km.shutdown_kernel(now=True)
