@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import json
 import os
 import re
@@ -76,14 +77,20 @@ def allocation() -> dict:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """``n[1-3],gpu7`` -> ``['n1', 'n2', 'n3', 'gpu7']`` (``scontrol show hostnames``,
-    else a parser of the common forms)."""
+    else a parser of the common forms).  Asked once per node list: every cell
+    checks its flags against the allocation, and scontrol is a process."""
+    return list(_expand_nodelist(nodelist))
+
+
+@functools.lru_cache(maxsize=16)
+def _expand_nodelist(nodelist: str) -> tuple[str, ...]:
     if not nodelist:
-        return []
+        return ()
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                              timeout=10)
         if out.returncode == 0 and out.stdout.split():
-            return out.stdout.split()
+            return tuple(out.stdout.split())
     except (OSError, subprocess.SubprocessError):
         pass
     names = []
@@ -97,7 +104,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
             lo, _, hi = item.partition("-")
             for i in range(int(lo), int(hi or lo) + 1):
                 names.append(f"{prefix}{str(i).zfill(len(lo))}")
-    return names
+    return tuple(names)
 
 
 class SlurmAgents:
