@@ -63,6 +63,6 @@ def progress(n: float, total: Optional[float] = None, desc: str = "") -> None:
     Outside a ``%%distributed`` cell it does nothing, so code that calls it
     runs unchanged anywhere.
     """
-    from accel_magics.kernel_ext import worker
+    from accel_magics.kernel_ext.rank import worker
 
     worker.emit({"kind": "progress", "n": n, "total": total, "desc": desc})

@@ -11,8 +11,8 @@ import sys
 import time
 from typing import Callable, Optional
 
-from accel_magics.kernel_ext.background import BackgroundRun
-from accel_magics.kernel_ext.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
+from accel_magics.kernel_ext.kernel.background import BackgroundRun
+from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                             RunInterrupted, SessionLostError)
 
 STOP_WAIT = 30.0   # h.stop(): how long it waits for the run to end (the escalation ends it well before)

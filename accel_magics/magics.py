@@ -4,7 +4,7 @@ Everything that can go wrong before launch is checked here first (flags,
 topology, GPU runtime in the kernel, syntax, names, picklability) and
 reported as a :class:`~IPython.core.error.UsageError` that says what to do;
 nothing is started for a cell that cannot run.  The run itself belongs to the
-engine (``kernel_ext.run.execute``); this module only adapts it to IPython.
+engine (``kernel_ext.kernel.run.execute``); this module only adapts it to IPython.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from accel_magics.kernel_ext import accelerate_config, preflight
-from accel_magics.kernel_ext.errors import ReportedError
+from accel_magics.kernel_ext.kernel import accelerate_config, preflight
+from accel_magics.kernel_ext.kernel.errors import ReportedError
 from accel_magics.kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
-from accel_magics.kernel_ext.launcher import Launcher
-from accel_magics.kernel_ext.payload import PayloadError, build_payload
-from accel_magics.kernel_ext.run import RemoteRepr, execute
+from accel_magics.kernel_ext.kernel.launcher import Launcher
+from accel_magics.kernel_ext.wire.payload import PayloadError, build_payload
+from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
 from .presenter import Presenter
 
@@ -163,8 +163,8 @@ class DistributedMagics(Magics):
         self.launcher = launcher or Launcher()
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
         self.defaults: dict = {}
-        self.session = None             # the %distributed_session (kernel_ext.session.DistributedSession)
-        self._slurm = None              # the node agents of --launcher slurm (kernel_ext.slurm.SlurmAgents)
+        self.session = None             # the %distributed_session (kernel_ext.kernel.session.DistributedSession)
+        self._slurm = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
         self._background_runs: set = set()
         self._returned: dict = {}       # name -> id() of the value a session cell's --return assigned
         self._form = None               # the config form, one per kernel
@@ -312,7 +312,7 @@ class DistributedMagics(Magics):
 
     def _background(self, presenter, target, label: str, where: str = ""):
         """Start ``target(control)`` in its own thread; the handle the cell returns."""
-        from accel_magics.kernel_ext.background import BackgroundRun
+        from accel_magics.kernel_ext.kernel.background import BackgroundRun
 
         from .background_handle import BackgroundCell
 
@@ -431,7 +431,7 @@ class DistributedMagics(Magics):
         """'' if these defaults can launch, else what is wrong with them."""
         merged = {**self.effective_defaults(), **values}
         if merged.get("launcher") == "slurm":
-            from accel_magics.kernel_ext.slurm import SlurmError, allocation
+            from accel_magics.kernel_ext.kernel.slurm import SlurmError, allocation
 
             try:
                 alloc = allocation()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from accel_magics.kernel_ext import events as ev
+from accel_magics.kernel_ext.kernel import events as ev
 
 HEAD_LINES = 200
 TAIL_LINES = 800

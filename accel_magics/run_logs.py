@@ -2,7 +2,7 @@
 
 The views keep only a rank's first and last lines; its complete output is
 written, by the run's supervisor, to a file per rank in the run's directory
-(``kernel_ext.rank_logs``), whose path the views show.  The log root is
+(``kernel_ext.supervisor.rank_logs``), whose path the views show.  The log root is
 ``$ACCEL_MAGICS_LOG_DIR``, else ``$XDG_CACHE_HOME/accel_magics/runs``
 (``~/.cache/accel_magics/runs``); only the newest runs are kept.
 """

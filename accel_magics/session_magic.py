@@ -3,7 +3,7 @@
 A session is opt-in: ``%distributed_session start -n 2`` starts N ranks with
 the torchrun environment that live until ``stop`` (or the kernel ends);
 ``%%distributed --session`` cells run on them one at a time, each rank
-keeping its own namespace.  The engine side is ``kernel_ext.session``; this
+keeping its own namespace.  The engine side is ``kernel_ext.kernel.session``; this
 module only adapts it to IPython (flags, messages, the view, the handle).
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from accel_magics.kernel_ext.errors import ReportedError
-from accel_magics.kernel_ext.payload import _NameCollector, parse
-from accel_magics.kernel_ext.session import DistributedSession, SessionGone
+from accel_magics.kernel_ext.kernel.errors import ReportedError
+from accel_magics.kernel_ext.wire.payload import _NameCollector, parse
+from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
 from .magics import LAUNCH_OPTION_NAMES, _parse, _return_names, launch_options
 

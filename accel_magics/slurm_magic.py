@@ -1,6 +1,6 @@
 """``%%distributed --launcher slurm``: one cell on every node of the allocation.
 
-The engine side is ``kernel_ext.slurm`` (agents started once per allocation
+The engine side is ``kernel_ext.kernel.slurm`` (agents started once per allocation
 with srun, one run per node, merged); this module checks the flags against
 the allocation before anything starts and adapts the run to IPython.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
-from accel_magics.kernel_ext.errors import LauncherError
-from accel_magics.kernel_ext.slurm import SlurmAgents, SlurmError, allocation, run_slurm
+from accel_magics.kernel_ext.kernel.errors import LauncherError
+from accel_magics.kernel_ext.kernel.slurm import SlurmAgents, SlurmError, allocation, run_slurm
 
 from .magics import LAUNCH_OPTION_NAMES, _return_names
 

@@ -1,6 +1,6 @@
 """The text view of a run: rank-tagged lines, live.
 
-A consumer of engine events (``kernel_ext.events``), used for
+A consumer of engine events (``kernel_ext.kernel.events``), used for
 ``--output text``, in terminals and wherever widgets are unavailable.  Lines
 read ``[rank N] ...``; carriage-return progress (tqdm) is throttled to one
 state per rank per ``progress_interval`` seconds, so a progress bar does not
@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Optional, TextIO
 
-from accel_magics.kernel_ext import events as ev
+from accel_magics.kernel_ext.kernel import events as ev
 
 
 class StreamLive:

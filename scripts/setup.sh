@@ -19,7 +19,7 @@ fi
 stamp="$VENV/.accel_magics-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS ${TORCH_VERSION:-2.13.0}"
 if [ "${ACCEL_MAGICS_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-        && python -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'accel_magics.kernel_ext.run')))" 2>/dev/null; then
+        && python -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'accel_magics.kernel_ext.kernel.run')))" 2>/dev/null; then
     exit 0   # up to date
 fi
 rm -f "$stamp"

@@ -123,7 +123,7 @@ class LoadedKernel(KernelSession):
 @pytest.fixture(scope="module")
 def launcher():
     """The engine's launcher on its own, no kernel (one per test module)."""
-    from accel_magics.kernel_ext.launcher import Launcher
+    from accel_magics.kernel_ext.kernel.launcher import Launcher
 
     lau = Launcher()
     lau.start()

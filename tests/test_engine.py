@@ -9,12 +9,12 @@ import tempfile
 import pytest
 import zmq
 
-from accel_magics.kernel_ext import events as ev
+from accel_magics.kernel_ext.kernel import events as ev
 from accel_magics.kernel_ext import wire
 from accel_magics.kernel_ext.environment import LaunchConfig
-from accel_magics.kernel_ext.errors import DistributedRunError, root_cause
-from accel_magics.kernel_ext.payload import build_payload
-from accel_magics.kernel_ext.run import execute
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, root_cause
+from accel_magics.kernel_ext.wire.payload import build_payload
+from accel_magics.kernel_ext.kernel.run import execute
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,7 @@ def run(launcher, src, ns=None, n=2, **kw):
 
 def test_engine_imports_neither_ipython_nor_widgets():
     import subprocess
-    code = ("import sys, accel_magics.kernel_ext.run, accel_magics.kernel_ext.launcher, accel_magics.kernel_ext.zygote, accel_magics.kernel_ext.supervisor\n"
+    code = ("import sys, accel_magics.kernel_ext.kernel.run, accel_magics.kernel_ext.kernel.launcher, accel_magics.kernel_ext.launcher.zygote, accel_magics.kernel_ext.supervisor.supervisor\n"
             "bad = [m for m in ('IPython', 'ipywidgets', 'ipykernel', 'torch') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -384,8 +384,8 @@ def test_a_launcher_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatc
     import gc
     import os
 
-    from accel_magics.kernel_ext.errors import LauncherError
-    from accel_magics.kernel_ext.launcher import Launcher
+    from accel_magics.kernel_ext.kernel.errors import LauncherError
+    from accel_magics.kernel_ext.kernel.launcher import Launcher
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
     counts = []
@@ -425,8 +425,8 @@ def test_logs_are_private_whatever_the_umask(tmp_path):
 
 def _tiny_run(launcher, log_dir: str, timeout: float = 30):
     from accel_magics.kernel_ext.environment import LaunchConfig
-    from accel_magics.kernel_ext.payload import build_payload
-    from accel_magics.kernel_ext.run import execute
+    from accel_magics.kernel_ext.wire.payload import build_payload
+    from accel_magics.kernel_ext.kernel.run import execute
     return execute(launcher, LaunchConfig(num_processes=2, timeout=timeout),
                    build_payload("print('secret line')\n", {}), log_dir=log_dir)
 
@@ -465,7 +465,7 @@ def test_pruning_removes_only_its_own_finished_runs(launcher, tmp_path):
     import fcntl
     import os
 
-    from accel_magics.kernel_ext.rank_logs import KEEP_RUNS, MARKER
+    from accel_magics.kernel_ext.supervisor.rank_logs import KEEP_RUNS, MARKER
     root = tmp_path / "runs"
     root.mkdir()
     (root / "00000000-my-own-data").mkdir()              # sorts first, looks old: not ours

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_magics.kernel_ext.output_batch import MAX_LINE_BYTES, VIEW_LINE_BYTES, Excerpt, OutputBatch, shorten_lines
+from accel_magics.kernel_ext.supervisor.output_batch import MAX_LINE_BYTES, VIEW_LINE_BYTES, Excerpt, OutputBatch, shorten_lines
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -40,7 +40,9 @@ def test_the_wheel_installs_one_top_level_package(installed):
         tops = {name.split("/")[0] for name in wheel.namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"accel_magics"}, tops
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    assert "accel_magics/kernel_ext/worker.py" in names and "accel_magics/widgets/progress_view.py" in names
+    for path in ("accel_magics/kernel_ext/rank/worker.py", "accel_magics/kernel_ext/node_agent/slurm_agent.py",
+                 "accel_magics/kernel_ext/wire/payload.py", "accel_magics/widgets/progress_view.py"):
+        assert path in names, path
     # The SPDX license string: no deprecation warning from setuptools at build time.
     assert "project.license" not in installed["build_log"] and "License classifiers" not in installed["build_log"]
     env = {**os.environ, "PYTHONPATH": installed["target"]}
@@ -66,10 +68,10 @@ def test_a_kernel_outside_the_repository_runs_a_cell_from_the_installed_package(
 
     k = LoadedKernel(extra_env={"PYTHONPATH": installed["target"]}, cwd=str(tmp_path))
     try:
-        where = k.ok("import accel_magics, accel_magics.kernel_ext.worker as w\nprint(accel_magics.__file__)"
+        where = k.ok("import accel_magics, accel_magics.kernel_ext.rank.worker as w\nprint(accel_magics.__file__)"
                      ).stdout.strip()
         assert where.startswith(installed["target"]), where
-        res = k.run("%%distributed -n 2 --output text\nimport accel_magics.kernel_ext.worker as w, os\n"
+        res = k.run("%%distributed -n 2 --output text\nimport accel_magics.kernel_ext.rank.worker as w, os\n"
                     "print(os.environ['RANK'], w.__file__)\n", timeout=90)
         assert res.status == "ok", res.error_text
         for rank in (0, 1):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from accel_magics.kernel_ext.payload import PayloadError, build_payload
+from accel_magics.kernel_ext.wire.payload import PayloadError, build_payload
 
 pytestmark = pytest.mark.timeout(30)
 

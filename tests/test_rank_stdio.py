@@ -1,4 +1,4 @@
-"""A rank's stdout/stderr (kernel_ext.rank_stdio): live line by line, one big
+"""A rank's stdout/stderr (kernel_ext.rank.rank_stdio): live line by line, one big
 buffer in a flood, order kept across the two streams, no duplicate after fork.
 
 Each case runs in a fresh interpreter over a real pipe (the objects install
@@ -21,7 +21,7 @@ def run_case(body: str) -> str:
     """Run ``body`` with ``out``/``err`` writing into a pipe; returns what the pipe got."""
     script = textwrap.dedent('''
         import os, sys, threading, time
-        from accel_magics.kernel_ext.rank_stdio import RankStdout, RankStderr, BURST_LINES
+        from accel_magics.kernel_ext.rank.rank_stdio import RankStdout, RankStderr, BURST_LINES
         r, w = os.pipe()
         out = RankStdout(w)
         err = RankStderr(w, out)
@@ -42,7 +42,7 @@ def run_case(body: str) -> str:
 def test_a_line_is_in_the_pipe_as_soon_as_it_is_printed():
     script = textwrap.dedent('''
         import os
-        from accel_magics.kernel_ext.rank_stdio import RankStdout
+        from accel_magics.kernel_ext.rank.rank_stdio import RankStdout
         r, w = os.pipe()
         os.set_blocking(r, False)
         out = RankStdout(w)

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from accel_magics.kernel_ext import events as ev
+from accel_magics.kernel_ext.kernel import events as ev
 from accel_magics.kernel_ext.environment import LaunchConfig
-from accel_magics.kernel_ext.payload import build_payload
-from accel_magics.kernel_ext.run import execute
+from accel_magics.kernel_ext.wire.payload import build_payload
+from accel_magics.kernel_ext.kernel.run import execute
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,7 @@ argument parser, ``_validate_launch_command`` and the ``prepare_*_env``
 function its launcher would call), never a copy of its rules.
 
 That code runs in a short-lived subprocess (``python -m
-accel_magics.kernel_ext.accelerate_config``): it imports torch and asks it
+accel_magics.kernel_ext.kernel.accelerate_config``): it imports torch and asks it
 about devices, which must not happen in the kernel (the pre-flight check
 guards the kernel's CUDA state), and its warnings go to a pipe, not into the
 notebook.  The answer is cached per file version and flags, so only the
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .environment import ConfigError
+from ..environment import ConfigError
 
 #: Variables the launcher sets per rank itself (torchrun's contract): never from the file.
 _OURS = frozenset({

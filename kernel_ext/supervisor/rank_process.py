@@ -19,9 +19,10 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
-from . import wire, worker
+from .. import PACKAGE_DIR, wire
+from ..rank import worker
 from .output_batch import Excerpt, OutputBatch
-from .process_tree import descendants
+from ..process_tree import descendants
 
 PIPE_BYTES = 1 << 20      # a rank's output pipe (see widen_pipe)
 
@@ -144,7 +145,7 @@ def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int,
 
 # The launcher's frames below the cell: ours, and runpy's (``python -m``; a
 # frozen module from Python 3.11, a file before).
-_OWN_FRAMES = (f'File "{os.path.dirname(os.path.abspath(__file__))}{os.sep}', 'File "<frozen runpy>"',
+_OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
                f'File "{os.path.join(os.path.dirname(os.__file__), "runpy.py")}"')
 
 

@@ -1,7 +1,7 @@
 """The agent on one node of a Slurm allocation (``--launcher slurm``).
 
 Started by the kernel, one per node, with ``srun --nodes N --ntasks-per-node 1
-python -m accel_magics.kernel_ext.slurm_agent``, and kept for the later cells
+python -m accel_magics.kernel_ext.node_agent.slurm_agent``, and kept for the later cells
 of the same allocation.  On its node it plays the kernel's part for the
 launcher: it runs a :class:`launcher.Launcher` (the node's launcher process,
 which forks each run's supervisor and ranks, exactly as on a workstation),
@@ -37,9 +37,9 @@ from typing import Optional
 
 import zmq
 
-from . import wire
-from .environment import LaunchConfig, free_port, host_address
-from .launcher import Launcher
+from .. import wire
+from ..environment import LaunchConfig, free_port, host_address
+from ..kernel.launcher import Launcher
 
 LOST_AFTER = 5.0        # seconds without the kernel's connection before the agent gives up
 HEARTBEAT_MS = 1000     # ZMTP heartbeat interval (and 5x that as its timeout)

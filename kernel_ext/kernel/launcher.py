@@ -25,14 +25,15 @@ from typing import Optional
 
 import zmq
 
-from . import process_tree, wire
-from .environment import LaunchConfig, free_port, rank_base_environment, rank_environment
+from .. import PACKAGE_DIR, process_tree
+from .. import wire
+from ..environment import LaunchConfig, free_port, rank_base_environment, rank_environment
 from .errors import LauncherError
-from .payload import Payload
+from ..wire.payload import Payload
 from .run_handle import RunHandle
 from .sigint import sigint_deferred
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_PARENT = os.path.dirname(PACKAGE_DIR)
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
 
 
@@ -143,7 +144,7 @@ class Launcher:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "accel_magics.kernel_ext.zygote"],
+                [self.python, "-m", "accel_magics.kernel_ext.launcher.zygote"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 env=env, start_new_session=True, close_fds=True,
             )

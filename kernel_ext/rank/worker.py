@@ -28,7 +28,11 @@ from typing import NoReturn, Optional
 
 import cloudpickle
 
-from . import native_stacks, pg_guard, process_tree, rank_bars, wire
+from ..supervisor import native_stacks
+from . import pg_guard
+from .. import process_tree
+from . import rank_bars
+from .. import wire
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).

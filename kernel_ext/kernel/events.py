@@ -83,7 +83,7 @@ class Progress:
 
 @dataclass
 class Bar:
-    """A tqdm bar in a rank (``kernel_ext.rank_bars``): its latest state.
+    """A tqdm bar in a rank (``kernel_ext.rank.rank_bars``): its latest state.
 
     ``pos`` is its nesting (0: outermost); a closed bar that is not ``leave``
     is gone from the screen, a closed ``leave`` bar stays in its final state."""

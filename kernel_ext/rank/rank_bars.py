@@ -76,7 +76,7 @@ def _event(bar, closed: bool = False) -> dict:
 
 
 def line(event: dict) -> str:
-    """A bar as the one plain line a terminal keeps of it (kernel_ext.events.Bar.text)."""
+    """A bar as the one plain line a terminal keeps of it (kernel_ext.kernel.events.Bar.text)."""
     total = event.get("total")
     pct = f"{int(100 * min(1.0, event['n'] / total))}% " if total else ""
     return f"{event['desc'] + ': ' if event['desc'] else ''}{pct}{event['stats']}"

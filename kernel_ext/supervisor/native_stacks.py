@@ -21,13 +21,14 @@ import sys
 import time
 from typing import Optional
 
-from .process_tree import descendants
+from .. import PACKAGE_DIR
+from ..process_tree import descendants
 
 PR_SET_PTRACER = 0x59616D61
 _PLAIN_ENV = {**{k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")},
               "NO_COLOR": "1", "TERM": "dumb"}
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_OWN = (os.path.dirname(os.path.abspath(__file__)) + os.sep, "kernel_ext/", "<frozen runpy>", "(runpy.py:")
+_OWN = (PACKAGE_DIR + os.sep, "kernel_ext/", "<frozen runpy>", "(runpy.py:")
 
 
 def allow_supervisor_to_trace(supervisor_pid: int) -> None:

@@ -23,13 +23,13 @@ from typing import Optional
 
 import zmq
 
-from . import wire
-from .environment import LaunchConfig
+from .. import wire
+from ..environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError,
                      ReportedError, RunInterrupted, SessionLostError)
 from .launcher import Launcher
-from .payload import Payload
-from .process_tree import running
+from ..wire.payload import Payload
+from ..process_tree import running
 from .run import RunControl, RunResult, _collect, conclude
 from .run_handle import RunHandle
 

@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import zmq
 
-from . import wire
+from .. import wire
 from .errors import LauncherError
 from .sigint import sigint_deferred
 
@@ -50,7 +50,7 @@ class RunHandle:
         self.session = session or (wire.signed_session(key) if pull is not None else launcher.session_for(key))
         self.pull = pull if pull is not None else launcher.pull
         self.stop_wait = stop_wait or STOP_WAIT
-        self.session_cell = False   # a cell of a session (see kernel_ext.session)
+        self.session_cell = False   # a cell of a session (see kernel_ext.kernel.session)
         self.supervisor_pid = supervisor_pid
         self.master_port = master_port
         self.rank_pids: set[int] = set()

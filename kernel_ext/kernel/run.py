@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import events as ev
-from .environment import LaunchConfig
+from ..environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError, RendezvousError,
                      RunInterrupted, RunTerminated, forced_note, root_cause)
 from .launcher import Launcher
 from .run_handle import RunHandle
-from .payload import Payload
-from .worker import loads_value
+from ..wire.payload import Payload
+from ..rank.worker import loads_value
 
 EventSink = Callable[[object], None]
 
@@ -80,7 +80,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     session = lost = None
     assigned: set = set()
     deleted: set = set()
-    # A run on every node of an allocation (kernel_ext.slurm) has every rank here.
+    # A run on every node of an allocation (kernel_ext.kernel.slurm) has every rank here.
     ranks = getattr(handle, "ranks", None) or [cfg.global_rank(i) for i in cfg.local_ranks]
     messages = handle.messages(heartbeat)
     try:

@@ -1,6 +1,6 @@
 """The launcher process: a clean interpreter that forks one supervisor per run.
 
-Started once per kernel (``python -m accel_magics.kernel_ext.zygote``) in its own session,
+Started once per kernel (``python -m accel_magics.kernel_ext.launcher.zygote``) in its own session,
 so the kernel's interrupt (SIGINT to its process group) never reaches it.  It
 imports torch and the modules payloads use, freezes the heap (``gc.freeze``,
 so forked ranks do not copy it on their first collection) and then only
@@ -28,8 +28,11 @@ from typing import Optional
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from . import payload, pg_guard, rank_stdio, session_supervisor, supervisor, wire, worker  # noqa: F401
-from .process_tree import children, kill_orphans, running
+from .. import wire  # noqa: F401
+from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
+from ..supervisor import session_supervisor, supervisor  # noqa: F401
+from ..wire import payload  # noqa: F401
+from ..process_tree import children, kill_orphans, running
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
@@ -76,7 +79,7 @@ def cuda_driver_loaded() -> bool:
 
 def taint(baseline_threads: int = 1) -> str | None:
     """Why forking from this process would be unsafe, or None."""
-    from .preflight import initialised_runtimes
+    from ..kernel.preflight import initialised_runtimes
 
     runtimes = initialised_runtimes()
     if runtimes:
@@ -301,7 +304,7 @@ class Zygote:
             waiter.close()
 
     def fork_spare(self, ranks: Optional[int] = None) -> None:
-        from .supervisor import serve_spare
+        from ..supervisor.supervisor import serve_spare
 
         ranks = ranks or self.expected_ranks
         control_r, control_w = os.pipe()

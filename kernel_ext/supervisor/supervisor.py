@@ -27,10 +27,12 @@ import signal
 import time
 from typing import NoReturn, Optional
 
-from . import native_stacks, wire, worker
+from . import native_stacks
+from .. import wire
+from ..rank import worker
 from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
-from .process_tree import kill_orphans
+from ..process_tree import kill_orphans
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
 from .rendezvous import NodeRendezvous, RendezvousTimeout
 

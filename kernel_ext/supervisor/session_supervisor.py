@@ -31,7 +31,8 @@ import signal
 import time
 from typing import Optional
 
-from . import native_stacks, wire
+from . import native_stacks
+from .. import wire
 from .output_batch import Excerpt, bound_text
 from .rank_logs import RankLogs
 from .rank_process import RankProcess, user_stack, where_blocked

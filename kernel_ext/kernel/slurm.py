@@ -39,8 +39,8 @@ from typing import Iterator, Optional
 
 import zmq
 
-from . import wire
-from .environment import LaunchConfig, host_address
+from .. import PACKAGE_DIR, wire
+from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
 
 START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
@@ -48,7 +48,7 @@ STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents
 KILL_WAIT = 5.0         # after that, how long before the run ends as forced
 GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
 GONE_DRAIN = 2.0        # a node's supervisor exited: how long its last messages may take
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_PARENT = os.path.dirname(PACKAGE_DIR)
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
 
 
@@ -142,7 +142,7 @@ class SlurmAgents:
         events_port = self.events.bind_to_random_port(f"tcp://{address}")
         argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
                 "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",
-                *shlex.split(self.slurm_args), self.python, "-m", "accel_magics.kernel_ext.slurm_agent"]
+                *shlex.split(self.slurm_args), self.python, "-m", "accel_magics.kernel_ext.node_agent.slurm_agent"]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         self.log = tempfile.TemporaryFile(prefix="accel_magics-srun-")

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-from .environment import resolve_host
+from ..environment import resolve_host
 
 JOINED = "accel_magics/nodes_joined"
 FINISHED = "accel_magics/nodes_finished"

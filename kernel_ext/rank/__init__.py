@@ -1,0 +1,1 @@
+"""One rank: the forked process that runs the cell, its stdout/stderr and tqdm bars."""
