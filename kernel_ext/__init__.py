@@ -20,3 +20,11 @@ import os
 
 #: This package's folder: frames of its own code are left out of the stacks users see.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_environment(env: dict) -> dict:
+    """``env`` for a process this package starts with ``python -m`` (the launcher
+    process, a node's agent): able to import this package even when the kernel
+    found it through a path of its own (a checkout, an editable install)."""
+    parent = os.path.dirname(PACKAGE_DIR)
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (parent, env.get("PYTHONPATH")) if p)}

@@ -25,7 +25,7 @@ from typing import Optional
 
 import zmq
 
-from .. import PACKAGE_DIR, process_tree
+from .. import child_environment, process_tree
 from .. import wire
 from ..environment import LaunchConfig, free_port, rank_base_environment, rank_environment
 from .errors import LauncherError
@@ -33,7 +33,6 @@ from ..wire.payload import Payload
 from .run_handle import RunHandle
 from .sigint import sigint_deferred
 
-_PACKAGE_PARENT = os.path.dirname(PACKAGE_DIR)
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
 
 
@@ -134,8 +133,7 @@ class Launcher:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.dir}/events")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        env = child_environment(os.environ)
         # Every process of this launcher carries the marker (ranks keep it too),
         # so whatever escapes the process tree is still found and killed (close).
         self.token = uuid.uuid4().hex

@@ -39,7 +39,7 @@ from typing import Iterator, Optional
 
 import zmq
 
-from .. import PACKAGE_DIR, wire
+from .. import child_environment, wire
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
 
@@ -48,7 +48,6 @@ STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents
 KILL_WAIT = 5.0         # after that, how long before the run ends as forced
 GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
 GONE_DRAIN = 2.0        # a node's supervisor exited: how long its last messages may take
-_PACKAGE_PARENT = os.path.dirname(PACKAGE_DIR)
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
 
 
@@ -143,8 +142,7 @@ class SlurmAgents:
         argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
                 "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",
                 *shlex.split(self.slurm_args), self.python, "-m", "accel_magics.kernel_ext.node_agent.slurm_agent"]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+        env = child_environment(os.environ)
         self.log = tempfile.TemporaryFile(prefix="accel_magics-srun-")
         # O_APPEND: srun writes at the end whatever this side reads (log_tail uses pread).
         fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL, fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
