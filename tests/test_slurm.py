@@ -224,6 +224,45 @@ def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel):
     assert kernel.run(WORLD, timeout=240).status == "ok"
 
 
+def agent_pid(k: "AllocKernel", node_id: int) -> int:
+    for pid in k.processes():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"slurm_agent" in cmd and f"SLURM_NODEID={node_id}".encode() in env:
+            return pid
+    raise AssertionError(f"no agent on node {node_id}")
+
+
+@pytest.mark.parametrize("when", ["between cells", "during a cell"])
+def test_a_dead_agent_is_replaced_by_the_next_cell(kernel, when):
+    """kill -9 of node n2's agent (srun may live on: its other task runs): a cell
+    running then ends with an error in seconds, and the next cell finds the agent
+    gone and starts the agents again, instead of failing."""
+    assert kernel.run(WORLD, timeout=240).status == "ok"
+    pid = agent_pid(kernel, 1)
+    if when == "between cells":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        def on_output(text, fired=[]):
+            if text.count("sleeping") >= 4 and not fired:
+                fired.append(True)
+                os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport time\n"
+                         "print('sleeping', flush=True)\ntime.sleep(3600)", timeout=120, on_output=on_output)
+        assert res.error is not None and time.monotonic() - started < 30, res.error_text
+        assert "the agent on node 1 (n2) ended during the run" in res.error_text, res.error_text
+    wait_until(lambda: pid not in kernel.processes(), 10, "the agent to be gone")
+    res = kernel.run(WORLD, timeout=240)
+    assert res.status == "ok", res.error_text
+    assert sorted(by_rank(res.stdout)) == [0, 1, 2, 3], res.stdout
+
+
 def test_the_stop_button_stops_every_rank_on_every_node_within_seconds(kernel):
     def on_output(text, fired=[]):
         if text.count("entering the barrier") >= 4 and not fired:

@@ -120,7 +120,22 @@ class SlurmAgents:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None and len(self.nodes) == self.num_nodes
+        """srun runs and every agent is still connected (srun keeps its step while
+        any task lives: an agent can be gone, killed or crashed, with srun alive)."""
+        return (self.proc is not None and self.proc.poll() is None and len(self.nodes) == self.num_nodes
+                and self._reachable())
+
+    def _reachable(self) -> bool:
+        return all(self.connected(node) for node in self.nodes)
+
+    def connected(self, node: int) -> bool:
+        """Is that node's agent still connected?  (ROUTER_MANDATORY: a message to
+        an agent whose connection is gone fails at once; the agent ignores a ping.)"""
+        try:
+            self.send(node, {"op": "ping"})
+            return True
+        except LauncherError:
+            return False
 
     def matches(self, num_nodes: int, slurm_args: str) -> bool:
         return self.alive and num_nodes == self.num_nodes and slurm_args == self.slurm_args
@@ -359,6 +374,13 @@ class SlurmRun:
             pids = {r: p for m in self.started.values() for r, p in m["pids"].items()}
             return [{"kind": "started", "pids": pids, "nodes": self.node_of, "master_addr": self.master_addr}]
         if kind == "finished":
+            if msg.get("reason") == "terminated" and not self.agents.connected(node):
+                # Its launcher ended with its agent (killed, crashed), which stopped the run there.
+                self.finished = True
+                name = self.agents.nodes[node]["nodename"]
+                raise LauncherError(f"the agent on node {node} ({name}) ended during the run (killed, or it "
+                                    "crashed), so that node's ranks were stopped; the next cell starts the "
+                                    "agents again")
             self.pending[node] = msg
             if msg.get("reason") not in (None, "interrupt"):
                 self._peers_failed(node)
