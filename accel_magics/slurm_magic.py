@@ -9,7 +9,7 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
-from accel_magics.kernel_ext.kernel.errors import LauncherError
+from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.slurm import SlurmAgents, SlurmError, allocation, run_slurm
 
 from .magics import LAUNCH_OPTION_NAMES, _return_names
@@ -53,7 +53,12 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
                 agents.close()
             magics._slurm = None
             agents = SlurmAgents(num_nodes, slurm_args)
-            agents.start()
+            try:
+                agents.start()
+            except KeyboardInterrupt:   # the stop button: start() already stopped srun and every agent
+                raise RunInterrupted({}, [], note=" (the node agents were still starting: srun, then torch "
+                                     "on each node; nothing ran, and nothing is left on any node. Run the cell "
+                                     "again to start them)") from None
             magics._slurm = agents
         gpus = agents.nodes[min(agents.nodes)].get("gpu_count", 0)
         cfg = LaunchConfig(

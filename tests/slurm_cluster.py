@@ -12,6 +12,7 @@ See ../shared/SLURM-NOTES.md for the measured facts this relies on.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -99,6 +100,9 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/backfill",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2", "InactiveLimit=0",
             "KillWait=5", "MinJobAge=30", "MailProg=/bin/true",
+            # Job ids of its own: tests tell their processes apart by SLURM_JOB_ID, and two
+            # clusters on one machine (two test sessions) would both start at job 1.
+            f"FirstJobId={random.randrange(1000, 60_000_000)}",
         ]
         for node in self.nodes:
             lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "

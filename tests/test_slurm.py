@@ -336,6 +336,123 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         cluster.release(k.job)
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def srun_pid(k: "AllocKernel") -> int:
+    for pid in k.processes():
+        with open(f"/proc/{pid}/stat") as f:
+            parent = f.read().rsplit(")", 1)[1].split()[1]
+        if cmdline(pid).split(b"\0")[0].endswith(b"srun") and parent == str(k.pid):
+            return pid
+    raise AssertionError("no srun of the kernel's")
+
+
+@pytest.mark.parametrize("how", ["srun killed", "step cancelled", "stopped while the agents start"])
+def test_agents_ended_from_outside_or_stopped_while_starting_are_started_again(cluster, how):
+    """The agents' step ended from outside (srun killed -9, scancel), or the stop
+    button while the agents still start (the cell says so, in seconds): the next
+    cell starts fresh agents; after the kernel's shutdown no process is left.
+    (Slurm SIGKILLs a cancelled step's processes at once, so the nodes' launcher
+    directories stay behind in that case: see the README.)"""
+    k = AllocKernel(cluster)
+    try:
+        if how == "stopped while the agents start":
+            def on_output(text, fired=[]):
+                if "starting an agent" in text and not fired:
+                    fired.append(True)
+                    wait_until(lambda: any(b"slurm_agent" in cmdline(p) for p in k.processes()), 30,
+                               "the agents to be starting")
+                    k.interrupt()
+            started = time.monotonic()
+            res = k.run("%%distributed --launcher slurm -n 2 --output text\npass", timeout=60, on_output=on_output)
+            assert res.error is not None and "the node agents were still starting" in res.error_text, \
+                res.error_text
+            assert time.monotonic() - started < 20
+        else:
+            assert k.run(WORLD, timeout=240).status == "ok"
+            if how == "srun killed":
+                os.kill(srun_pid(k), signal.SIGKILL)
+            else:
+                for step in cluster.steps(k.job):
+                    cluster.run(["scancel", step])
+        wait_until(lambda: not cluster.steps(k.job), 20, "the agents' step to end")
+        assert k.run(WORLD, timeout=240).status == "ok"   # fresh agents
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=False)
+        wait_until(lambda: not k.processes(), 15, f"every process of the job to end")
+    finally:
+        try:
+            k.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
+        cluster.release(k.job)
+
+
+def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(kernel):
+    """Someone on the cluster network connects to the kernel's new ports as the
+    agents start, with the identities agents might have: the agents still connect
+    (their identities are secret), the cell runs, nothing is unpickled."""
+    import threading
+    import zmq
+
+    def listening_ports(pid: int) -> set:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        ports = set()
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A" and parts[9] in inodes:
+                    ports.add(int(parts[1].split(":")[1], 16))
+        return ports
+
+    kernel.ok("%distributed_config --reset")
+    before = listening_ports(kernel.pid)
+    kernel.ok("import accel_magics.magics as _m\n_ip = get_ipython()\n"
+              "_mg = _ip.magics_manager.registry['DistributedMagics']\n"
+              "_mg._slurm and _mg._slurm.close(); _mg._slurm = None")   # the next cell starts agents afresh
+    ctx = zmq.Context()
+    socks, stop = [], threading.Event()
+
+    def squat():
+        while not stop.is_set():
+            for port in listening_ports(kernel.pid) - before:
+                for ident in (b"node0", b"node1", b"0", b"1"):
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.IDENTITY, ident)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(f"tcp://127.0.0.1:{port}")
+                    s.send_multipart([b"<IDS|MSG>", b"0" * 64, b"{}", b"{}", b"{}", b"garbage"])
+                    socks.append(s)
+                before.add(port)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=squat, daemon=True)
+    t.start()
+    try:
+        res = kernel.run(WORLD, timeout=240)
+    finally:
+        stop.set()
+        t.join()
+        for s in socks:
+            s.close()
+        ctx.term()
+    assert res.status == "ok", res.error_text
+    assert socks, "no port of the kernel's was squatted"
+
+
 def test_the_multi_node_regression_notebook_runs_a_real_multi_node_cell(cluster, tmp_path):
     """notebooks/multi_node_slurm.ipynb under nbval, in a kernel inside an allocation:
     its stored outputs come from a real two-node run, and must come again."""

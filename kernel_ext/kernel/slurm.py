@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -142,6 +143,9 @@ class SlurmAgents:
 
     def start(self) -> None:
         self.key = wire.new_key()
+        # The agents' socket identities: secret too (a ROUTER refuses a second peer
+        # with an identity it has, so a guessable one could be taken first).
+        self.ident = secrets.token_hex(16)
         self.session = wire.signed_session(self.key)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -173,7 +177,7 @@ class SlurmAgents:
         try:
             self.proc.stdin.write((json.dumps({"address": f"tcp://{address}:{port}",
                                                "events": f"tcp://{address}:{events_port}",
-                                               "key": self.key.decode()}) + "\n").encode())
+                                               "ident": self.ident, "key": self.key.decode()}) + "\n").encode())
             self.proc.stdin.close()
             self._wait_hellos()
         except BaseException:
@@ -205,7 +209,7 @@ class SlurmAgents:
     # -- the channel --------------------------------------------------------------------
     def send(self, node: int, content: dict) -> None:
         try:
-            self.session.send(self.sock, "kernel", content, ident=[f"node{node}".encode()])
+            self.session.send(self.sock, "kernel", content, ident=[f"{self.ident}-{node}".encode()])
         except zmq.ZMQError as exc:   # ROUTER_MANDATORY: that agent is not connected
             raise LauncherError(f"the agent on node {node} is gone ({exc})") from None
 
@@ -241,7 +245,8 @@ class SlurmAgents:
                 except Exception:
                     pass
             try:
-                proc.wait(GONE_WAIT)
+                # No agent ever connected (stopped while they started): none was told to end.
+                proc.wait(GONE_WAIT if self.nodes else 0)
             except subprocess.TimeoutExpired:
                 proc.terminate()   # SIGTERM to srun: it kills the tasks within ~50 ms
                 try:

@@ -47,7 +47,7 @@ IDLE_POLL_MS = 200
 
 
 class Agent:
-    def __init__(self, address: str, events: str, key: bytes) -> None:
+    def __init__(self, address: str, events: str, key: bytes, ident: str) -> None:
         self.node = int(os.environ.get("SLURM_NODEID", "0"))
         self.nodename = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.key = key
@@ -55,7 +55,7 @@ class Agent:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, f"{ident}-{self.node}".encode())
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, 5 * HEARTBEAT_MS)
@@ -179,14 +179,22 @@ class Agent:
 
 
 def main() -> None:
-    # The kernel's interrupt never reaches here (srun runs in its own session);
-    # srun's own SIGTERM/SIGKILL of the step ends the agent, and its launcher with it.
+    # The kernel's interrupt never reaches here (srun runs in its own session).
+    # srun's SIGTERM of the step (srun stopped, scancel, the allocation's end) ends
+    # the agent the orderly way: its launcher, every run of this node and their
+    # directory go with it (SIGKILL, after Slurm's KillWait, would leave the directory).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def stop(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: the clean-up must not be cut short
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     line = sys.stdin.readline()
     if not line:
         return
     hello = json.loads(line)
-    agent = Agent(hello["address"], hello["events"], hello["key"].encode())
+    agent = Agent(hello["address"], hello["events"], hello["key"].encode(), hello["ident"])
     try:
         agent.serve()
     finally:
