@@ -375,8 +375,51 @@ def test_a_long_tmpdir_falls_back_to_a_short_private_directory(tmp_path):
     finally:
         k.shutdown()
     from kernel_harness import wait_until
-    wait_until(lambda: _accel_dirs("/tmp") == before, 10, "the launcher's directory to be removed")
+    wait_until(lambda: not (_accel_dirs("/tmp") - before), 10, "the launcher's directory to be removed")
     assert not os.listdir(long_dir)
+
+
+def test_a_directory_left_by_an_owner_that_died_with_its_launcher_is_pruned(tmp_path, monkeypatch):
+    """Slurm SIGKILLs every process of a cancelled step at once (the OOM killer can
+    take a process group): a launcher directory whose owner and launcher process
+    died together is left. The next launcher in that temp dir removes it, and
+    leaves a live owner's alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from kernel_harness import wait_until
+
+    owner = ("import time\nfrom accel_magics.kernel_ext.kernel.launcher import Launcher\n"
+             "L = Launcher(); L.start(); L.wait_ready()\nprint(L.dir, L.proc.pid, flush=True)\ntime.sleep(300)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    dead = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, env=env)
+    live = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        dead_dir, dead_zygote = dead.stdout.readline().split()
+        live_dir, _ = live.stdout.readline().split()
+        os.killpg(int(dead_zygote), signal.SIGKILL)   # both at once
+        dead.kill()
+        dead.wait()
+        wait_until(lambda: not os.path.exists(f"/proc/{dead_zygote}/cmdline")
+                   or not open(f"/proc/{dead_zygote}/cmdline").read(), 10, "the launcher process to die")
+        assert os.path.isdir(dead_dir), "nothing was left to prune: the test proves nothing"
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        from accel_magics.kernel_ext.kernel.launcher import Launcher
+        fresh = Launcher()
+        fresh.start()
+        try:
+            assert not os.path.exists(dead_dir)
+            assert os.path.isdir(live_dir) and os.path.isdir(fresh.dir)
+        finally:
+            fresh.close()
+    finally:
+        live.terminate()
+        live.wait()
+        dead.kill()
+    wait_until(lambda: not os.listdir(tmp_path), 15, "the live owner's launcher to remove its directory")
 
 
 def test_a_launcher_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -357,9 +357,9 @@ def srun_pid(k: "AllocKernel") -> int:
 def test_agents_ended_from_outside_or_stopped_while_starting_are_started_again(cluster, how):
     """The agents' step ended from outside (srun killed -9, scancel), or the stop
     button while the agents still start (the cell says so, in seconds): the next
-    cell starts fresh agents; after the kernel's shutdown no process is left.
-    (Slurm SIGKILLs a cancelled step's processes at once, so the nodes' launcher
-    directories stay behind in that case: see the README.)"""
+    cell starts fresh agents (whose launchers remove the directories the killed
+    ones left: Slurm SIGKILLs every process of a cancelled step at once); after
+    the kernel's shutdown nothing is left, processes nor files."""
     k = AllocKernel(cluster)
     try:
         if how == "stopped while the agents start":
@@ -385,7 +385,8 @@ def test_agents_ended_from_outside_or_stopped_while_starting_are_started_again(c
         assert k.run(WORLD, timeout=240).status == "ok"   # fresh agents
         k.kc.stop_channels()
         k.km.shutdown_kernel(now=False)
-        wait_until(lambda: not k.processes(), 15, f"every process of the job to end")
+        wait_until(lambda: not k.processes(), 15, "every process of the job to end")
+        wait_until(lambda: not os.listdir(k.tmpdir), 10, "the kernel's temp dir to be empty")
     finally:
         try:
             k.km.shutdown_kernel(now=True)

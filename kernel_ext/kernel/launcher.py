@@ -9,6 +9,7 @@ interrupt or kill the run.  Nothing here imports IPython.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import pickle
 import shutil
@@ -47,8 +48,12 @@ PRELOAD_WAIT = 60.0    # seconds it gets to import the modules it was asked to p
 SUN_PATH_MAX = 107   # bytes in an AF_UNIX socket path (Linux: 108 with the final NUL)
 
 
-def _private_dir() -> str:
-    """A new private (0700) directory for the run channel's ipc:// socket.
+OWNER_LOCK = "owner.lock"   # in each launcher directory: flock()ed by the process that made it, for its life
+
+
+def _private_dir() -> tuple[str, int]:
+    """A new private (0700) directory for the run channel's ipc:// socket, and
+    the fd of its owner lock (see :func:`_prune_abandoned`).
 
     In the temp directory, unless its path is too long for a socket (a long
     ``TMPDIR``): then in /tmp or the user's runtime directory.
@@ -66,11 +71,58 @@ def _private_dir() -> str:
         except OSError:
             continue
         os.chmod(path, 0o700)
-        return path
+        lock = _hold_owner_lock(path)
+        _prune_abandoned(base, keep=path)
+        return path, lock
     raise LauncherError(
         f"no directory for the launcher's socket: {', '.join(tried)} are not writable or their path is longer "
         f"than a socket path may be ({SUN_PATH_MAX} bytes). Set TMPDIR to a short, writable directory."
     )
+
+
+def _hold_owner_lock(path: str) -> int:
+    """Lock the new directory for this process's life (the lock ends with it,
+    however it ends).  Locked before it gets its name, so a pruner never finds
+    it unlocked."""
+    temp = os.path.join(path, f".{OWNER_LOCK}.new")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(temp, os.path.join(path, OWNER_LOCK))
+    return fd
+
+
+def _prune_abandoned(base: str, keep: str) -> None:
+    """Remove launcher directories whose owner is gone without removing them.
+
+    The owner (a kernel, a Slurm node's agent) and its launcher process remove
+    the directory themselves, whichever outlives the other; only when both die
+    at once (Slurm SIGKILLs every process of a cancelled step; the OOM killer
+    takes a process group) is it left.  Such a one is this user's, carries an
+    owner lock, and the lock is free: no one is there to use it.
+    """
+    uid = os.getuid()
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith("accel_magics-") or entry.path == keep:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            fd = os.open(os.path.join(entry.path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:   # not a launcher directory of this version, or gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # its owner lives
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 class Launcher:
@@ -100,7 +152,7 @@ class Launcher:
         """Start the launcher process; returns at once (torch loads meanwhile)."""
         if self.proc is not None:
             return
-        self.dir = _private_dir()
+        self.dir, self._owner_lock = _private_dir()
         self.pull = None
         try:
             self._start()
@@ -125,6 +177,12 @@ class Launcher:
             self.pull.close()
             self.pull = None
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._release_owner_lock()
+
+    def _release_owner_lock(self) -> None:
+        if getattr(self, "_owner_lock", None) is not None:
+            os.close(self._owner_lock)
+            self._owner_lock = None
 
     def _start(self) -> None:
         self.events_addr = self.report_to or f"ipc://{self.dir}/events"
@@ -185,6 +243,7 @@ class Launcher:
         # while it waits (a shutdown that takes too long) must not leave it,
         # since a zygote that saw EOF from a live kernel leaves it to the kernel.
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._release_owner_lock()
         try:
             proc.wait(0 if kill else 5)
         except subprocess.TimeoutExpired:
