@@ -78,18 +78,21 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     source = magics._source(line, cell)
     label = f"In[{magics._cell_number()}]"
     note = f"waiting for {busy} to finish (the session runs one cell at a time)" if busy else ""
-    presenter = magics._presenter(args, started, background=args.background, note=note)
+    presenter = None
     try:
+        # The stop button may come while the view shows "waiting for ..." (being made,
+        # or after): either way this cell has not run, and only the waiting stops.
+        presenter = magics._presenter(args, started, background=args.background, note=note)
         if busy:   # its turn comes when the running (background) cell ends: the names it set count
-            try:
-                session.wait_idle()
-            except KeyboardInterrupt:
-                raise WaitStopped(f"stopped while it waited for {busy}: this cell did not run; {busy} goes on "
-                                  "(its handle's .stop() stops it)") from None
+            session.wait_idle()
         owned = set(session.owned)
         payload = magics._payload(source, return_names, defined=owned)
-    except BaseException:
-        presenter.discard()
+    except BaseException as exc:
+        if presenter is not None:
+            presenter.discard()
+        if busy and isinstance(exc, KeyboardInterrupt):
+            raise WaitStopped(f"stopped while it waited for {busy}: this cell did not run; {busy} goes on "
+                              "(its handle's .stop() stops it)") from None
         raise
     _say_which_names(magics, source, owned, session)
 
