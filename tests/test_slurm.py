@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kernel_harness import KernelSession, wait_until
+from kernel_harness import KernelSession, listening_ports, wait_until
 from slurm_cluster import SlurmCluster, missing
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -82,6 +82,15 @@ class AllocKernel(KernelSession):
             self.shutdown()
         finally:
             self.cluster.release(self.job)
+
+    def end_now(self) -> None:
+        """After a test that killed or shut the kernel down itself: make sure it is
+        gone (whatever state it is in), and release the allocation."""
+        try:
+            self.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
+        self.cluster.release(self.job)
 
 
 @pytest.fixture(scope="module")
@@ -224,16 +233,22 @@ def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel):
     assert kernel.run(WORLD, timeout=240).status == "ok"
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def agent_pid(k: "AllocKernel", node_id: int) -> int:
     for pid in k.processes():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if b"slurm_agent" in cmd and f"SLURM_NODEID={node_id}".encode() in env:
+        if b"slurm_agent" in cmdline(pid) and f"SLURM_NODEID={node_id}".encode() in env:
             return pid
     raise AssertionError(f"no agent on node {node_id}")
 
@@ -329,19 +344,7 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         # No file either: srun's log has no name, the nodes' launchers remove their directories.
         wait_until(lambda: not os.listdir(k.tmpdir), 10, f"the kernel's temp dir to be empty: {os.listdir(k.tmpdir)}")
     finally:
-        try:
-            k.km.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        cluster.release(k.job)
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
+        k.end_now()
 
 
 def srun_pid(k: "AllocKernel") -> int:
@@ -383,16 +386,11 @@ def test_agents_ended_from_outside_or_stopped_while_starting_are_started_again(c
                     cluster.run(["scancel", step])
         wait_until(lambda: not cluster.steps(k.job), 20, "the agents' step to end")
         assert k.run(WORLD, timeout=240).status == "ok"   # fresh agents
-        k.kc.stop_channels()
-        k.km.shutdown_kernel(now=False)
+        k.shutdown()
         wait_until(lambda: not k.processes(), 15, "every process of the job to end")
         wait_until(lambda: not os.listdir(k.tmpdir), 10, "the kernel's temp dir to be empty")
     finally:
-        try:
-            k.km.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        cluster.release(k.job)
+        k.end_now()
 
 
 def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(kernel):
@@ -402,25 +400,8 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
     import threading
     import zmq
 
-    def listening_ports(pid: int) -> set:
-        inodes = set()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-        ports = set()
-        with open("/proc/net/tcp") as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == "0A" and parts[9] in inodes:
-                    ports.add(int(parts[1].split(":")[1], 16))
-        return ports
-
     kernel.ok("%distributed_config --reset")
-    before = listening_ports(kernel.pid)
+    before = listening_ports({kernel.pid})
     kernel.ok("import accel_magics.magics as _m\n_ip = get_ipython()\n"
               "_mg = _ip.magics_manager.registry['DistributedMagics']\n"
               "_mg._slurm and _mg._slurm.close(); _mg._slurm = None")   # the next cell starts agents afresh
@@ -429,7 +410,7 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
 
     def squat():
         while not stop.is_set():
-            for port in listening_ports(kernel.pid) - before:
+            for port in listening_ports({kernel.pid}) - before:
                 for ident in (b"node0", b"node1", b"0", b"1"):
                     s = ctx.socket(zmq.DEALER)
                     s.setsockopt(zmq.IDENTITY, ident)

@@ -35,6 +35,30 @@ TIMEOUT_SLACK = 4.0    # past --timeout (or the rendezvous timeout), when the ke
 GONE_DRAIN = 2.0       # after the supervisor exited, how long its last messages may take
 
 
+def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:
+    """The next message of run ``run_id`` waiting on ``sock`` (None: none is),
+    and how many were dropped before it: a wrong or missing signature, a replay,
+    another run's (stale: signed with its own key) are never unpickled."""
+    dropped = 0
+    while True:
+        # A message taken off the socket is processed whole (an interrupt
+        # waits): losing "finished" would turn a clean stop into an error.
+        with sigint_deferred():
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None, dropped
+            try:
+                _, frames = session.feed_identities(frames)
+                content = session.deserialize(frames)["content"]
+            except Exception:
+                content = None
+        if content is None or content.get("run_id") != run_id:
+            dropped += 1
+            continue
+        return content, dropped
+
+
 class RunHandle:
     """One run: verified messages in order, and the means to stop it."""
 
@@ -196,29 +220,9 @@ class RunHandle:
         self._pidfd_close()
 
     def _recv(self) -> Optional[dict]:
-        pull = self.pull
-        while True:
-            # A message taken off the socket is processed whole (an interrupt
-            # waits): losing "finished" would turn a clean stop into an error.
-            with sigint_deferred():
-                try:
-                    frames = pull.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return None
-                try:
-                    _, frames = self.session.feed_identities(frames)
-                    msg = self.session.deserialize(frames)
-                except Exception:
-                    msg = None
-            if msg is None:
-                # Wrong or missing signature, replay, or a stale run: never unpickled.
-                self.launcher.dropped += 1
-                continue
-            content = msg["content"]
-            if content.get("run_id") != self.run_id:
-                self.launcher.dropped += 1
-                continue
-            return content
+        content, dropped = receive_verified(self.pull, self.session, self.run_id)
+        self.launcher.dropped += dropped
+        return content
 
     def _supervisor_gone(self) -> bool:
         try:

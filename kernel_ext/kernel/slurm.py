@@ -43,6 +43,7 @@ import zmq
 from .. import child_environment, wire
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
+from .run_handle import receive_verified
 
 START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
 STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents are told to kill
@@ -323,7 +324,10 @@ class SlurmRun:
             if not ready and heartbeat is not None:
                 yield {"kind": "heartbeat"}
             if self.agents.events in ready:
-                for msg in self._run_messages():
+                while True:   # what the supervisors said, verified with the run's key
+                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id)
+                    if msg is None:
+                        break
                     msg["node"] = self.node_ids[msg.get("node_rank", 0)]
                     yield from self._merge(msg)
                     if self.finished:
@@ -337,23 +341,6 @@ class SlurmRun:
                         yield from self._agent_message(msg)
             if not self.finished and self._check(time.monotonic()):
                 yield {"kind": "finished", "reason": "interrupt", "forced": self.forced}
-
-    def _run_messages(self) -> list[dict]:
-        """What the supervisors said, verified with the run's key before unpickling
-        (an earlier run's stragglers, signed with its own key, are dropped)."""
-        out = []
-        while True:
-            try:
-                frames = self.agents.events.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            try:
-                _, frames = self.session.feed_identities(frames)
-                content = self.session.deserialize(frames)["content"]
-            except Exception:
-                continue
-            if content.get("run_id") == self.run_id:
-                out.append(content)
 
     def _agent_message(self, msg: dict) -> list[dict]:
         if msg.get("kind") == "supervisor_exit":

@@ -297,30 +297,40 @@ class Supervisor:
                 self.sel.register(fd, selectors.EVENT_READ, ("store", None))
                 return
             if spec.get("dispatched_together"):
-                self._wait_listening()
+                self._wait_for_nodes(self._node0_listening, quiet_for=1.0)
                 return
             if spec["node_rank"] == 0:
                 self.rdzv.host_store()
-            last_note = 0.0
-            while self.stopping is None:
-                joined = 0
-                if self.rdzv.store is not None or self.rdzv.try_connect():
-                    joined = self.rdzv.join_step()
-                    if joined >= nodes:
-                        return
-                if time.monotonic() - last_note >= 1.0:
-                    last_note = time.monotonic()
-                    self._send({"kind": "waiting", "joined": joined, "expected": nodes,
-                                "address": self.rdzv.address})
-                self.rdzv.check_deadline(joined)
-                self._poll(RDZV_POLL)
+            self._wait_for_nodes(self._count_in, quiet_for=0.0)
         except RendezvousTimeout as exc:
             self._rendezvous_failed(str(exc))
         except Exception as exc:   # e.g. node 0 could not listen on the port
             self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
                                     f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
 
-    def _wait_listening(self) -> None:
+    def _wait_for_nodes(self, joined_now, quiet_for: float) -> None:
+        """Until ``joined_now()`` counts every node in, or the run is stopped;
+        bounded by the rendezvous timeout.  Progress goes to the kernel once a
+        second, the first time after ``quiet_for`` seconds."""
+        nodes = self.spec["num_nodes"]
+        last_note = time.monotonic() - 1.0 + quiet_for
+        while self.stopping is None:
+            joined = joined_now()
+            if joined >= nodes:
+                return
+            if time.monotonic() - last_note >= 1.0:
+                last_note = time.monotonic()
+                self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address})
+            self.rdzv.check_deadline(joined)
+            self._poll(RDZV_POLL)
+
+    def _count_in(self) -> int:
+        """One kernel per node: count this node in on node 0's store; how many are in."""
+        if self.rdzv.store is not None or self.rdzv.try_connect():
+            return self.rdzv.join_step()
+        return 0
+
+    def _node0_listening(self) -> int:
         """Nodes handed the run at once by one kernel (``--launcher slurm``).
 
         The kernel started every node's part in the same moment and watches
@@ -332,16 +342,10 @@ class Supervisor:
         listens at once and hosts its store on the first connection, as on
         one node; the other nodes start their ranks as soon as node 0's port
         accepts (a rank's connection then waits in its backlog, never in
-        torch's retry back-off, which costs about half a second).
+        torch's retry back-off, which costs about half a second): every
+        node counts as in then, only this one until.
         """
-        last_note = time.monotonic()
-        while self.stopping is None and not self.rdzv.probe():
-            if time.monotonic() - last_note >= 1.0:
-                last_note = time.monotonic()
-                self._send({"kind": "waiting", "joined": 1, "expected": self.spec["num_nodes"],
-                            "address": self.rdzv.address})
-            self.rdzv.check_deadline(0)
-            self._poll(RDZV_POLL)
+        return self.spec["num_nodes"] if self.rdzv.probe() else 1
 
     def _peers_ended(self) -> None:
         """SIGHUP, from the kernel through this node's agent (runs dispatched
