@@ -411,12 +411,22 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
     def squat():
         while not stop.is_set():
             for port in listening_ports({kernel.pid}) - before:
-                for ident in (b"node0", b"node1", b"0", b"1"):
-                    s = ctx.socket(zmq.DEALER)
-                    s.setsockopt(zmq.IDENTITY, ident)
+                # DEALERs with the guessable identities for the agents' ROUTER, a
+                # PUSH for the runs' PULL. A socket whose handshake the port
+                # refuses (the wrong type) has no pipe, and a blocking send on it
+                # would wait for ever: every send has a timeout.
+                peers = [(zmq.DEALER, ident) for ident in (b"node0", b"node1", b"0", b"1")]
+                for kind, ident in peers + [(zmq.PUSH, None)]:
+                    s = ctx.socket(kind)
+                    if ident is not None:
+                        s.setsockopt(zmq.IDENTITY, ident)
                     s.setsockopt(zmq.LINGER, 0)
+                    s.setsockopt(zmq.SNDTIMEO, 200)
                     s.connect(f"tcp://127.0.0.1:{port}")
-                    s.send_multipart([b"<IDS|MSG>", b"0" * 64, b"{}", b"{}", b"{}", b"garbage"])
+                    try:
+                        s.send_multipart([b"<IDS|MSG>", b"0" * 64, b"{}", b"{}", b"{}", b"garbage"])
+                    except zmq.Again:
+                        pass
                     socks.append(s)
                 before.add(port)
             time.sleep(0.01)
@@ -427,7 +437,8 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
         res = kernel.run(WORLD, timeout=240)
     finally:
         stop.set()
-        t.join()
+        t.join(timeout=30)
+        assert not t.is_alive(), "the squatter thread is stuck"
         for s in socks:
             s.close()
         ctx.term()
