@@ -48,6 +48,16 @@ def session_pids(k) -> set[int]:
     return ranks | {supervisor}
 
 
+@pytest.fixture(autouse=True)
+def no_session_outlives_its_test(request):
+    """A test that failed with its session running would fail every later test
+    of the module's kernel at its start ('a session is already running'): one
+    failure, reported once."""
+    yield
+    if "kernel" in request.fixturenames:
+        request.getfixturevalue("kernel").run("%distributed_session stop", timeout=60)   # a UsageError if none runs
+
+
 @pytest.fixture
 def session(kernel):
     """The module's kernel with a 2-rank session; stopped (and checked for leaks) after."""
@@ -153,10 +163,15 @@ def test_a_session_name_wins_and_says_so_a_kernel_name_is_sent_fresh(session):
     assert by_rank(res.stdout)[0] == ["42"] and "session's own" not in res.stderr, res.stderr
 
 
-def test_a_failure_with_no_collective_pending_keeps_the_session(session):
+def test_a_failure_with_no_collective_pending_keeps_the_session(session, tmp_path):
     k = session
     ok_cell(k, "import os\nrank = int(os.environ['RANK'])\ncounter = 10 + rank")
-    res = cell(k, "counter += 1\nif rank == 1:\n    raise ValueError('bad batch')")
+    # rank 1 fails once rank 0 is past its `counter += 1`: a failure stops every
+    # rank where it is, one that had not begun the cell included.
+    flag = str(tmp_path / "rank0-counted")
+    res = cell(k, f"counter += 1\nimport time\nif rank == 0:\n    open({flag!r}, 'w').close()\n"
+                  f"else:\n    while not os.path.exists({flag!r}):\n        time.sleep(0.01)\n"
+                  f"    raise ValueError('bad batch')")
     assert res.status == "error"
     assert res.error["evalue"].startswith("rank 1 failed: ValueError: bad batch"), res.error_text
     assert "The session lives on" in res.error_text
@@ -376,17 +391,22 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
         if kind == 0:
             ok_cell(k, "n += 1\nprint(n)")
         elif kind == 1:
-            res = cell(k, "n += 1\nif rank == 1:\n    raise RuntimeError('x')")
+            # No `n += 1` in this cell nor in the timeout's: a rank that has not
+            # begun the cell when rank 1 fails (or when 0.5 s are up) is stopped
+            # before its first line, as a failure stops every rank wherever it
+            # is; on a loaded machine that happens (CI, once in about 30 such
+            # cells), so whether the line ran on rank 0 is not the test's to know.
+            res = cell(k, "if rank == 1:\n    raise RuntimeError('x')")
             assert "The session lives on" in res.error_text, res.error_text
         elif kind == 2:
             ok_cell(k, "n += 1\ntotal = float(big.sum())", flags="--return total")
         elif kind == 3:
-            res = cell(k, "n += 1\nimport time\ntime.sleep(30)", flags="--timeout 0.5")
+            res = cell(k, "import time\ntime.sleep(30)", flags="--timeout 0.5")
             assert res.error["ename"] == "DistributedTimeoutError", res.error_text
         else:
             k.ok("%%distributed --session --background --output text\nn += 1")
             k.ok("_.wait()")
-    assert by_rank(ok_cell(k, "print(n)").stdout) == {0: ["50"], 1: ["50"]}
+    assert by_rank(ok_cell(k, "print(n)").stdout) == {0: ["30"], 1: ["30"]}
     assert memfds(k.pid) == 0
     k.ok("%distributed_session stop")
     k.assert_no_leaks()
