@@ -86,7 +86,7 @@ class KernelSession:
                 res.result = content["data"].get("text/plain")
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
-        reply = self.kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))
+        reply = self.reply_to(msg_id, deadline)
         res.reply = reply["content"]
         res.status = res.reply["status"]
         res.execution_count = res.reply.get("execution_count")
@@ -94,6 +94,17 @@ class KernelSession:
             # UsageError is printed on stderr, not published as an error message.
             res.error = {k: res.reply.get(k) for k in ("ename", "evalue", "traceback")}
         return res
+
+    def reply_to(self, msg_id: str, deadline: float) -> dict:
+        """The shell reply to ``msg_id``.  Others are skipped: jupyter_client's
+        wait_for_ready sends a kernel_info_request every second until one is
+        answered, so a kernel slow to start (CI's load) leaves extra
+        kernel_info_replies on the shell channel, and taking the next reply
+        as this cell's put every later cell's status one cell behind."""
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     def ok(self, code: str, timeout: float = 60) -> CellResult:
         res = self.run(code, timeout)

@@ -45,7 +45,7 @@ class Node(KernelSession):
             elif kind == "error":
                 out["error"] = content
             elif kind == "status" and content["execution_state"] == "idle":
-                reply = self.kc.get_shell_msg(timeout=30)["content"]
+                reply = self.reply_to(msg_id, time.monotonic() + 30)["content"]
                 if reply["status"] == "error" and out["error"] is None:
                     out["error"] = reply
                 return out
