@@ -60,6 +60,8 @@ class DistributedSession:
         self.current_control: Optional[RunControl] = None
         self.cells_run = 0
         self._busy = threading.Lock()         # one cell at a time
+        self._idle = threading.Event()        # no cell runs: what a waiting cell waits for (see wait_idle)
+        self._idle.set()
         self.events = self.cells = None
         self.master_port = 0
 
@@ -181,10 +183,10 @@ class DistributedSession:
     # -- cells ------------------------------------------------------------------------
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no cell runs (a background one); the stop button ends the wait."""
-        if not self._busy.acquire(timeout=-1 if timeout is None else timeout):
-            return False
-        self._busy.release()
-        return True
+        # An Event, not the lock itself: a stop landing just after acquire()
+        # returned (before release()) left the lock held, and every later
+        # session cell waited for it for ever (CI caught it).
+        return self._idle.wait(timeout)
 
     def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
         handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
@@ -200,50 +202,58 @@ class DistributedSession:
         tells its story (with whether the session lives on)."""
         emit = on_event or (lambda event: None)
         with self._busy:
-            self.check()
-            self.current, self.current_control = label, control
-            started = time.time()
-            run_id = uuid.uuid4().hex[:12]
-            handle = self._handle(run_id, timeout)
+            self._idle.clear()
             try:
-                self.signer.send(self.cells[0], "cell", {
-                    "op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
-                    "log_dir": log_dir, "excerpt": excerpt})
-                if control is not None:
-                    control.attach(handle)
-                try:
-                    outcome = _collect(handle, self.cfg, 0, emit, heartbeat)
-                except LauncherError as exc:
-                    self.lost = str(exc)
-                    self._forget()
-                    raise SessionLostError("its supervisor ended during the cell", exc) from None
-                self.cells_run += 1
-                for name in outcome.deleted:
-                    self.owned.pop(name, None)
-                for name in outcome.assigned:
-                    self.owned[name] = label
-                if outcome.session == "lost":
-                    self.lost = outcome.lost or "its ranks could not go on"
-                    try:
-                        conclude(outcome, self.cfg, handle, 0, started)
-                    except BaseException as exc:
-                        cause = exc
-                    else:
-                        cause = None
-                    self._wait_gone(handle)
-                    self._forget()
-                    raise SessionLostError(self.lost, cause) from None
-                try:
-                    result = conclude(outcome, self.cfg, handle, 0, started)
-                except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
-                    exc.after = ALIVE_NOTE
-                    raise
-                self.launcher.learn_modules(result.new_modules)
-                return result
+                return self._run_cell_now(payload, label, emit, heartbeat, log_dir, excerpt, timeout, control)
             finally:
-                handle.close()
-                payload.release()
-                self.current = self.current_control = None
+                self._idle.set()
+
+    def _run_cell_now(self, payload, label, emit, heartbeat, log_dir, excerpt, timeout, control) -> RunResult:
+        """run_cell's work, with the session held for this cell."""
+        self.check()
+        self.current, self.current_control = label, control
+        started = time.time()
+        run_id = uuid.uuid4().hex[:12]
+        handle = self._handle(run_id, timeout)
+        try:
+            self.signer.send(self.cells[0], "cell", {
+                "op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
+                "log_dir": log_dir, "excerpt": excerpt})
+            if control is not None:
+                control.attach(handle)
+            try:
+                outcome = _collect(handle, self.cfg, 0, emit, heartbeat)
+            except LauncherError as exc:
+                self.lost = str(exc)
+                self._forget()
+                raise SessionLostError("its supervisor ended during the cell", exc) from None
+            self.cells_run += 1
+            for name in outcome.deleted:
+                self.owned.pop(name, None)
+            for name in outcome.assigned:
+                self.owned[name] = label
+            if outcome.session == "lost":
+                self.lost = outcome.lost or "its ranks could not go on"
+                try:
+                    conclude(outcome, self.cfg, handle, 0, started)
+                except BaseException as exc:
+                    cause = exc
+                else:
+                    cause = None
+                self._wait_gone(handle)
+                self._forget()
+                raise SessionLostError(self.lost, cause) from None
+            try:
+                result = conclude(outcome, self.cfg, handle, 0, started)
+            except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
+                exc.after = ALIVE_NOTE
+                raise
+            self.launcher.learn_modules(result.new_modules)
+            return result
+        finally:
+            handle.close()
+            payload.release()
+            self.current = self.current_control = None
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""

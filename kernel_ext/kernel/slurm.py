@@ -108,6 +108,12 @@ def _expand_nodelist(nodelist: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+class AgentGone(LauncherError):
+    """An agent's connection failed as a run was being dispatched: nothing of
+    that run goes on (nodes already sent it are told to kill it), so the
+    agents can be started again and the run dispatched afresh."""
+
+
 class SlurmAgents:
     """The agents of one allocation: started once, kept, stopped with the kernel."""
 
@@ -311,8 +317,16 @@ class SlurmRun:
                                                           "timeout", "rendezvous_timeout", "extra_env")}
             part.update(num_nodes=cfg.num_nodes, node_rank=node_rank, master_addr=self.master_addr,
                         master_port=self.master_port, stall_timeout=0)
-            agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
-                               "log_dir": log_dir, "excerpt": excerpt})
+            try:
+                agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
+                                   "log_dir": log_dir, "excerpt": excerpt})
+            except LauncherError as exc:
+                for earlier in nodes[:node_rank]:
+                    try:
+                        agents.send(earlier, {"op": "kill", "run_id": self.run_id})
+                    except LauncherError:
+                        pass
+                raise AgentGone(str(exc)) from None
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         beat = int((heartbeat or 0.5) * 1000)
@@ -466,7 +480,16 @@ def run_slurm(agents: SlurmAgents, cfg: LaunchConfig, payload, on_event=None, he
     emit = on_event or (lambda event: None)
     started = time.time()
     try:
-        handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
+        try:
+            handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
+        except AgentGone:
+            # The check before this cell found every agent connected, but one's
+            # connection was already going (an agent killed just before: the
+            # kernel's side of the socket notices a moment later on a busy
+            # machine). Nothing ran: start the agents again, once.
+            agents.close()
+            agents.start()
+            handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
         outcome = _collect(handle, cfg, 0, emit, heartbeat)
         for failure in outcome.finished.failures:
             node = handle.node_of.get(failure.rank)
