@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
-from accel_magics.kernel_ext.kernel.slurm import SlurmAgents, SlurmError, allocation, run_slurm
+from accel_magics.kernel_ext.kernel.slurm import AgentGone, SlurmAgents, SlurmError, allocation, run_slurm
 
 from .magics import LAUNCH_OPTION_NAMES, _return_names
 
@@ -49,17 +49,7 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
     presenter = magics._presenter(args, started, note=note)
     try:
         if not reuse:
-            if agents is not None:
-                agents.close()
-            magics._slurm = None
-            agents = SlurmAgents(num_nodes, slurm_args)
-            try:
-                agents.start()
-            except KeyboardInterrupt:   # the stop button: start() already stopped srun and every agent
-                raise RunInterrupted({}, [], note=" (the node agents were still starting: srun, then torch "
-                                     "on each node; nothing ran, and nothing is left on any node. Run the cell "
-                                     "again to start them)") from None
-            magics._slurm = agents
+            agents = _start_agents(magics, num_nodes, slurm_args)
         gpus = agents.nodes[min(agents.nodes)].get("gpu_count", 0)
         cfg = LaunchConfig(
             num_processes=explicit.get("num_processes") or gpus or 2, num_nodes=num_nodes, node_rank=0,
@@ -76,8 +66,18 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
         payload.release()
         raise
     try:
-        result = run_slurm(agents, cfg, payload, on_event=presenter, heartbeat=0.25,
-                           log_dir=presenter.log_dir, excerpt=presenter.excerpt)
+        try:
+            result = run_slurm(agents, cfg, payload, on_event=presenter, heartbeat=0.25,
+                               log_dir=presenter.log_dir, excerpt=presenter.excerpt)
+        except AgentGone:
+            # The check before this cell found every agent connected, but one's
+            # connection was already going (an agent killed just before: the
+            # kernel's side of the socket notices a moment later on a busy
+            # machine). Nothing ran (the payload is not shared, so it is whole):
+            # start the agents again, once, as a first cell would.
+            agents = _start_agents(magics, num_nodes, slurm_args)
+            result = run_slurm(agents, cfg, payload, on_event=presenter, heartbeat=0.25,
+                               log_dir=presenter.log_dir, excerpt=presenter.excerpt)
     except LauncherError:
         agents.close()   # the agents (or srun) are gone: the next cell starts fresh ones
         magics._slurm = None
@@ -85,6 +85,23 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
     finally:
         presenter.finish()
     return magics._deliver(result)
+
+
+def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
+    """Fresh agents for the allocation (any old ones closed), kept on the magics
+    for the next cells.  The stop button while they start: nothing ran."""
+    if magics._slurm is not None:
+        magics._slurm.close()
+    magics._slurm = None
+    agents = SlurmAgents(num_nodes, slurm_args)
+    try:
+        agents.start()
+    except KeyboardInterrupt:   # the stop button: start() already stopped srun and every agent
+        raise RunInterrupted({}, [], note=" (the node agents were still starting: srun, then torch "
+                             "on each node; nothing ran, and nothing is left on any node. Run the cell "
+                             "again to start them)") from None
+    magics._slurm = agents
+    return agents
 
 
 def describe_allocation() -> str:

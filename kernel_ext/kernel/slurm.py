@@ -480,16 +480,7 @@ def run_slurm(agents: SlurmAgents, cfg: LaunchConfig, payload, on_event=None, he
     emit = on_event or (lambda event: None)
     started = time.time()
     try:
-        try:
-            handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
-        except AgentGone:
-            # The check before this cell found every agent connected, but one's
-            # connection was already going (an agent killed just before: the
-            # kernel's side of the socket notices a moment later on a busy
-            # machine). Nothing ran: start the agents again, once.
-            agents.close()
-            agents.start()
-            handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
+        handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
         outcome = _collect(handle, cfg, 0, emit, heartbeat)
         for failure in outcome.finished.failures:
             node = handle.node_of.get(failure.rank)
