@@ -51,7 +51,11 @@ class KernelSession:
 
     def run(self, code: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
             ) -> CellResult:
-        """Execute ``code``; ``on_output(text)`` is called with each stream chunk."""
+        """Execute ``code``.  ``on_output(text)`` is called on each stream message
+        with all the cell's stream text so far (not the chunk: two ranks' lines
+        may come in one message or in two, and a test that waits for both must
+        not depend on which), and on each display message with that display's
+        text (a live view's text is already its whole state)."""
         msg_id = self.kc.execute(code, store_history=True)
         res = CellResult(status="")
         deadline = time.monotonic() + timeout
@@ -74,7 +78,7 @@ class KernelSession:
                 else:
                     res.stderr += content["text"]
                 if on_output is not None:
-                    on_output(content["text"])
+                    on_output(res.stdout + res.stderr)
             elif kind in ("display_data", "update_display_data"):
                 text = content["data"].get("text/plain", "")
                 res.live.append(text)
