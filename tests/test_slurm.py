@@ -215,21 +215,27 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_other_nodes_waiting_in_i
     assert kernel.run(WORLD, timeout=120).status == "ok"
 
 
-def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel, sig):
     """kill -9 of node n2's supervisor (rank 2's parent) mid-run: the cell ends with
     an error naming that node (nothing waits for its "finished"), and the next cell
-    works (the agents start again)."""
+    works (the agents start again).  SIGTERM (someone else's, e.g. a scheduler's):
+    that supervisor stops its ranks, the other node is stopped, and the error says
+    which node's supervisor it was."""
     def on_output(text, fired=[]):
         m = re.search(r"supervisor=(\d+)", text)
         if m and not fired:
             fired.append(True)
-            os.kill(int(m.group(1)), signal.SIGKILL)
+            os.kill(int(m.group(1)), getattr(signal, sig))
     started = time.monotonic()
     res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, time\n"
                      "if os.environ['RANK'] == '2':\n    print(f'supervisor={os.getppid()}', flush=True)\n"
                      "time.sleep(3600)", timeout=120, on_output=on_output)
     assert time.monotonic() - started < 30
     assert res.error is not None and "node 1 (n2)" in res.error_text, res.error_text
+    if sig == "SIGTERM":
+        assert res.error["ename"] == "RunTerminated", res.error_text
+        assert "the run's supervisor on node 1 (n2) was sent SIGTERM" in res.error["evalue"], res.error_text
     assert kernel.run(WORLD, timeout=240).status == "ok"
 
 

@@ -52,6 +52,7 @@ class _Outcome:
     lost: Optional[str] = None      # why the session was lost
     assigned: set = field(default_factory=set)   # a session cell: names it bound (on any rank)
     deleted: set = field(default_factory=set)
+    terminated_on: str = ""   # a multi-node run: which node's supervisor got the SIGTERM
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -78,6 +79,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     rendezvous_error = None
     remote = None
     session = lost = None
+    terminated_on = ""
     assigned: set = set()
     deleted: set = set()
     # A run on every node of an allocation (kernel_ext.kernel.slurm) has every rank here.
@@ -159,6 +161,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     reason = msg["reason"]
                     forced = msg.get("forced")
                     session, lost = msg.get("session"), msg.get("lost")
+                    terminated_on = msg.get("terminated_on", "")
             except KeyboardInterrupt:
                 # The stop button: stop every rank (stacks first), keep reading
                 # until the supervisor reports them all gone.
@@ -199,7 +202,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
         session = "lost"
         lost = lost or (forced and f"its supervisor did not respond ({forced}), so the kernel killed it")
     return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced, stalled,
-                    session, lost, assigned - deleted, deleted)
+                    session, lost, assigned - deleted, deleted, terminated_on)
 
 
 class RunControl:
@@ -285,8 +288,8 @@ def conclude(outcome: _Outcome, cfg: LaunchConfig, handle: RunHandle, attempt: i
                                     info.get("seconds", cfg.stall_timeout), finished.stacks)
     if finished.status == "terminated":
         raise RunTerminated(
-            "the run's supervisor was sent SIGTERM by another process (a rank's os.kill, the system, a "
-            f"job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
+            f"the run's supervisor{outcome.terminated_on} was sent SIGTERM by another process (a rank's os.kill, "
+            f"the system, a job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
             " had not finished.")
     if finished.status == "timeout":
         raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)

@@ -204,17 +204,19 @@ class DistributedSession:
         with self._busy:
             self._idle.clear()
             try:
-                return self._run_cell_now(payload, label, emit, heartbeat, log_dir, excerpt, timeout, control)
+                return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
+                                          excerpt=excerpt, timeout=timeout, control=control)
             finally:
                 self._idle.set()
 
-    def _run_cell_now(self, payload, label, emit, heartbeat, log_dir, excerpt, timeout, control) -> RunResult:
+    def _run_cell_now(self, payload, label, emit, *, heartbeat, log_dir, excerpt, timeout, control) -> RunResult:
         """run_cell's work, with the session held for this cell."""
         self.check()
-        self.current, self.current_control = label, control
         started = time.time()
         run_id = uuid.uuid4().hex[:12]
         handle = self._handle(run_id, timeout)
+        # Marked current only once there is a handle to close: ``finally`` unmarks it.
+        self.current, self.current_control = label, control
         try:
             self.signer.send(self.cells[0], "cell", {
                 "op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
