@@ -1,6 +1,7 @@
 """The widget views in a real kernel: comm traffic, progress, record, config form."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -45,7 +46,10 @@ def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
     assert len(rows) == 1, rows
     values = [u["value"] for u in _updates(res, rows[0]) if "value" in u]
     assert "width:100%" in values[-1] and values[-1].count("accel-magics-bar'") == 2   # both reached 100%
-    assert any("width:50%" in v or "width:4" in v for v in values)                     # and advanced
+    # And advanced: some update showed a bar part way (which fraction depends on
+    # when the 0.2 s refreshes fell; CI once saw none at 40-50%).
+    widths = [float(w) for v in values for w in re.findall(r"width:(\d+(?:\.\d+)?)%", v)]
+    assert any(0 < w < 100 for w in widths), widths
     assert len(values) < 80                                                            # throttled, not 400
     tabs = [s for s in models.values() if s.get("_model_name") == "TabModel"]
     assert tabs and tabs[0]["titles"][:3] == ["all ranks", "rank 0", "rank 1"]
