@@ -321,11 +321,8 @@ class SlurmRun:
                 agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
                                    "log_dir": log_dir, "excerpt": excerpt})
             except LauncherError as exc:
-                for earlier in nodes[:node_rank]:
-                    try:
-                        agents.send(earlier, {"op": "kill", "run_id": self.run_id})
-                    except LauncherError:
-                        pass
+                # The nodes already sent it kill it (the others ignore a run they never got).
+                self._each({"op": "kill", "run_id": self.run_id})
                 raise AgentGone(str(exc)) from None
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
