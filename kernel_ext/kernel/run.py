@@ -52,7 +52,7 @@ class _Outcome:
     lost: Optional[str] = None      # why the session was lost
     assigned: set = field(default_factory=set)   # a session cell: names it bound (on any rank)
     deleted: set = field(default_factory=set)
-    terminated_on: str = ""   # a multi-node run: which node's supervisor got the SIGTERM
+    terminated_on: list = field(default_factory=list)   # a multi-node run: the nodes whose supervisor got SIGTERM
 
 
 def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
@@ -79,7 +79,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
     rendezvous_error = None
     remote = None
     session = lost = None
-    terminated_on = ""
+    terminated_on: list = []
     assigned: set = set()
     deleted: set = set()
     # A run on every node of an allocation (kernel_ext.kernel.slurm) has every rank here.
@@ -161,7 +161,7 @@ def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink
                     reason = msg["reason"]
                     forced = msg.get("forced")
                     session, lost = msg.get("session"), msg.get("lost")
-                    terminated_on = msg.get("terminated_on", "")
+                    terminated_on = msg.get("terminated_on", [])
             except KeyboardInterrupt:
                 # The stop button: stop every rank (stacks first), keep reading
                 # until the supervisor reports them all gone.
@@ -287,8 +287,9 @@ def conclude(outcome: _Outcome, cfg: LaunchConfig, handle: RunHandle, attempt: i
         raise DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
                                     info.get("seconds", cfg.stall_timeout), finished.stacks)
     if finished.status == "terminated":
+        where = f" on node {', '.join(outcome.terminated_on)}" if outcome.terminated_on else ""
         raise RunTerminated(
-            f"the run's supervisor{outcome.terminated_on} was sent SIGTERM by another process (a rank's os.kill, "
+            f"the run's supervisor{where} was sent SIGTERM by another process (a rank's os.kill, "
             f"the system, a job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
             " had not finished.")
     if finished.status == "timeout":

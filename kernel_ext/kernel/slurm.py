@@ -395,10 +395,9 @@ class SlurmRun:
                                        "remote_failed") if r in reasons), None)
             if reason == "remote_failed":
                 reason = "failed"
-            where = [f"{n} ({self.agents.nodes[n]['nodename']})" for n, m in sorted(self.pending.items())
-                     if m.get("reason") == "terminated"]
             return [{"kind": "finished", "reason": reason, "forced": self.forced,
-                     "terminated_on": f" on node {', '.join(where)}" if where else ""}]
+                     "terminated_on": [f"{n} ({self.agents.nodes[n]['nodename']})"
+                                       for n, m in sorted(self.pending.items()) if m.get("reason") == "terminated"]}]
         if kind in ("supervisor_error", "waiting", "rendezvous_failed", "stalled"):
             return [msg]
         # "remote_failure" included: every node's own failures come here directly,
