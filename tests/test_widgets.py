@@ -48,7 +48,7 @@ def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
     assert "width:100%" in values[-1] and values[-1].count("accel-magics-bar'") == 2   # both reached 100%
     # And advanced: some update showed a bar part way (which fraction depends on
     # when the 0.2 s refreshes fell; CI once saw none at 40-50%).
-    widths = [float(w) for v in values for w in re.findall(r"width:(\d+(?:\.\d+)?)%", v)]
+    widths = [int(w) for v in values for w in re.findall(r"accel-magics-fill' style='width:(\d+)%", v)]
     assert any(0 < w < 100 for w in widths), widths
     assert len(values) < 80                                                            # throttled, not 400
     tabs = [s for s in models.values() if s.get("_model_name") == "TabModel"]
