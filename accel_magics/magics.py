@@ -115,7 +115,7 @@ def _launch_config(values: dict) -> LaunchConfig:
     )
 
 
-def _parse(magic, line: str):
+def parse_options(magic, line: str):
     """parse_argstring, with a malformed line (an unbalanced quote) as a UsageError."""
     try:
         return parse_argstring(magic, line)
@@ -144,7 +144,7 @@ def command_line(values: dict) -> str:
     return " ".join(parts)
 
 
-def _return_names(values: Optional[list[str]]) -> list[str]:
+def return_names_of(values: Optional[list[str]]) -> list[str]:
     names = []
     for value in values or []:
         for name in value.replace(",", " ").split():
@@ -164,9 +164,10 @@ class DistributedMagics(Magics):
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
         self.defaults: dict = {}
         self.session = None             # the %distributed_session (kernel_ext.kernel.session.DistributedSession)
-        self._slurm = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
-        self._background_runs: set = set()
-        self._returned: dict = {}       # name -> id() of the value a session cell's --return assigned
+        self.slurm_agents = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
+        self.slurm_busy = None                # the background cell that uses them now (their sockets are its thread's)
+        self.background_runs: set = set()
+        self.returned: dict = {}       # name -> id() of the value a session cell's --return assigned
         self._form = None               # the config form, one per kernel
         self._form_displays: list = []  # where it is shown (their text follows the defaults)
 
@@ -200,7 +201,7 @@ class DistributedMagics(Magics):
                 count = getattr(result, "execution_count", None) or self.shell.execution_count
                 self.tracker.sites[runtime] = preflight.InitSite(runtime, [], f"In[{count}]")
 
-    def _cell_number(self) -> int:
+    def cell_number(self) -> int:
         """N of the running cell's In[N] prompt.
 
         IPython 9 advances ``execution_count`` before running a cell, earlier
@@ -210,7 +211,7 @@ class DistributedMagics(Magics):
         stored = len(self.shell.history_manager.input_hist_parsed) - 1
         return min(count, stored) if stored > 0 else count
 
-    def _preflight(self) -> None:
+    def preflight_check(self) -> None:
         problems = preflight.check(self.tracker)
         if problems:
             raise PreflightError(
@@ -252,7 +253,7 @@ class DistributedMagics(Magics):
             acc = train(model_fn, data)
         """
         started = time.monotonic()
-        args = _parse(self.distributed, line)
+        args = parse_options(self.distributed, line)
         if (args.launcher or self.defaults.get("launcher")) == "slurm":
             from .slurm_magic import slurm_cell
 
@@ -261,19 +262,19 @@ class DistributedMagics(Magics):
             from .session_magic import session_cell
 
             return session_cell(self, args, line, cell, started)
-        presenter = self._presenter(args, started, background=args.background)
+        presenter = self.presenter(args, started, background=args.background)
         try:
-            cfg = self._config(args)
-            return_names = _return_names(args.return_names)
-            self._preflight()
-            source = self._source(line, cell)
-            payload = self._payload(source, return_names)
+            cfg = self.launch_config(args)
+            return_names = return_names_of(args.return_names)
+            self.preflight_check()
+            source = self.cell_source(line, cell)
+            payload = self.make_payload(source, return_names)
         except BaseException:
             presenter.discard()   # nothing was launched: no view is left behind
             raise
         if args.background:
-            return self._background(presenter, lambda control: self._execute_background(
-                cfg, payload, presenter, control), label=f"In[{self._cell_number()}]")
+            return self.start_background(presenter, lambda control: self._execute_background(
+                cfg, payload, presenter, control), label=f"In[{self.cell_number()}]")
         try:
             try:
                 result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
@@ -282,16 +283,16 @@ class DistributedMagics(Magics):
                 presenter.finish()
         finally:
             payload.release()   # also when interrupted before the run started
-        return self._deliver(result)
+        return self.deliver(result)
 
-    def _presenter(self, args, started: float, background: bool = False, note: str = "") -> Presenter:
+    def presenter(self, args, started: float, background: bool = False, note: str = "") -> Presenter:
         in_kernel = getattr(self.shell, "kernel", None) is not None
         mode = args.output or self.defaults.get("output", "auto")
         # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
         # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
         # since they save the state of every widget ever opened, closed or not.
         interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
-        return Presenter(mode, in_kernel, label=f"In{self._cell_number()}", started=started,
+        return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
                          launcher_ready=bool(self.launcher.info), interactive=interactive,
                          background=background, note=note)
 
@@ -310,17 +311,17 @@ class DistributedMagics(Magics):
                 events[0].close(linger=0)
             presenter.finish()
 
-    def _background(self, presenter, target, label: str, where: str = ""):
+    def start_background(self, presenter, target, label: str, where: str = ""):
         """Start ``target(control)`` in its own thread; the handle the cell returns."""
         from accel_magics.kernel_ext.kernel.background import BackgroundRun
 
         from .background_handle import BackgroundCell
 
-        run = BackgroundRun(target, name=label, on_done=lambda run: self._background_runs.discard(run))
-        self._background_runs.add(run)
-        return BackgroundCell(run, label, self._deliver, where)
+        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run))
+        self.background_runs.add(run)
+        return BackgroundCell(run, label, self.deliver, where)
 
-    def _deliver(self, result):
+    def deliver(self, result):
         """A finished run's outcome in the notebook: the --return names
         assigned, rank 0's last expression returned (errors for what could not come)."""
         user_ns = self.shell.user_ns
@@ -359,7 +360,7 @@ class DistributedMagics(Magics):
 
             %distributed_config --num_nodes 2 --node_rank 1 --master_addr 10.0.0.5 --master_port 29500
         """
-        args = _parse(self.distributed_config, line)
+        args = parse_options(self.distributed_config, line)
         if args.reset:
             self.defaults.clear()
         given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
@@ -464,7 +465,7 @@ class DistributedMagics(Magics):
         self.defaults = {**kept, **chosen}
 
     # -- steps ------------------------------------------------------------
-    def _config(self, args) -> LaunchConfig:
+    def launch_config(self, args) -> LaunchConfig:
         self.ensure_defaults_known()
         explicit = {**self.defaults,
                     **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
@@ -510,7 +511,7 @@ class DistributedMagics(Magics):
             env.pop("ACCELERATE_USE_CPU")   # ours: true on a machine without GPUs, absent with them
         return topology, env
 
-    def _source(self, line: str, cell: str) -> str:
+    def cell_source(self, line: str, cell: str) -> str:
         """The cell as the ranks compile it: line numbers match the notebook's."""
         body = self.shell.transform_cell(cell)
         if "get_ipython()" in body and "get_ipython()" not in cell:
@@ -521,9 +522,9 @@ class DistributedMagics(Magics):
             )
         return f"# %%distributed {line}\n{body}"
 
-    def _payload(self, source: str, return_names: list[str], defined: frozenset | set = frozenset(),
+    def make_payload(self, source: str, return_names: list[str], defined: frozenset | set = frozenset(),
                  share: bool = True):
-        count = self._cell_number()
+        count = self.cell_number()
         exclude = set(self.shell.user_ns_hidden) | {"In", "Out", "get_ipython", "exit", "quit"}
         exclude |= {name for name in self.shell.user_ns if _HISTORY_NAME.match(name)}
         try:
@@ -546,9 +547,12 @@ class DistributedMagics(Magics):
 
     def close(self) -> None:
         self.tracker.uninstall()
-        for run in list(self._background_runs):
+        runs = list(self.background_runs)
+        for run in runs:
             run.stop()
+        for run in runs:   # their threads may hold the Slurm agents' sockets: done before those close
+            run.wait(30)
         self.session = None
-        if self._slurm is not None:
-            self._slurm.close()
+        if self.slurm_agents is not None:
+            self.slurm_agents.close()
         self.launcher.close()

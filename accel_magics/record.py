@@ -53,6 +53,7 @@ class RunRecord:
         self.logs: dict[int, _RankLog] = {}
         self.bars: dict[int, dict] = {}    # rank -> bar id -> its latest state, bars left on screen
         self.notes: list[str] = []
+        self.failed_attempts: list = []   # the root cause of each attempt that failed
         self.log_path = log_path
 
     def __call__(self, event) -> None:
@@ -67,8 +68,13 @@ class RunRecord:
             if event.attempt:
                 self.logs = {rank: _RankLog() for rank in event.ranks}
                 self.bars = {}
-                self.notes.append(f"[accel_magics] attempt {event.attempt + 1} of {event.max_restarts + 1}: "
+                cause = self.failed_attempts[-1] if self.failed_attempts else None
+                why = f" (attempt {event.attempt}: rank {cause.rank} failed: {cause.summary})" if cause else ""
+                self.notes.append(f"[accel_magics] attempt {event.attempt + 1} of {event.max_restarts + 1}{why}: "
                                   "the output below is this attempt's")
+        elif isinstance(event, ev.RunFinished):
+            if event.root_cause is not None:
+                self.failed_attempts.append(event.root_cause)
         elif isinstance(event, ev.Bar):
             kept = self.bars.setdefault(event.rank, {})
             if event.closed:

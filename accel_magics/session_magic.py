@@ -17,10 +17,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext.kernel.errors import ReportedError
-from accel_magics.kernel_ext.wire.payload import _NameCollector, parse
+from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
-from .magics import LAUNCH_OPTION_NAMES, _parse, _return_names, launch_options
+from .magics import LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
 
 #: Options a session fixes when it starts: a session cell cannot change them.
 SESSION_FIXED = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port", "max_restarts",
@@ -44,7 +44,7 @@ def _fmt_bytes(n) -> str:
 
 
 def _names_read(source: str) -> set:
-    collector = _NameCollector()
+    collector = NameCollector()
     collector.visit(parse(source, "<cell>"))
     return set(collector.loaded)
 
@@ -62,7 +62,7 @@ def session_cell(magics, args, line: str, cell: str, started: float):
         raise UsageError(f"{', '.join(fixed)} belong(s) to the session, fixed when it started: "
                          f"`%distributed_session restart {' '.join(fixed)} ...` starts a fresh one with them "
                          "(its state is lost). Nothing was run.")
-    return_names = _return_names(args.return_names)
+    return_names = return_names_of(args.return_names)
     if args.timeout is not None:
         from accel_magics.kernel_ext.environment import ConfigError, _check_seconds
 
@@ -75,18 +75,18 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     if args.background and busy:
         raise UsageError(f"the session is running {busy} (a session runs one cell at a time): wait for it "
                          "(its handle's .wait()) or stop it (.stop()), then run this cell again. Nothing was run.")
-    source = magics._source(line, cell)
-    label = f"In[{magics._cell_number()}]"
+    source = magics.cell_source(line, cell)
+    label = f"In[{magics.cell_number()}]"
     note = f"waiting for {busy} to finish (the session runs one cell at a time)" if busy else ""
     presenter = None
     try:
         # The stop button may come while the view shows "waiting for ..." (being made,
         # or after): either way this cell has not run, and only the waiting stops.
-        presenter = magics._presenter(args, started, background=args.background, note=note)
+        presenter = magics.presenter(args, started, background=args.background, note=note)
         if busy:   # its turn comes when the running (background) cell ends: the names it set count
             session.wait_idle()
         owned = set(session.owned)
-        payload = magics._payload(source, return_names, defined=owned)
+        payload = magics.make_payload(source, return_names, defined=owned)
     except BaseException as exc:
         if presenter is not None:
             presenter.discard()
@@ -106,11 +106,11 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             presenter.finish()
 
     if args.background:
-        return magics._background(presenter, run, label=label, where="in the session")
+        return magics.start_background(presenter, run, label=label, where="in the session")
     result = run()
-    value = magics._deliver(result)
+    value = magics.deliver(result)
     for name in result.returns:
-        magics._returned[name] = id(magics.shell.user_ns.get(name))
+        magics.returned[name] = id(magics.shell.user_ns.get(name))
     return value
 
 
@@ -120,7 +120,7 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
     user_ns = magics.shell.user_ns
     both = sorted(name for name in _names_read(source) & owned
                   if name in user_ns and not name.startswith("_") and not isinstance(user_ns[name], types.ModuleType)
-                  and magics._returned.get(name) != id(user_ns[name]))
+                  and magics.returned.get(name) != id(user_ns[name]))
     if both:
         listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in both)
         print(f"accel_magics: the session's own {listed} used, not the notebook's. To send the notebook's "
@@ -163,7 +163,7 @@ class SessionMagics(Magics):
 
             %distributed_session stop
         """
-        args = _parse(self.distributed_session, line)
+        args = parse_options(self.distributed_session, line)
         if args.names and args.action != "push":
             raise UsageError(f"unexpected {' '.join(args.names)!r}: only `push` takes names.")
         return getattr(self, "_" + args.action)(args)
@@ -188,8 +188,8 @@ class SessionMagics(Magics):
             if given.get(name):
                 raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
         args_like = _Args(given, getattr(args, "oversubscribe", False))
-        cfg = self.dist._config(args_like)   # its --timeout (a default) is the cells' default
-        self.dist._preflight()
+        cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
+        self.dist.preflight_check()
         started = time.monotonic()
         session = DistributedSession(self.dist.launcher, cfg, options=given)
         try:
@@ -210,9 +210,9 @@ class SessionMagics(Magics):
             if not quiet:
                 print("accel_magics: no session is running.")
             return
-        for run in list(self.dist._background_runs):   # its background cell first
+        for run in list(self.dist.background_runs):   # its background cell first
             run.stop()
-        for run in list(self.dist._background_runs):
+        for run in list(self.dist.background_runs):
             run.wait(30)
         started = time.monotonic()
         session.stop()
@@ -267,7 +267,7 @@ class SessionMagics(Magics):
 
 
 class _Args:
-    """The launch options as DistributedMagics._config reads them off parsed flags."""
+    """The launch options as DistributedMagics.launch_config reads them off parsed flags."""
 
     def __init__(self, given: dict, oversubscribe: bool) -> None:
         for name in LAUNCH_OPTION_NAMES:

@@ -104,11 +104,6 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
             "rendezvous listens on it. Leave --master_addr out (127.0.0.1), or for several nodes also "
             "pass --num_nodes and --node_rank."
         )
-    if cfg.num_nodes > 1 and cfg.max_restarts:
-        raise ConfigError(
-            "--max_restarts is not supported for multi-node runs yet: restarts are not coordinated "
-            "across nodes. Use --max_restarts 0 and re-run the cell on every node."
-        )
     if check_port and cfg.master_port is not None and cfg.node_rank == 0:
         if not port_is_free(cfg.master_addr, cfg.master_port):
             raise ConfigError(

@@ -45,8 +45,6 @@ def test_gpu_machine_does_not_force_cpu():
     ({"num_processes": 1, "max_restarts": -1}, "--max_restarts must be between 0 and 1000"),
     ({"num_processes": 1, "timeout": 0}, "--timeout must be a positive"),
     ({"num_processes": 1, "master_addr": "no-such-host.invalid"}, "does not resolve"),
-    ({"num_processes": 1, "num_nodes": 2, "max_restarts": 1, "master_port": 29500},
-     "not supported for multi-node"),
 ])
 def test_invalid_configs_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):

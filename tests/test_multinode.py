@@ -125,6 +125,47 @@ def test_a_failing_rank_on_one_node_ends_both_cells(nodes):
         _quiet(node)
 
 
+def test_max_restarts_with_a_kernel_per_node_a_failure_on_node_1_restarts_both_nodes(nodes):
+    """A rank on node 1 fails in the first attempt only: both kernels' cells go
+    to a second attempt on a fresh rendezvous round and succeed, one world of 4."""
+    port = _free_port()
+    extra = ("if dist.get_rank() == 3 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+             "    raise RuntimeError('flaky on node 1')\n"
+             "dist.barrier()\n"
+             "print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'], 'done')\n")
+    def cell(node: int) -> str:
+        return CELL.format(node=node, port=port, rdzv=60, extra=extra).replace(
+            "--output text", "--output text --max_restarts 1")
+    msgs = [nodes[i].start(cell(i)) for i in (1, 0)][::-1]
+    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    for i, out in enumerate(outs):
+        assert out["error"] is None, (i, out)
+        for rank in (2 * i, 2 * i + 1):
+            assert f"[rank {rank}] sum=10 rank={rank} local={rank % 2} node={i} world=4" in out["stdout"], out
+            assert f"[rank {rank}] attempt 1 done" in out["stdout"], out
+        assert "attempt 2 of 2" in out["stdout"] and "flaky on node 1" in out["stdout"], out["stdout"]
+    for node in nodes:
+        _quiet(node)
+
+
+def test_max_restarts_with_a_kernel_per_node_the_last_failure_is_each_cells_error(nodes):
+    port = _free_port()
+    extra = ("if dist.get_rank() == 1:\n"
+             "    raise RuntimeError('always on node 0, attempt ' + os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+             "dist.barrier()\n")
+    def cell(node: int) -> str:
+        return CELL.format(node=node, port=port, rdzv=60, extra=extra).replace(
+            "--output text", "--output text --max_restarts 1")
+    msgs = [nodes[i].start(cell(i)) for i in (0, 1)]
+    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    for out in outs:
+        assert out["error"]["ename"] == "DistributedRunError", out
+        assert "always on node 0, attempt 1" in out["error"]["evalue"], out["error"]["evalue"]
+        assert "[after 2 attempts]" in out["error"]["evalue"]
+    for node in nodes:
+        _quiet(node)
+
+
 # -- two nodes with their own network stacks ------------------------------------
 
 def _sh(*cmd: str) -> subprocess.CompletedProcess:

@@ -102,6 +102,15 @@ def kernel(cluster):
         k.end()
 
 
+def _alive(pid: int) -> bool:
+    """Not a zombie (PID 1 here reaps orphans only every few seconds)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def by_rank(text: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for line in text.splitlines():
@@ -215,6 +224,84 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_other_nodes_waiting_in_i
     assert kernel.run(WORLD, timeout=120).status == "ok"
 
 
+def test_max_restarts_a_rank_on_node_2_failing_in_the_first_attempt_only_succeeds_in_the_second(kernel):
+    """--max_restarts on the allocation: the failure on n2 ends the first attempt
+    on both nodes; the second starts on both, on a fresh rendezvous, and all 4
+    ranks finish it.  The record says which attempt."""
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --max_restarts 1 --return attempts\n"
+                     "import os, torch, torch.distributed as dist\n"
+                     "attempts = int(os.environ['TORCHELASTIC_RESTART_COUNT']) + 1\n"
+                     "dist.init_process_group('gloo')\n"
+                     "if dist.get_rank() == 3 and attempts == 1:\n"
+                     "    raise RuntimeError('flaky node 2')\n"
+                     "t = torch.ones(1)\ndist.all_reduce(t)\n"
+                     "print(f'attempt {attempts} rank {dist.get_rank()} sum={t.item():g} "
+                     "port={os.environ[\"MASTER_PORT\"]}')\n"
+                     "dist.destroy_process_group()\nattempts", timeout=240)
+    assert res.status == "ok", res.error_text
+    assert res.result == "2", res.stdout
+    ranks = by_rank(res.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3], res.stdout
+    for rank in range(4):
+        assert any(line.startswith(f"attempt 2 rank {rank} sum=4") for line in ranks[rank]), ranks[rank]
+    assert "flaky node 2" in res.stdout and "attempt 2 of 2" in res.stdout, res.stdout
+    ports = set(re.findall(r"port=(\d+)", res.stdout))
+    assert len(ports) == 1, ports   # only the second attempt reached the print
+    assert kernel.ok("attempts").result == "2"
+
+
+def test_max_restarts_on_the_allocation_the_last_attempts_error_is_the_cells(kernel):
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --max_restarts 1\n"
+                     "import os\nif os.environ['RANK'] == '2':\n"
+                     "    raise ValueError('attempt ' + os.environ['TORCHELASTIC_RESTART_COUNT'])", timeout=240)
+    assert res.error["ename"] == "DistributedRunError", res.error_text
+    assert res.error["evalue"].startswith("rank 2 failed: ValueError: attempt 1 (on node n2)"), res.error["evalue"]
+    assert "[after 2 attempts]" in res.error["evalue"]
+
+
+def test_a_background_slurm_run_returns_at_once_and_its_handle_gives_rank_0s_value(kernel):
+    kernel.ok("import time as _t; _t0 = _t.monotonic()")
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --background --return where\n"
+                     "import os, time, torch, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\n"
+                     "t = torch.ones(1)\ndist.all_reduce(t)\ntime.sleep(2)\n"
+                     "where = os.environ['SLURMD_NODENAME']\n"
+                     "f\"{t.item():g} ranks\"", timeout=60)
+    assert res.status == "ok", res.error_text
+    assert "background" in (res.result or ""), res.result
+    # The notebook is free while it runs, and a second cell for the same agents says why it must wait.
+    assert kernel.ok("_t.monotonic() - _t0 < 30").result == "True"
+    busy = kernel.run("%%distributed --launcher slurm -n 2\npass")
+    assert busy.error and busy.error["ename"] == "UsageError", busy.error_text
+    assert "in the background" in busy.error["evalue"] and "h.wait()" in busy.error["evalue"]
+    kernel.ok("h = _" + str(res.execution_count))
+    assert kernel.ok("h.wait(120)", timeout=150).result == "'4 ranks'"
+    assert kernel.ok("where").result == "'n1'"
+    assert kernel.run(WORLD, timeout=120).status == "ok"   # the agents are free again
+
+
+def test_a_background_slurm_run_stopped_by_its_handle_shows_every_nodes_stacks(kernel):
+    marks = os.path.join(kernel.tmpdir, "bg-stop")
+    os.makedirs(marks, exist_ok=True)
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text --background\n"
+                     "import os, time\ndef waiting_here():\n"
+                     f"    open(os.path.join({marks!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                     "    time.sleep(3600)\nwaiting_here()", timeout=60)
+    assert res.status == "ok", res.error_text
+    kernel.ok("h = _" + str(res.execution_count))
+    wait_until(lambda: len(os.listdir(marks)) == 4, 60, "every rank on both nodes to be in the cell")
+    started = time.monotonic()
+    kernel.ok("h.stop()", timeout=60)
+    assert time.monotonic() - started < 30
+    err = kernel.run("h.wait(30)", timeout=60)
+    assert err.error and err.error["ename"] == "RunInterrupted", err.error_text
+    assert err.error_text.count("waiting_here") >= 4, err.error_text
+    pids = [int(open(os.path.join(marks, name)).read()) for name in os.listdir(marks)]
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in pids), 30,
+               "every rank on both nodes to be gone")
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_a_node_whose_supervisor_is_killed_ends_the_cell_naming_it(kernel, sig):
     """kill -9 of node n2's supervisor (rank 2's parent) mid-run: the cell ends with
@@ -309,7 +396,7 @@ def test_a_timeout_shows_the_stacks_of_both_nodes(kernel):
 
 def test_bad_slurm_flags_are_usage_errors_before_anything_starts(kernel):
     for flags, words in (("--num_nodes 3", "has only 2 node(s)"), ("--node_rank 1", "cannot be given"),
-                         ("--master_addr 10.0.0.1", "cannot be given"), ("--max_restarts 1", "not supported"),
+                         ("--master_addr 10.0.0.1", "cannot be given"),
                          ("--session", "does not work with --launcher slurm")):
         res = kernel.run(f"%%distributed --launcher slurm -n 2 {flags}\npass")
         assert res.error and res.error["ename"] == "UsageError" and words in res.error["evalue"], (flags, res.error_text)
@@ -410,7 +497,7 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
     before = listening_ports({kernel.pid})
     kernel.ok("import accel_magics.magics as _m\n_ip = get_ipython()\n"
               "_mg = _ip.magics_manager.registry['DistributedMagics']\n"
-              "_mg._slurm and _mg._slurm.close(); _mg._slurm = None")   # the next cell starts agents afresh
+              "_mg.slurm_agents and _mg.slurm_agents.close(); _mg.slurm_agents = None")   # the next cell starts agents afresh
     ctx = zmq.Context()
     socks, stop = [], threading.Event()
 

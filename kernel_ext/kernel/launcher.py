@@ -504,4 +504,4 @@ class Launcher:
         if "error" in reply:
             raise LauncherError(f"the launcher could not start the run: {reply['error']}")
         return RunHandle(self, run_id, key, reply["pid"], port, cfg.timeout, rdzv,
-                         pull=events[0] if events is not None else None, stop_wait=stop_wait)
+                         pull=events[0] if events is not None else None, stop_wait=stop_wait, ranks=spec["ranks"])

@@ -1,28 +1,31 @@
 """Run a payload to the end: attempts, events, root cause, results.
 
 :func:`execute` is the engine's one entry point for a cell: it launches the
-run (again, up to ``max_restarts`` times, each on a fresh rendezvous port),
-turns the supervisor's messages into :mod:`events` for the caller's
-``on_event`` consumer, and returns rank 0's result or raises the error that
+run on a placement (again, up to ``max_restarts`` times, each on a fresh
+rendezvous), folds each attempt's messages (:mod:`fold`) into :mod:`events`
+for the caller's ``on_event`` consumer, and returns rank 0's result or raises the error that
 names the root cause.  The kernel's interrupt (``KeyboardInterrupt`` in the
 caller's thread) stops every rank and is re-raised as :class:`RunInterrupted`.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from . import events as ev
 from ..environment import LaunchConfig
-from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError, RendezvousError,
-                     RunInterrupted, RunTerminated, forced_note, root_cause)
+from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, RendezvousError,
+                     RunInterrupted, RunTerminated, forced_note)
+from .fold import EventSink, Outcome, RunFold
 from .launcher import Launcher
-from .run_handle import RunHandle
-from ..wire.payload import Payload
+from .placement import Attempt, LocalPlacement, Placement
 from ..rank.worker import loads_value
+from ..wire.messages import Status
+from ..wire.payload import Payload
 
-EventSink = Callable[[object], None]
+log = logging.getLogger("accel_magics.kernel.run")
 
 
 @dataclass
@@ -38,171 +41,31 @@ class RunResult:
     finished: Optional[ev.RunFinished] = None
 
 
-@dataclass
-class _Outcome:
-    finished: ev.RunFinished
-    result: Optional[dict]
-    others: dict
-    unfinished: list
-    rendezvous_error: Optional[str] = None
-    departed: dict = field(default_factory=dict)   # rank -> (how it finished, when)
-    forced: Optional[str] = None   # the kernel killed the run itself: why
-    stalled: Optional[dict] = None  # the supervisor's "stalled" report
-    session: Optional[str] = None   # a session cell: "alive" or "lost" after it
-    lost: Optional[str] = None      # why the session was lost
-    assigned: set = field(default_factory=set)   # a session cell: names it bound (on any rank)
-    deleted: set = field(default_factory=set)
-    terminated_on: list = field(default_factory=list)   # a multi-node run: the nodes whose supervisor got SIGTERM
-
-
-def _failure_from_event(rank: int, event: dict) -> ev.RankFailure:
-    summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
-    return ev.RankFailure(rank=rank, kind="exception", summary=summary, traceback=event.get("traceback", ""),
-                          timestamp=event.get("timestamp", time.time()), secondary=event.get("secondary", False))
-
-
-def _collect(handle: RunHandle, cfg: LaunchConfig, attempt: int, emit: EventSink,
-             heartbeat: Optional[float]) -> _Outcome:
-    """Drive one run to its end, emitting events; interrupts stop the run."""
-    started = time.time()
-    failures: dict[int, ev.RankFailure] = {}
-    stacks: dict[int, str] = {}
-    others: dict[int, str] = {}
-    departed: dict[int, tuple[str, float]] = {}
-    unfinished: list[int] = []
-    result = None
-    reason = None
-    forced = None
-    stalled = None
-    exited: set[int] = set()
-    interrupted = False
-    rendezvous_error = None
-    remote = None
-    session = lost = None
-    terminated_on: list = []
-    assigned: set = set()
-    deleted: set = set()
-    # A run on every node of an allocation (kernel_ext.kernel.slurm) has every rank here.
-    ranks = getattr(handle, "ranks", None) or [cfg.global_rank(i) for i in cfg.local_ranks]
+def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat: Optional[float]) -> Outcome:
+    """Drive one attempt to its end: its messages folded (:class:`fold.RunFold`)
+    into events and its outcome.  The stop button (``KeyboardInterrupt`` here)
+    stops every rank (stacks first), and reading goes on until the placement
+    reports them all gone."""
+    fold = RunFold(handle.run_id, handle.ranks, attempt=attempt, max_restarts=cfg.max_restarts,
+                   world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
+                   master_addr=cfg.master_addr, master_port=handle.master_port, node_of=handle.node_of,
+                   session_cell=handle.session_cell, emit=emit)
     messages = handle.messages(heartbeat)
     try:
         while True:
             try:
-                try:
-                    msg = next(messages)
-                except StopIteration:
-                    break
-                kind = msg["kind"]
-                if kind == "heartbeat":
-                    emit(ev.Heartbeat())
-                elif kind == "started":
-                    emit(ev.RunStarted(
-                        run_id=handle.run_id, attempt=attempt, max_restarts=cfg.max_restarts,
-                        world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
-                        ranks=ranks, master_addr=msg.get("master_addr", cfg.master_addr),
-                        master_port=handle.master_port, pids=msg["pids"], nodes=msg.get("nodes", {}),
-                    ))
-                elif kind == "output":
-                    if msg["text"] is not None:
-                        emit(ev.Output(msg["rank"], msg["text"], msg.get("omitted", 0)))
-                    if msg.get("progress") is not None:
-                        emit(ev.ProgressLine(msg["rank"], msg["progress"]))
-                elif kind == "rank_event":
-                    event, rank = msg["event"], msg["rank"]
-                    if event["kind"] == "failed":
-                        failures[rank] = _failure_from_event(rank, event)
-                    elif event["kind"] == "result":
-                        departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
-                                          event.get("timestamp", time.time()))
-                        # Each node's local rank 0 reports values; the run's are global rank 0's.
-                        if ("value" in event or "returns" in event) and rank == ranks[0]:
-                            result = event
-                    elif event["kind"] == "progress":
-                        emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
-                    elif event["kind"] == "names":
-                        assigned.update(event.get("assigned", ()))
-                        deleted.update(event.get("deleted", ()))
-                    elif event["kind"] == "bar":
-                        emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],
-                                    event["stats"], event["leave"], event["closed"]))
-                elif kind == "stacks":
-                    stacks[msg["rank"]] = msg["text"]
-                    emit(ev.RankStacks(msg["rank"], msg["text"]))
-                elif kind == "exit":
-                    rank = msg["rank"]
-                    exited.add(rank)
-                    failure = failures.get(rank)
-                    if msg["stopped"] and failure is None:
-                        others[rank] = ("stopped (KeyboardInterrupt), back at its prompt" if msg.get("prompt") else
-                                        f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})")
-                        unfinished.append(rank)
-                    elif failure is None and (msg["exitcode"] or msg["signal"]):
-                        if msg["signal"]:
-                            failure = ev.RankFailure(rank, "signal", f"killed by {msg['signal']}",
-                                                     timestamp=msg["timestamp"])
-                        else:
-                            failure = ev.RankFailure(
-                                rank, "exit", f"exited with code {msg['exitcode']} without an exception "
-                                "(os._exit() or a crash in native code)", timestamp=msg["timestamp"])
-                        failures[rank] = failure
-                    emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
-                elif kind == "waiting":
-                    emit(ev.Waiting(msg["joined"], msg["expected"], msg["address"]))
-                elif kind == "rendezvous_failed":
-                    rendezvous_error = msg["message"]
-                elif kind == "stalled":
-                    stalled = msg
-                elif kind == "remote_failure":
-                    remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
-                                            timestamp=0.0)
-                elif kind == "supervisor_error":
-                    raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])
-                elif kind == "finished":
-                    reason = msg["reason"]
-                    forced = msg.get("forced")
-                    session, lost = msg.get("session"), msg.get("lost")
-                    terminated_on = msg.get("terminated_on", [])
+                for msg in messages:
+                    fold.feed(msg)
+                break
             except KeyboardInterrupt:
-                # The stop button: stop every rank (stacks first), keep reading
-                # until the supervisor reports them all gone.
-                interrupted = True
+                fold.interrupted = True
                 handle.interrupt()
                 messages.close()
                 messages = handle.messages(heartbeat)
     finally:
         messages.close()
         handle.close()
-    if interrupted:
-        reason = "interrupt"
-    if forced:
-        unfinished = sorted(set(unfinished) | (set(ranks) - exited))
-    failure_list = sorted(failures.values(), key=lambda f: f.rank)
-    if remote is not None:   # another node failed first: its cause is the root cause
-        failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
-        for f in failure_list[1:]:
-            f.secondary = True
-    cause = remote if remote is not None else root_cause(failure_list)
-    if reason == "interrupt":
-        status = "interrupted"
-    elif reason == "rendezvous":
-        status = "rendezvous_failed"
-    elif reason == "timeout":
-        status = "timeout"
-    elif reason == "terminated":
-        status = "terminated"
-    elif reason == "stalled":
-        status = "stalled"
-    elif cause is not None:
-        status = "failed"
-    else:
-        status = "ok"
-    finished = ev.RunFinished(handle.run_id, status, time.time() - started, cause, failure_list, stacks)
-    emit(finished)
-    if session is None and handle.session_cell:   # the kernel had to end it: its ranks went with it
-        session = "lost"
-        lost = lost or (forced and f"its supervisor did not respond ({forced}), so the kernel killed it")
-    return _Outcome(finished, result, others, sorted(unfinished), rendezvous_error, departed, forced, stalled,
-                    session, lost, assigned - deleted, deleted, terminated_on)
+    return fold.outcome()
 
 
 class RunControl:
@@ -210,26 +73,32 @@ class RunControl:
     in flight is interrupted as by the stop button; no further attempt starts."""
 
     def __init__(self) -> None:
-        self.handle: Optional[RunHandle] = None
+        self.handle: Optional[Attempt] = None
         self.stop_requested = False
 
-    def attach(self, handle: RunHandle) -> None:
+    def attach(self, handle: Attempt) -> None:
         self.handle = handle
         if self.stop_requested:
             handle.interrupt()
 
     def stop(self) -> None:
-        """First call: stacks, then the ranks are stopped; later calls escalate (see RunHandle)."""
+        """First call: stacks, then the ranks are stopped; later calls escalate (see ``Attempt.interrupt``)."""
         self.stop_requested = True
         if self.handle is not None and not self.handle.finished:
             self.handle.interrupt()
 
 
-def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
+def execute(placement, cfg: LaunchConfig, payload: Payload,
             on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None,
             log_dir: str = "", excerpt: Optional[tuple[int, int]] = None,
             control: Optional[RunControl] = None, events=None) -> RunResult:
-    """Run ``payload`` on ``cfg.num_processes`` local ranks; see module doc.
+    """Run ``payload`` with ``cfg`` on ``placement`` (a :class:`placement.Placement`,
+    or a :class:`Launcher`: this machine); see the module doc.
+
+    The modes are this one loop on every placement: one-shot (here, in the
+    kernel's thread), background (here, in a thread of its own, with
+    ``control`` and ``events``), restarts (up to ``cfg.max_restarts`` more
+    attempts, each on a fresh rendezvous on every node the placement covers).
 
     ``heartbeat``: emit :class:`events.Heartbeat` after that many idle seconds.
     ``log_dir``: where the supervisor writes every rank's complete output
@@ -240,65 +109,91 @@ def execute(launcher: Launcher, cfg: LaunchConfig, payload: Payload,
     ``control``: lets another thread stop the run; ``events``: the run's own
     socket (see ``Launcher.channel``), for a run read outside the main thread.
     """
+    if isinstance(placement, Launcher):
+        placement = LocalPlacement(placement)
     try:
-        return _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt, control, events)
+        return _attempts(placement, cfg, payload, on_event or (lambda event: None), heartbeat, log_dir, excerpt,
+                         control, events)
     finally:
         payload.release()
 
 
-def _execute(launcher, cfg, payload, on_event, heartbeat, log_dir, excerpt, control, events) -> RunResult:
-    emit = on_event or (lambda event: None)
+def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, excerpt, control, events) -> RunResult:
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
         if control is not None and control.stop_requested:
             raise RunInterrupted({}, [], "\n(stopped before this attempt started)")
         try:
-            handle = launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt, events=events,
-                                     persistent=events is not None)
+            handle = placement.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt, events=events)
         except KeyboardInterrupt:
             raise RunInterrupted({}, []) from None
         if control is not None:
             control.attach(handle)
         try:
-            outcome = _collect(handle, cfg, attempt, emit, heartbeat)
+            outcome = collect(handle, cfg, attempt, emit, heartbeat)
         finally:
-            launcher.live.pop(handle.run_id, None)
-        res = conclude(outcome, cfg, handle, attempt, started, last=attempt >= cfg.max_restarts)
+            placement.done(handle)
+        res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
         if res is not None:
-            launcher.learn_modules(res.new_modules)
+            placement.learn_modules(res.new_modules)
             return res
+        log.info("run %s: attempt %d of %d failed (%s); the next starts on a fresh rendezvous", handle.run_id,
+                 attempt + 1, cfg.max_restarts + 1, outcome.finished.root_cause.summary)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def conclude(outcome: _Outcome, cfg: LaunchConfig, handle: RunHandle, attempt: int, started: float,
+def conclude(outcome: Outcome, cfg: LaunchConfig, attempt: int, started: float,
              last: bool = True) -> Optional[RunResult]:
     """The run's result, or the error that tells its story; None: a rank
-    failed and another attempt may start (``last`` False)."""
+    failed and another attempt may start (``last`` False).  A plain function
+    of the outcome: one wording per :class:`Status`."""
     finished = outcome.finished
-    note = forced_note(outcome.forced) if outcome.forced else ""
-    if finished.status == "interrupted":
-        raise RunInterrupted(finished.stacks, outcome.unfinished, note) from None
-    if finished.status == "rendezvous_failed":
-        raise RendezvousError(outcome.rendezvous_error or (
-            f"the rendezvous at {cfg.master_addr}:{handle.master_port} did not complete within "
-            f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
-    if finished.status == "stalled":
-        info = outcome.stalled or {}
-        raise DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
-                                    info.get("seconds", cfg.stall_timeout), finished.stacks)
-    if finished.status == "terminated":
-        where = f" on node {', '.join(outcome.terminated_on)}" if outcome.terminated_on else ""
-        raise RunTerminated(
-            f"the run's supervisor{where} was sent SIGTERM by another process (a rank's os.kill, "
-            f"the system, a job scheduler), so every rank was stopped: rank(s) {', '.join(map(str, outcome.unfinished)) or '-'}"
-            " had not finished.")
-    if finished.status == "timeout":
-        raise DistributedTimeoutError(cfg.timeout or 0, finished.stacks, outcome.unfinished, note)
-    if finished.status == "failed":
+    if finished.status == Status.FAILED:
         if not last:
             return None
         raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
                                   attempts=attempt + 1, departed=_departed_before(outcome))
+    error = _STOPPED.get(Status.parse(finished.status))
+    if error is not None:
+        raise error(outcome, cfg, forced_note(outcome.forced) if outcome.forced else "") from None
+    return _result(outcome, attempt, started)
+
+
+def _interrupted(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
+    return RunInterrupted(outcome.finished.stacks, outcome.unfinished, note)
+
+
+def _rendezvous_failed(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
+    return RendezvousError(outcome.rendezvous_error or (
+        f"the rendezvous at {cfg.master_addr}:{outcome.master_port} did not complete within "
+        f"--rendezvous_timeout {cfg.rendezvous_timeout:g}s" + note))
+
+
+def _stalled(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
+    info = outcome.stalled or {}
+    return DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
+                                 info.get("seconds", cfg.stall_timeout), outcome.finished.stacks)
+
+
+def _terminated(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
+    where = f" on node {', '.join(outcome.terminated_on)}" if outcome.terminated_on else ""
+    return RunTerminated(
+        f"the run's supervisor{where} was sent SIGTERM by another process (a rank's os.kill, "
+        f"the system, a job scheduler), so every rank was stopped: rank(s) "
+        f"{', '.join(map(str, outcome.unfinished)) or '-'} had not finished.")
+
+
+def _timed_out(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
+    return DistributedTimeoutError(cfg.timeout or 0, outcome.finished.stacks, outcome.unfinished, note)
+
+
+_STOPPED = {Status.INTERRUPTED: _interrupted, Status.RENDEZVOUS_FAILED: _rendezvous_failed,
+            Status.STALLED: _stalled, Status.TERMINATED: _terminated, Status.TIMEOUT: _timed_out}
+
+
+def _result(outcome: Outcome, attempt: int, started: float) -> RunResult:
+    """A run that succeeded: rank 0's value and --return names, unpacked."""
+    finished = outcome.finished
     res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
     event = outcome.result or {}
     packed = event.get("value")
@@ -316,7 +211,7 @@ def conclude(outcome: _Outcome, cfg: LaunchConfig, handle: RunHandle, attempt: i
     return res
 
 
-def _departed_before(outcome: _Outcome) -> dict:
+def _departed_before(outcome: Outcome) -> dict:
     """Ranks that had finished the cell before the root cause failed: when the
     root cause is a lost connection, they are why (they left a collective)."""
     cause = outcome.finished.root_cause

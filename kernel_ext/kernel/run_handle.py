@@ -27,6 +27,7 @@ import zmq
 
 from .. import wire
 from .errors import LauncherError
+from .placement import Attempt
 from .sigint import sigint_deferred
 
 STOP_WAIT = 7.0        # after a stop, how long the supervisor gets to end the run by itself
@@ -59,12 +60,13 @@ def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:
         return content, dropped
 
 
-class RunHandle:
+class RunHandle(Attempt):
     """One run: verified messages in order, and the means to stop it."""
 
     def __init__(self, launcher, run_id: str, key: bytes, supervisor_pid: int,
                  master_port: int, timeout: Optional[float], rendezvous_timeout: Optional[float] = None,
-                 pull=None, stop_wait: Optional[float] = None, session=None) -> None:
+                 pull=None, stop_wait: Optional[float] = None, session=None,
+                 ranks: Optional[list] = None) -> None:
         """``pull``: the run's own socket (a session's, a background run's: read
         in another thread, or between cells), else the launcher's shared one.
         ``stop_wait``: how long the supervisor gets to end the run after a stop."""
@@ -76,6 +78,8 @@ class RunHandle:
         self.stop_wait = stop_wait or STOP_WAIT
         self.session_cell = False   # a cell of a session (see kernel_ext.kernel.session)
         self.supervisor_pid = supervisor_pid
+        self.ranks = list(ranks or [])   # the global ranks this node runs
+        self.node_of: dict = {}
         self.master_port = master_port
         self.rank_pids: set[int] = set()
         self.finished = False

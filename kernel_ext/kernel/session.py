@@ -30,7 +30,7 @@ from .errors import (DistributedRunError, DistributedStallError, DistributedTime
 from .launcher import Launcher
 from ..wire.payload import Payload
 from ..process_tree import running
-from .run import RunControl, RunResult, _collect, conclude
+from .run import RunControl, RunResult, collect, conclude
 from .run_handle import RunHandle
 
 START_WAIT = 120.0      # seconds the ranks get to start and set up
@@ -190,7 +190,8 @@ class DistributedSession:
 
     def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
         handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
-                           pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier)
+                           pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier,
+                           ranks=sorted(self.pids) or [self.cfg.global_rank(i) for i in self.cfg.local_ranks])
         handle.rank_pids = set(self.pids.values())
         handle.session_cell = True
         return handle
@@ -224,7 +225,7 @@ class DistributedSession:
             if control is not None:
                 control.attach(handle)
             try:
-                outcome = _collect(handle, self.cfg, 0, emit, heartbeat)
+                outcome = collect(handle, self.cfg, 0, emit, heartbeat)
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()
@@ -237,7 +238,7 @@ class DistributedSession:
             if outcome.session == "lost":
                 self.lost = outcome.lost or "its ranks could not go on"
                 try:
-                    conclude(outcome, self.cfg, handle, 0, started)
+                    conclude(outcome, self.cfg, 0, started)
                 except BaseException as exc:
                     cause = exc
                 else:
@@ -246,7 +247,7 @@ class DistributedSession:
                 self._forget()
                 raise SessionLostError(self.lost, cause) from None
             try:
-                result = conclude(outcome, self.cfg, handle, 0, started)
+                result = conclude(outcome, self.cfg, 0, started)
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
                 exc.after = ALIVE_NOTE
                 raise

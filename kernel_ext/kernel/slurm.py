@@ -6,12 +6,16 @@ node with a single ``srun`` step (:mod:`slurm_agent`) the first time a cell
 needs them and keeps them for the later cells of that allocation, so a
 second cell costs a few milliseconds, not srun plus ``import torch``.
 
-A run is one run per node, as if each node had its own kernel (the
-one-kernel-per-node mode), all dispatched and watched from here:
-:class:`SlurmRun` sends each agent its node's part (``node_rank`` = the
-node's index in the allocation, node 0's address as ``MASTER_ADDR``, one
-port for all) and merges what the nodes say into the messages of one run,
-which ``run._collect`` turns into events as for a local run.
+:class:`SlurmPlacement` is the placement (:mod:`placement`) of every node
+of the allocation: each attempt of a run is one run per node, as if each
+node had its own kernel (the one-kernel-per-node mode), all dispatched and
+watched from here: :class:`SlurmRun` sends each agent its node's part
+(``node_rank`` = the node's index in the allocation, node 0's address as
+``MASTER_ADDR``, a fresh port for all) and merges what the nodes say into
+the messages of one run, which the kernel folds (:mod:`fold`) as a local
+run's.  So every mode of :func:`run.execute` works here: one-shot,
+background, restarts (a failure on any node stops every node; the next
+attempt starts on all of them on a fresh port).
 
 Stopping never goes through srun's signals (one SIGINT to srun forwards
 nothing, two kill the tasks; SIGKILL to its process group leaves the tasks
@@ -26,6 +30,7 @@ import atexit
 import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import secrets
@@ -43,7 +48,9 @@ import zmq
 from .. import child_environment, wire
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
+from .placement import Attempt, Placement
 from .run_handle import receive_verified
+from ..wire.messages import StopReason
 
 START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
 STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents are told to kill
@@ -51,6 +58,7 @@ KILL_WAIT = 5.0         # after that, how long before the run ends as forced
 GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
 GONE_DRAIN = 2.0        # a node's supervisor exited: how long its last messages may take
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
+log = logging.getLogger("accel_magics.kernel.slurm")
 
 
 @atexit.register
@@ -285,11 +293,29 @@ class SlurmAgents:
             pass
 
 
-class SlurmRun:
-    """One cell on every node: the interface of ``run_handle.RunHandle`` that
-    ``run._collect`` uses, over the agents' messages."""
+class SlurmPlacement(Placement):
+    """Every node of the allocation, through its agents (one run per node)."""
 
-    def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt) -> None:
+    name = "slurm"
+
+    def __init__(self, agents: SlurmAgents) -> None:
+        self.agents = agents
+
+    def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None, events=None) -> Attempt:
+        run = SlurmRun(self.agents, cfg, payload, log_dir, excerpt, attempt=attempt)
+        log.info("run %s attempt %d: %d rank(s) on each of %d node(s) of job %s (port %d)", run.run_id, attempt,
+                 cfg.num_processes, cfg.num_nodes, self.agents.alloc["job"], run.master_port)
+        return run
+
+    def describe(self) -> str:
+        return f"the {self.agents.num_nodes} node(s) of Slurm job {self.agents.alloc['job']}"
+
+
+class SlurmRun(Attempt):
+    """One attempt on every node, over the agents' messages (see the module doc)."""
+
+    def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt,
+                 attempt: int = 0) -> None:
         self.agents = agents
         self.run_id = uuid.uuid4().hex[:12]
         # Its supervisors sign with a key both ends derive from the allocation's.
@@ -310,6 +336,7 @@ class SlurmRun:
         self.exited: dict[int, float] = {}   # node -> when its agent saw its supervisor exit (+ drain)
         self.peers_told = False   # the other nodes were told to stop (a rank failed)
         self.stop_at = self.kill_at = None
+        self._presses = self._pressed = 0   # stops asked (any thread) / carried out (the reading thread)
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
         self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
         for node_rank, node in enumerate(nodes):
@@ -319,7 +346,7 @@ class SlurmRun:
                         master_port=self.master_port, stall_timeout=0)
             try:
                 agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
-                                   "log_dir": log_dir, "excerpt": excerpt})
+                                   "log_dir": log_dir, "excerpt": excerpt, "attempt": attempt})
             except LauncherError as exc:
                 # The nodes already sent it kill it (the others ignore a run they never got).
                 self._each({"op": "kill", "run_id": self.run_id})
@@ -331,6 +358,7 @@ class SlurmRun:
         poller.register(self.agents.events, zmq.POLLIN)
         poller.register(self.agents.sock, zmq.POLLIN)
         while not self.finished:
+            self._carry_stops()
             ready = dict(poller.poll(beat))
             if not ready and heartbeat is not None:
                 yield {"kind": "heartbeat"}
@@ -390,11 +418,7 @@ class SlurmRun:
             if any(m is None for m in self.pending.values()):
                 return []
             self.finished = True
-            reasons = [m.get("reason") for m in self.pending.values()]
-            reason = next((r for r in ("interrupt", "timeout", "terminated", "rendezvous", "stalled", "failed",
-                                       "remote_failed") if r in reasons), None)
-            if reason == "remote_failed":
-                reason = "failed"
+            reason = StopReason.merged(m.get("reason") for m in self.pending.values())
             return [{"kind": "finished", "reason": reason, "forced": self.forced,
                      "terminated_on": [f"{n} ({self.agents.nodes[n]['nodename']})"
                                        for n, m in sorted(self.pending.items()) if m.get("reason") == "terminated"]}]
@@ -420,7 +444,7 @@ class SlurmRun:
             at = getattr(self, deadline)
             if at is not None and now >= at and self.stop_at is None:
                 setattr(self, deadline, None)
-                self.interrupt()
+                self._stop_now()
         if self.stop_at is not None and now >= self.stop_at:
             self.stop_at = None
             self._each({"op": "kill", "run_id": self.run_id})
@@ -459,7 +483,18 @@ class SlurmRun:
                 pass
 
     def interrupt(self) -> None:
-        """The stop button: every node's supervisor stops its ranks (stacks first)."""
+        """The stop button, from any thread (a background run's ``h.stop()``):
+        the thread that reads the run carries it out within a poll (the
+        agents' sockets are that thread's alone)."""
+        self._presses += 1
+
+    def _carry_stops(self) -> None:
+        while self._pressed < self._presses:
+            self._pressed += 1
+            self._stop_now()
+
+    def _stop_now(self) -> None:
+        """Every node's supervisor stops its ranks (stacks first); again: kill now."""
         if self.stop_at is None and self.kill_at is None:
             self._each({"op": "interrupt", "run_id": self.run_id})
             self.stop_at = time.monotonic() + STOP_WAIT
@@ -468,23 +503,3 @@ class SlurmRun:
 
     def kill(self) -> None:
         self._each({"op": "kill", "run_id": self.run_id})
-
-
-def run_slurm(agents: SlurmAgents, cfg: LaunchConfig, payload, on_event=None, heartbeat: Optional[float] = None,
-              log_dir: str = "", excerpt=None):
-    """Run ``payload`` on every node of the allocation; its result, or the error
-    that tells its story (the root cause names its rank and node)."""
-    from .run import _collect, conclude
-
-    emit = on_event or (lambda event: None)
-    started = time.time()
-    try:
-        handle = SlurmRun(agents, cfg, payload, log_dir, excerpt)
-        outcome = _collect(handle, cfg, 0, emit, heartbeat)
-        for failure in outcome.finished.failures:
-            node = handle.node_of.get(failure.rank)
-            if node and "(on node" not in failure.summary:
-                failure.summary += f" (on node {node})"
-        return conclude(outcome, cfg, handle, 0, started)
-    finally:
-        payload.release()

@@ -163,7 +163,8 @@ class Agent:
         cfg = LaunchConfig(**msg["cfg"])
         try:
             # Every node got the run at once from one kernel: no count-in before the ranks start.
-            self.handle = self.launcher.launch(cfg, msg["payload"], log_dir=msg.get("log_dir", ""),
+            self.handle = self.launcher.launch(cfg, msg["payload"], attempt=msg.get("attempt", 0),
+                                               log_dir=msg.get("log_dir", ""),
                                                excerpt=msg.get("excerpt"), extra={"dispatched_together": True},
                                                run_id=self.run_id, key=wire.derive_key(self.key, self.run_id))
         except Exception as exc:

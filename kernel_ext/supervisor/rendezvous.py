@@ -10,6 +10,12 @@ in on the same store, so waiting for other nodes is visible and bounded.
 During the run the store carries one more thing between nodes: the first
 failure, so the other nodes stop with that root cause instead of hanging or
 reporting their own secondary "connection closed" errors.
+
+Restarts (``--max_restarts`` with one kernel per node) are rendezvous
+*rounds*, as in torch elastic: every node's kernel starts attempt N on the
+same address, node 0's store says which round it hosts (``ROUND``), and a
+node that reaches a store of an earlier round (node 0's last attempt still
+closing) lets go and tries again.  Each round's keys are its own.
 """
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ from typing import Optional
 
 from ..environment import resolve_host
 
-JOINED = "accel_magics/nodes_joined"
-FINISHED = "accel_magics/nodes_finished"
-FAILED = "accel_magics/failure"
+ROUND = "accel_magics/round"
+JOINED = "nodes_joined"
+FINISHED = "nodes_finished"
+CHECKED = "nodes_checked"     # restarts may follow: every node has looked for a failure elsewhere
+FAILED = "failure"
+HOST_RETRY = 10.0             # node 0: how long the port may still be held by its last round's store
 
 
 class RendezvousTimeout(Exception):
@@ -53,8 +62,10 @@ def _bounded(call, timeout: float):
 
 
 class NodeRendezvous:
-    def __init__(self, host: str, port: int, num_nodes: int, node_rank: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, num_nodes: int, node_rank: int, timeout: float,
+                 attempt: int = 0) -> None:
         self.host, self.port = host, port
+        self.attempt = attempt
         self.num_nodes, self.node_rank = num_nodes, node_rank
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
@@ -78,9 +89,23 @@ class NodeRendezvous:
         listen_fd = None
         if self.listener is not None:
             listen_fd, self.listener = self.listener.detach(), None   # the store owns it now
-        self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
-                              timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False,
-                              master_listen_fd=listen_fd)
+        retry_until = time.monotonic() + (HOST_RETRY if listen_fd is None and self.attempt else 0)
+        while True:
+            try:
+                self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
+                                      timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False,
+                                      master_listen_fd=listen_fd)
+                break
+            except Exception:   # a restart: this node's last round may still hold the port a moment
+                if time.monotonic() >= retry_until:
+                    raise
+                time.sleep(0.05)
+        if self.num_nodes > 1:
+            self.store.set(ROUND, str(self.attempt))
+
+    def key(self, name: str) -> str:
+        """``name`` in this round's keys."""
+        return f"accel_magics/{self.attempt}/{name}"
 
     def listen(self) -> int:
         """One node: bind ``host:port`` now, host the store on the first connection.
@@ -135,6 +160,20 @@ class NodeRendezvous:
             self.silent = True
             return False
         self.store.set_timeout(timedelta(seconds=30))
+        try:
+            hosted = int(self.store.get(ROUND)) if self.store.check([ROUND]) else None
+        except Exception:
+            hosted = None
+        if hosted is None or hosted < self.attempt:
+            # Node 0 is not hosting this round yet (its last attempt's store is still closing).
+            self.store = None
+            return False
+        if hosted > self.attempt:
+            self.store = None
+            raise RendezvousTimeout(
+                f"node 0 at {self.address} already runs attempt {hosted + 1}, and this node attempt "
+                f"{self.attempt + 1}: the nodes' cells restarted a different number of times (one node's "
+                "attempt ended without seeing the others' failure). Run the cell again on every node.")
         return True
 
     def probe(self, timeout: float = 0.5) -> bool:
@@ -155,8 +194,8 @@ class NodeRendezvous:
         """Count this node in (once); how many nodes have joined so far."""
         if not self.joined_self:
             self.joined_self = True
-            return int(self.store.add(JOINED, 1))
-        return int(self.store.add(JOINED, 0))
+            return int(self.store.add(self.key(JOINED), 1))
+        return int(self.store.add(self.key(JOINED), 0))
 
     def timeout_message(self, joined: int) -> str:
         if self.store is not None:
@@ -177,29 +216,31 @@ class NodeRendezvous:
     # -- during and after the run -------------------------------------------------
     def report_failure(self, node_rank: int, rank: int, summary: str) -> None:
         try:
-            if not self.store.check([FAILED]):
-                self.store.set(FAILED, json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
+            if not self.store.check([self.key(FAILED)]):
+                self.store.set(self.key(FAILED), json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
         except Exception:
             pass
 
     def remote_failure(self) -> Optional[dict]:
         try:
-            if self.store.check([FAILED]):
-                failure = json.loads(self.store.get(FAILED))
+            if self.store.check([self.key(FAILED)]):
+                failure = json.loads(self.store.get(self.key(FAILED)))
                 if failure["node"] != self.node_rank:
                     return failure
         except Exception:
             pass
         return None
 
-    def finish(self) -> None:
+    def finish(self, name: str = FINISHED) -> None:
+        """Count this node as done (``FINISHED``), or as having checked (``CHECKED``)."""
         try:
-            self.store.add(FINISHED, 1)
+            self.store.add(self.key(name), 1)
         except Exception:
             pass
 
-    def finished(self) -> int:
+    def finished(self, name: str = FINISHED) -> int:
+        """How many nodes are done (or have checked); all of them once the store is gone."""
         try:
-            return int(self.store.add(FINISHED, 0))
+            return int(self.store.add(self.key(name), 0))
         except Exception:
             return self.num_nodes

@@ -34,7 +34,7 @@ from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
-from .rendezvous import NodeRendezvous, RendezvousTimeout
+from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGHUP}
@@ -290,7 +290,7 @@ class Supervisor:
         """
         nodes = spec["num_nodes"]
         self.rdzv = NodeRendezvous(spec["master_addr"], spec["master_port"], nodes, spec["node_rank"],
-                                   spec["rdzv_timeout"])
+                                   spec["rdzv_timeout"], attempt=spec.get("attempt", 0))
         try:
             if nodes == 1 or (spec.get("dispatched_together") and spec["node_rank"] == 0):
                 fd = self.rdzv.listen()
@@ -436,13 +436,36 @@ class Supervisor:
                     break
                 self._poll(0.1)
         self.rdzv.finish()
+        if self.spec.get("attempt", 0) < self.spec.get("max_restarts", 0):
+            self._agree_on_outcome()
+            return
         if self.spec["node_rank"] != 0:
             return
+        self._wait_all(FINISHED)
+
+    def _wait_all(self, name: str) -> None:
+        """Until every node counted itself in ``name`` (bounded; a stop ends the wait)."""
         deadline = time.monotonic() + FINISH_WAIT
-        while self.rdzv.finished() < self.spec["num_nodes"] and time.monotonic() < deadline:
+        while self.rdzv.finished(name) < self.spec["num_nodes"] and time.monotonic() < deadline:
             self._poll(RDZV_POLL)
             if self.stopping in ("interrupt", "terminated"):
                 return
+
+    def _agree_on_outcome(self) -> None:
+        """Kernel per node, with a restart to come if this attempt failed: every
+        node must come to the same verdict, or one node's kernel starts the next
+        attempt while another's says done.  So every node waits until all are
+        done, then looks for a failure elsewhere (it fails this attempt too), and
+        node 0 keeps the store up until every node has looked (``CHECKED``)."""
+        self._wait_all(FINISHED)
+        if self.stopping is None:
+            remote = self.rdzv.remote_failure()
+            if remote is not None:
+                self._send({"kind": "remote_failure", **remote})
+                self.stopping = "remote_failed"
+        self.rdzv.finish(CHECKED)
+        if self.spec["node_rank"] == 0:
+            self._wait_all(CHECKED)
 
     def _connect(self, events_addr: str) -> None:
         import zmq  # only now: the ranks were forked from a single-threaded process

@@ -74,7 +74,7 @@ def parse(source: str, filename: str) -> ast.Module:
     return tree
 
 
-class _NameCollector(ast.NodeVisitor):
+class NameCollector(ast.NodeVisitor):
     """Names the cell reads and names it binds."""
 
     def __init__(self) -> None:
@@ -178,7 +178,7 @@ def own_names(tree: ast.Module) -> set[str]:
     read: set[str] = set()
 
     def loads_in(node) -> set[str]:
-        collector = _NameCollector()
+        collector = NameCollector()
         collector.visit(node)
         return collector.loaded
 
@@ -245,7 +245,7 @@ def build_payload(
     ``Cell In[2]``), or None for code that is not a cell's.
     """
     tree = parse(source, filename)
-    names = _NameCollector()
+    names = NameCollector()
     names.visit(tree)
     own = own_names(tree)
 

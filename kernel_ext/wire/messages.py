@@ -1,0 +1,132 @@
+"""The one message schema of a run: what supervisors, node agents and ranks say.
+
+Every message on a run's channel is a dict with a ``kind`` (:class:`Kind`);
+a rank's own reports travel inside a ``rank_event`` message as its ``event``,
+with a kind of their own (:class:`RankEvent`).  Why a run ended is a
+:class:`StopReason`, and how the kernel words it for the user a
+:class:`Status`.  They are ``str`` enums, so a message stays a dict of
+builtins on the wire (a member pickles as its class and value, and compares
+equal to its value); a receiver turns the text into a member with
+``Kind(text)`` before it dispatches, and an unknown kind fails there, in one
+place, instead of falling through a chain of string comparisons.
+
+What each kind carries (the fields besides ``kind`` and ``run_id``):
+
+=====================  ===========================================================
+``started``            ``pids`` {rank: pid}; Slurm: ``nodes`` {rank: node name}, ``master_addr``
+``released``           (multi-node) the rendezvous is complete: the ranks run
+``ready``              (session) every rank is at its prompt
+``output``             ``rank``, ``text`` (lines, or None), ``omitted``, ``progress``
+``rank_event``         ``rank``, ``event``: a rank's report, see :class:`RankEvent`
+``stacks``             ``rank``, ``text``, ``native``: where the rank was when stopped
+``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``
+``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far
+``rendezvous_failed``  ``message``
+``stalled``            ``ranks``, ``finished``, ``seconds``
+``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause
+``supervisor_error``   ``traceback``, ``message``
+``session_lost``       ``lost``: why the session's ranks are gone
+``finished``           ``reason`` (a :class:`StopReason` or None), ``elapsed``; ``session``
+                       ("alive", "lost", "stopped"), ``lost``; ``forced`` (the kernel
+                       killed it: why); ``terminated_on`` (nodes whose supervisor got SIGTERM)
+``heartbeat``          (kernel side only) nothing arrived for a while
+=====================  ===========================================================
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _Text(str, Enum):
+    """A str enum that reads as its value everywhere (``str``, f-strings), on 3.10 too."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, text):
+        """The member for ``text``, or None for a kind this version does not know."""
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+
+
+class Kind(_Text):
+    HEARTBEAT = "heartbeat"
+    STARTED = "started"
+    RELEASED = "released"
+    READY = "ready"
+    OUTPUT = "output"
+    RANK_EVENT = "rank_event"
+    STACKS = "stacks"
+    EXIT = "exit"
+    WAITING = "waiting"
+    RENDEZVOUS_FAILED = "rendezvous_failed"
+    STALLED = "stalled"
+    REMOTE_FAILURE = "remote_failure"
+    SUPERVISOR_ERROR = "supervisor_error"
+    SESSION_LOST = "session_lost"
+    FINISHED = "finished"
+
+
+class RankEvent(_Text):
+    """What a rank reports about itself (inside a ``rank_event`` message)."""
+    FAILED = "failed"          # exc_type, message, traceback, timestamp, secondary
+    RESULT = "result"          # value, returns, missing, new_modules, exited, timestamp
+    PROGRESS = "progress"      # n, total, desc
+    BAR = "bar"                # id, pos, desc, n, total, stats, leave, closed
+    NAMES = "names"            # assigned, deleted (a session cell)
+    SESSION_READY = "session_ready"
+
+
+class StopReason(_Text):
+    """Why a supervisor stopped its ranks (``finished``'s ``reason``; None: they all ended)."""
+    FAILED = "failed"              # a rank failed
+    INTERRUPT = "interrupt"        # the stop button, h.stop(), a node told to stop
+    TIMEOUT = "timeout"            # --timeout
+    TERMINATED = "terminated"      # the supervisor got SIGTERM from outside
+    RENDEZVOUS = "rendezvous"      # the nodes did not all join in time
+    STALLED = "stalled"            # a rank stuck where nothing can move it
+    REMOTE_FAILED = "remote_failed"  # another node's rank failed
+
+    @classmethod
+    def merged(cls, reasons) -> "StopReason | None":
+        """One run on several nodes: the reason the whole run ended, from each
+        node's.  What the user did wins (a stop), then what the kernel enforced,
+        then what happened to the ranks; a node stopped for another's failure
+        is that failure."""
+        present = {cls.parse(r) for r in reasons if r is not None}
+        for reason in _PRECEDENCE:
+            if reason in present:
+                return cls.FAILED if reason is cls.REMOTE_FAILED else reason
+        return None
+
+
+_PRECEDENCE = (StopReason.INTERRUPT, StopReason.TIMEOUT, StopReason.TERMINATED, StopReason.RENDEZVOUS,
+               StopReason.STALLED, StopReason.FAILED, StopReason.REMOTE_FAILED)
+
+
+class Status(_Text):
+    """How a run ended, as views and errors word it (``events.RunFinished.status``)."""
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    TIMEOUT = "timeout"
+    TERMINATED = "terminated"
+    STALLED = "stalled"
+    RENDEZVOUS_FAILED = "rendezvous_failed"
+
+    @classmethod
+    def of(cls, reason, has_failure: bool) -> "Status":
+        """The status for a run that stopped for ``reason`` (None: its ranks all
+        ended), with or without a failed rank."""
+        reason = StopReason.parse(reason) if reason is not None else None
+        if reason is None or reason in (StopReason.FAILED, StopReason.REMOTE_FAILED):
+            return cls.FAILED if has_failure else cls.OK
+        return _STATUS_OF[reason]
+
+
+_STATUS_OF = {StopReason.INTERRUPT: Status.INTERRUPTED, StopReason.TIMEOUT: Status.TIMEOUT,
+              StopReason.TERMINATED: Status.TERMINATED, StopReason.RENDEZVOUS: Status.RENDEZVOUS_FAILED,
+              StopReason.STALLED: Status.STALLED}

@@ -1,0 +1,205 @@
+"""Root cause and conclusion as plain functions of a run's messages.
+
+``fold.RunFold`` and ``run.conclude`` are fed recorded sequences
+(tests/recorded_runs.py): one-shot, restarts, Slurm, session cells.  No
+process starts; every test runs in milliseconds.  The end-to-end tests
+(test_engine, test_slurm, test_sessions) check the wiring to real ranks.
+"""
+from __future__ import annotations
+
+import pytest
+
+import recorded_runs as rec
+from accel_magics.kernel_ext.environment import LaunchConfig
+from accel_magics.kernel_ext.kernel import events as ev
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, DistributedTimeoutError, RunInterrupted
+from accel_magics.kernel_ext.kernel.fold import RunFold
+from accel_magics.kernel_ext.kernel.run import conclude
+from accel_magics.kernel_ext.wire.messages import Kind, Status, StopReason
+
+pytestmark = pytest.mark.timeout(30)
+
+CFG = LaunchConfig(num_processes=2)
+SLURM_CFG = LaunchConfig(num_processes=2, num_nodes=2)
+
+
+def replay(name_or_seq, ranks=(0, 1), **kw):
+    seq = rec.LOCAL[name_or_seq] if isinstance(name_or_seq, str) else name_or_seq
+    return RunFold.replay(seq, run_id="r1", ranks=list(ranks), **kw)
+
+
+def of_type(events, cls):
+    return [e for e in events if isinstance(e, cls)]
+
+
+# -- one node, recorded -----------------------------------------------------------------
+
+def test_a_clean_run_gives_rank_0s_value_and_its_lines():
+    events, outcome = replay("ok_value")
+    assert outcome.finished.status == Status.OK == "ok"
+    assert [(e.rank, e.text) for e in of_type(events, ev.Output)] == [(0, "hi 0"), (1, "hi 1")]
+    assert of_type(events, ev.RunStarted)[0].pids == rec.LOCAL["ok_value"][0]["pids"]
+    result = conclude(outcome, CFG, attempt=0, started=0.0)
+    assert result.has_value and result.value == 41 and result.attempts == 1
+    assert isinstance(events[-1], ev.RunFinished)
+
+
+def test_the_rank_that_raised_is_the_root_cause_and_the_stopped_one_is_said_so():
+    _, outcome = replay("exception_rank1")
+    cause = outcome.finished.root_cause
+    assert (cause.rank, cause.summary) == (1, "ValueError: boom")
+    assert outcome.others == {0: "stopped (SIGTERM)"}
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank 1 failed: ValueError: boom")
+    assert "raise ValueError('boom')" in info.value.report()
+
+
+def test_a_rank_killed_by_a_signal_is_named():
+    _, outcome = replay("sigkill_rank1")
+    assert outcome.finished.root_cause.summary == "killed by SIGKILL"
+    assert outcome.finished.root_cause.kind == "signal"
+
+
+def test_a_timeout_keeps_every_ranks_stacks():
+    events, outcome = replay("timeout")
+    assert outcome.finished.status == Status.TIMEOUT
+    assert sorted(outcome.finished.stacks) == [0, 1]
+    assert len(of_type(events, ev.RankStacks)) == 2
+    with pytest.raises(DistributedTimeoutError):
+        conclude(outcome, LaunchConfig(num_processes=2, timeout=2), attempt=0, started=0.0)
+
+
+def test_a_rank_that_left_early_is_why_its_peer_failed():
+    _, outcome = replay("rank_left_early")
+    assert outcome.finished.root_cause.rank == 0 and outcome.finished.root_cause.secondary
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert "rank 1 (sys.exit(0))" in str(info.value)
+
+
+def test_restarts_a_failed_attempt_asks_for_another_and_the_next_one_succeeds():
+    cfg = LaunchConfig(num_processes=2, max_restarts=1)
+    events, first = replay("restart_attempt_0", attempt=0, max_restarts=1)
+    assert of_type(events, ev.RunStarted)[0].attempt == 0
+    assert conclude(first, cfg, attempt=0, started=0.0, last=False) is None   # another attempt may start
+    events, second = replay("restart_attempt_1", attempt=1, max_restarts=1)
+    assert of_type(events, ev.RunStarted)[0].attempt == 1
+    result = conclude(second, cfg, attempt=1, started=0.0, last=True)
+    assert result.value == "done" and result.attempts == 2
+
+
+def test_the_last_failed_attempt_is_the_cells_error():
+    cfg = LaunchConfig(num_processes=2, max_restarts=1)
+    _, outcome = replay("restart_attempt_0", attempt=1, max_restarts=1)
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, cfg, attempt=1, started=0.0, last=True)
+    assert "[after 2 attempts]" in str(info.value) and "flaky" in str(info.value)
+
+
+def test_the_stop_button_during_a_run_is_an_interrupt_whatever_the_supervisor_said():
+    fold = RunFold(run_id="r1", ranks=[0, 1])
+    for msg in rec.LOCAL["exception_rank1"]:
+        fold.feed(msg)
+    fold.interrupted = True
+    outcome = fold.outcome()
+    assert outcome.finished.status == Status.INTERRUPTED
+    with pytest.raises(RunInterrupted):
+        conclude(outcome, CFG, attempt=0, started=0.0)
+
+
+def test_a_forced_end_counts_every_rank_that_did_not_exit_as_unfinished():
+    seq = rec.LOCAL["ok_value"][:1] + [{"kind": "finished", "reason": "interrupt", "forced": "it did not answer"}]
+    _, outcome = replay(seq)
+    assert outcome.unfinished == [0, 1] and outcome.forced == "it did not answer"
+    with pytest.raises(RunInterrupted) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert "did not answer" in str(info.value.report() if hasattr(info.value, "report") else info.value)
+
+
+def test_unknown_kinds_are_ignored_and_a_supervisor_error_is_raised():
+    from accel_magics.kernel_ext.kernel.errors import LauncherError
+
+    fold = RunFold(run_id="r1", ranks=[0, 1])
+    fold.feed({"kind": "from_a_newer_version", "x": 1})
+    fold.feed({"kind": "released"})
+    with pytest.raises(LauncherError, match="boom in the supervisor"):
+        fold.feed({"kind": "supervisor_error", "traceback": "boom in the supervisor"})
+
+
+# -- every node of an allocation --------------------------------------------------------
+
+def test_slurm_the_rank_that_failed_on_the_other_node_is_named_with_its_node():
+    events, outcome = replay(rec.SLURM_REMOTE_RANK_FAILS, ranks=range(4), num_nodes=2)
+    cause = outcome.finished.root_cause
+    assert cause.rank == 3 and cause.summary == "RuntimeError: node 2 broke (on node n2)"
+    started = of_type(events, ev.RunStarted)[0]
+    assert started.placement() == "n1: ranks 0-1, n2: ranks 2-3"
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, SLURM_CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank 3 failed: RuntimeError: node 2 broke (on node n2)")
+    assert "rank 0" in info.value.report() and "(on node n1)" in info.value.report()
+
+
+def test_slurm_a_rank_that_exited_after_init_is_the_root_cause_not_the_gloo_errors_it_caused():
+    _, outcome = replay(rec.SLURM_REMOTE_RANK_EXITS, ranks=range(4), num_nodes=2)
+    cause = outcome.finished.root_cause
+    assert cause.rank == 3 and "exited with code 3" in cause.summary and "(on node n2)" in cause.summary
+
+
+def test_slurm_a_stop_shows_the_stacks_of_every_node():
+    _, outcome = replay(rec.SLURM_INTERRUPTED, ranks=range(4), num_nodes=2)
+    assert outcome.finished.status == Status.INTERRUPTED and sorted(outcome.finished.stacks) == [0, 1, 2, 3]
+    with pytest.raises(RunInterrupted) as info:
+        conclude(outcome, SLURM_CFG, attempt=0, started=0.0)
+    assert all(f"stuck_{r}" in info.value.report() for r in range(4))
+
+
+# -- session cells ------------------------------------------------------------------------
+
+def test_a_session_cell_reports_the_names_it_bound_and_stays_alive():
+    _, outcome = replay(rec.SESSION_CELL_OK, session_cell=True)
+    assert outcome.session == "alive" and outcome.assigned == {"model"} and outcome.deleted == {"tmp"}
+    assert conclude(outcome, CFG, attempt=0, started=0.0).attempts == 1
+
+
+def test_a_session_cell_whose_rank_died_loses_the_session_and_names_the_rank():
+    _, outcome = replay(rec.SESSION_CELL_LOST, session_cell=True)
+    assert outcome.session == "lost" and "rank 1" in outcome.lost
+    assert outcome.finished.root_cause.rank == 1 and outcome.finished.root_cause.summary == "killed by SIGKILL"
+
+
+def test_a_session_cell_the_kernel_had_to_end_is_a_lost_session():
+    seq = [{"kind": "finished", "reason": "interrupt", "forced": "it did not answer the stop"}]
+    _, outcome = replay(seq, session_cell=True)
+    assert outcome.session == "lost" and "did not answer the stop" in outcome.lost
+
+
+# -- the schema ---------------------------------------------------------------------------
+
+def test_the_schema_reads_as_text_and_refuses_unknown_values_in_one_place():
+    assert Kind("output") is Kind.OUTPUT and f"{Kind.OUTPUT}" == "output" and str(Status.OK) == "ok"
+    assert Kind.parse("nope") is None
+    assert {Kind.FINISHED: 1}[Kind.parse("finished")] == 1
+
+
+@pytest.mark.parametrize("reasons, merged", [
+    ([None, None], None),
+    (["failed", "remote_failed"], StopReason.FAILED),
+    (["remote_failed", None], StopReason.FAILED),
+    (["failed", "interrupt"], StopReason.INTERRUPT),
+    (["timeout", "failed"], StopReason.TIMEOUT),
+    (["terminated", "remote_failed"], StopReason.TERMINATED),
+])
+def test_the_reason_a_run_on_several_nodes_ended(reasons, merged):
+    assert StopReason.merged(reasons) == merged
+
+
+@pytest.mark.parametrize("reason, failed, status", [
+    (None, False, Status.OK), (None, True, Status.FAILED), ("failed", True, Status.FAILED),
+    ("remote_failed", True, Status.FAILED), ("interrupt", True, Status.INTERRUPTED),
+    ("timeout", False, Status.TIMEOUT), ("rendezvous", False, Status.RENDEZVOUS_FAILED),
+    ("stalled", False, Status.STALLED), ("terminated", True, Status.TERMINATED),
+])
+def test_the_status_of_a_reason(reason, failed, status):
+    assert Status.of(reason, failed) is status
