@@ -14,8 +14,9 @@ from typing import Callable, Optional
 from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                             RunInterrupted, SessionLostError)
+# The ladders' order: see timing.py.
+from accel_magics.kernel_ext.timing import BACKGROUND_STOP_WAIT as STOP_WAIT
 
-STOP_WAIT = 30.0   # h.stop(): how long it waits for the run to end (the escalation ends it well before)
 
 
 class BackgroundCell:

@@ -550,8 +550,9 @@ class DistributedMagics(Magics):
         runs = list(self.background_runs)
         for run in runs:
             run.stop()
-        for run in runs:   # their threads may hold the Slurm agents' sockets: done before those close
-            run.wait(30)
+        if self.slurm_agents is not None:
+            for run in runs:   # their threads may hold the Slurm agents' sockets: done before those close
+                run.wait(30)
         self.session = None
         if self.slurm_agents is not None:
             self.slurm_agents.close()

@@ -41,7 +41,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Not gone and not a zombie (PID 1 here reaps orphans only every few seconds)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -184,10 +185,10 @@ class SlurmCluster:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in self.pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         for pid in self.pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         # slurmstepd processes of our spool dir (a step that outlived its slurmd)
         for pid in os.listdir("/proc"):

@@ -695,3 +695,34 @@ def test_a_kernel_killed_while_its_launcher_starts_leaves_no_launcher_directory(
 def _children(pid: int) -> set:
     from kernel_harness import children
     return children(pid)
+
+
+def test_the_kernels_run_log_goes_only_into_a_run_directory_a_supervisor_made(tmp_path):
+    """kernel.log (the engine's records of a run) follows no planted symlink,
+    writes into no directory a run did not make, and is private."""
+    import os
+
+    from accel_magics.kernel_ext.logs import RunLog
+    from accel_magics.kernel_ext.supervisor.rank_logs import MARKER
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.symlink(victim, tmp_path / "linked")
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    (ours / MARKER).touch()
+    os.mkfifo(tmp_path / "fifo-run")
+    for where in (tmp_path / "linked", planted, ours):
+        log = RunLog(str(where))
+        log.records.append("a record")
+        log.save()
+    assert os.listdir(victim) == [] and os.listdir(planted) == []
+    assert (ours / "kernel.log").read_text() == "a record\n"
+    assert os.stat(ours / "kernel.log").st_mode & 0o777 == 0o600
+    os.remove(ours / "kernel.log")
+    os.mkfifo(ours / "kernel.log")            # a FIFO in its place: skipped, never waited on
+    log = RunLog(str(ours))
+    log.records.append("again")
+    assert log.save() is None

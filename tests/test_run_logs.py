@@ -109,3 +109,32 @@ def test_without_an_excerpt_every_line_is_sent(launcher, tmp_path):
     for rank in (0, 1):
         sent = [line for e in events if isinstance(e, ev.Output) and e.rank == rank for line in e.lines]
         assert sent == [str(i) for i in range(n)]
+
+
+def test_the_engine_logs_each_attempt_beside_the_ranks_output_and_its_processes_in_the_launcher_log(
+        launcher, tmp_path):
+    """A bug report can carry what each process decided: the kernel's records of
+    the run (kernel.log, in the run's directory) and the launcher's, supervisors'
+    and ranks' (launcher.log); neither reaches the ranks' own output."""
+    events = []
+    src = ("import os\nprint('hello')\n"
+           "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+           "    raise RuntimeError('first attempt only')\n")
+    run = tmp_path / "run"
+    execute(launcher, LaunchConfig(num_processes=2, max_restarts=1), build_payload(src, {}),
+            on_event=events.append, log_dir=str(run))
+    kernel_log = (run / "kernel.log").read_text()
+    assert "attempt 0: failed (root cause: rank 1: RuntimeError: first attempt only)" in kernel_log, kernel_log
+    assert "attempt 1 of 2 failed" in kernel_log or "attempt 1: ok" in kernel_log, kernel_log
+    assert "accel_magics.kernel.run" in kernel_log and "accel_magics.kernel.placement" in kernel_log
+    with open(launcher.log_path) as f:
+        launcher_log = f.read()
+    assert "accel_magics.supervisor" in launcher_log and "stopping its ranks (failed)" in launcher_log, launcher_log
+    lines = [line for e in events if isinstance(e, ev.Output) for line in e.lines]
+    assert not any("accel_magics." in line for line in lines), lines
+
+
+def test_a_quiet_run_leaves_no_log_directory(launcher, tmp_path):
+    run = tmp_path / "quiet"
+    execute(launcher, LaunchConfig(num_processes=2), build_payload("x = 1", {}), log_dir=str(run))
+    assert not run.exists()

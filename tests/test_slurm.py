@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kernel_harness import KernelSession, listening_ports, wait_until
-from slurm_cluster import SlurmCluster, missing
+from slurm_cluster import SlurmCluster, alive, missing
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -100,15 +100,6 @@ def kernel(cluster):
         yield k
     finally:
         k.end()
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie (PID 1 here reaps orphans only every few seconds)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def by_rank(text: str) -> dict[int, list[str]]:
@@ -297,7 +288,7 @@ def test_a_background_slurm_run_stopped_by_its_handle_shows_every_nodes_stacks(k
     assert err.error and err.error["ename"] == "RunInterrupted", err.error_text
     assert err.error_text.count("waiting_here") >= 4, err.error_text
     pids = [int(open(os.path.join(marks, name)).read()) for name in os.listdir(marks)]
-    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in pids), 30,
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and alive(pid) for pid in pids), 30,
                "every rank on both nodes to be gone")
     assert kernel.run(WORLD, timeout=120).status == "ok"
 

@@ -33,6 +33,8 @@ from .errors import LauncherError
 from ..wire.payload import Payload
 from .run_handle import RunHandle
 from .sigint import sigint_deferred
+# The ladders' order: see timing.py.
+from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE
 
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
 
@@ -43,8 +45,6 @@ def _close_all() -> None:
         launcher.close()
 
 
-DISPATCH_WAIT = 15.0   # seconds the launcher gets to answer a run (it takes milliseconds)
-PRELOAD_WAIT = 60.0    # seconds it gets to import the modules it was asked to preload
 SUN_PATH_MAX = 107   # bytes in an AF_UNIX socket path (Linux: 108 with the final NUL)
 
 
@@ -425,7 +425,7 @@ class Launcher:
         sock.bind(addr)
         return sock, addr
 
-    def launch(self, cfg: LaunchConfig, payload: Optional[Payload], *, attempt: int = 0, grace: float = 3.0,
+    def launch(self, cfg: LaunchConfig, payload: Optional[Payload], *, attempt: int = 0, grace: float = RANK_GRACE,
                log_dir: str = "", excerpt: Optional[tuple[int, int]] = None, events=None,
                extra: Optional[dict] = None, stop_wait: Optional[float] = None,
                persistent: bool = False, run_id: Optional[str] = None,

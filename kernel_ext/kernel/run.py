@@ -21,6 +21,7 @@ from .errors import (DistributedRunError, DistributedStallError, DistributedTime
 from .fold import EventSink, Outcome, RunFold
 from .launcher import Launcher
 from .placement import Attempt, LocalPlacement, Placement
+from ..logs import RunLog
 from ..rank.worker import loads_value
 from ..wire.messages import Status
 from ..wire.payload import Payload
@@ -112,8 +113,9 @@ def execute(placement, cfg: LaunchConfig, payload: Payload,
     if isinstance(placement, Launcher):
         placement = LocalPlacement(placement)
     try:
-        return _attempts(placement, cfg, payload, on_event or (lambda event: None), heartbeat, log_dir, excerpt,
-                         control, events)
+        with RunLog(log_dir):
+            return _attempts(placement, cfg, payload, on_event or (lambda event: None), heartbeat, log_dir,
+                             excerpt, control, events)
     finally:
         payload.release()
 

@@ -29,11 +29,9 @@ from .. import wire
 from .errors import LauncherError
 from .placement import Attempt
 from .sigint import sigint_deferred
+# The ladders' order: see timing.py.
+from ..timing import (STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN)
 
-STOP_WAIT = 7.0        # after a stop, how long the supervisor gets to end the run by itself
-KILL_WAIT = 2.0        # after SIGTERM, how long before the kernel SIGKILLs everything
-TIMEOUT_SLACK = 4.0    # past --timeout (or the rendezvous timeout), when the kernel steps in
-GONE_DRAIN = 2.0       # after the supervisor exited, how long its last messages may take
 
 
 def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:

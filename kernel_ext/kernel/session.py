@@ -15,6 +15,7 @@ cell that bound it last; :meth:`push` hands names back to the kernel.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,14 +29,18 @@ from ..environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError,
                      ReportedError, RunInterrupted, SessionLostError)
 from .launcher import Launcher
+from ..logs import RunLog
 from ..wire.payload import Payload
 from ..process_tree import running
 from .run import RunControl, RunResult, collect, conclude
 from .run_handle import RunHandle
+# The ladders' order: see timing.py.
+from ..timing import (
+    SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT,
+)
 
-START_WAIT = 120.0      # seconds the ranks get to start and set up
-SESSION_STOP_WAIT = 12.0  # after a stop, how long the supervisor gets (stacks, recall, terminate)
-STOP_WAIT = 15.0        # %distributed_session stop: how long the ranks get to end
+
+log = logging.getLogger("accel_magics.kernel.session")
 
 ALIVE_NOTE = ("The session lives on: every rank is back at its prompt with its state (what the cell did "
               "before it stopped is kept).")
@@ -202,8 +207,9 @@ class DistributedSession:
         """Run one cell on the session's ranks; its result, or the error that
         tells its story (with whether the session lives on)."""
         emit = on_event or (lambda event: None)
-        with self._busy:
+        with self._busy, RunLog(log_dir):
             self._idle.clear()
+            log.info("session %s: cell %s", self.id, label)
             try:
                 return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
                                           excerpt=excerpt, timeout=timeout, control=control)

@@ -51,12 +51,12 @@ from .errors import LauncherError
 from .placement import Attempt, Placement
 from .run_handle import receive_verified
 from ..wire.messages import StopReason
+# The ladders' order: see timing.py.
+from ..timing import (
+    SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
+    SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN,
+)
 
-START_WAIT = 180.0      # seconds for srun and every agent to start (each imports torch)
-STOP_WAIT = 10.0        # after a stop, how long the nodes get before the agents are told to kill
-KILL_WAIT = 5.0         # after that, how long before the run ends as forced
-GONE_WAIT = 5.0         # shutdown: how long srun gets to end by itself
-GONE_DRAIN = 2.0        # a node's supervisor exited: how long its last messages may take
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
 log = logging.getLogger("accel_magics.kernel.slurm")
 

@@ -28,15 +28,16 @@ from typing import Optional
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from .. import wire  # noqa: F401
+from .. import logs, wire  # noqa: F401
 from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
 from ..supervisor import session_supervisor, supervisor  # noqa: F401
 from ..wire import payload  # noqa: F401
 from ..process_tree import children, kill_orphans, running
+# The ladders' order: see timing.py.
+from ..timing import END_WAIT
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
-END_WAIT = 15.0   # how long a new run waits for the processes of earlier runs to end
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
 
@@ -389,6 +390,7 @@ def main() -> None:
     os.close(null)
     os.set_inheritable(reply_fd, False)
     os.set_inheritable(control_fd, False)
+    logs.to_log_file(2)   # launcher.log: this process, the supervisors and ranks it forks
     init = wire.read_frame(control_fd)
     if init is None:
         return

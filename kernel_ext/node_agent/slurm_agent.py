@@ -28,6 +28,7 @@ vanished host within seconds), or when srun ends the step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -37,13 +38,15 @@ from typing import Optional
 
 import zmq
 
-from .. import wire
+from .. import logs, wire
 from ..environment import LaunchConfig, free_port, host_address
 from ..kernel.launcher import Launcher
+# The ladders' order: see timing.py.
+from ..timing import AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER
 
-LOST_AFTER = 5.0        # seconds without the kernel's connection before the agent gives up
-HEARTBEAT_MS = 1000     # ZMTP heartbeat interval (and 5x that as its timeout)
-IDLE_POLL_MS = 200
+HEARTBEAT_MS = int(AGENT_HEARTBEAT * 1000)   # ZMTP heartbeat interval (and 5x that as its timeout)
+IDLE_POLL_MS = int(AGENT_IDLE_POLL * 1000)
+log = logging.getLogger("accel_magics.node_agent")
 
 
 class Agent:
@@ -128,8 +131,8 @@ class Agent:
             if self.handle is not None and self.handle.watch():
                 self._end_run()
             if self.lost_since is not None and time.monotonic() - self.lost_since > LOST_AFTER:
-                print(f"accel_magics agent on {self.nodename}: the kernel's connection is gone; ending",
-                      file=sys.stderr, flush=True)
+                log.warning("agent on %s: the kernel's connection is gone for %gs; ending", self.nodename,
+                            LOST_AFTER)
                 break
 
     def close(self) -> None:
@@ -140,6 +143,8 @@ class Agent:
 
     def _on_command(self, msg: dict) -> None:
         op = msg.get("op")
+        if op not in ("ping", "port"):
+            log.info("node %d (%s): %s for run %s", self.node, self.nodename, op, msg.get("run_id"))
         mine = self.handle is not None and msg.get("run_id") == self.run_id
         if op == "run":
             self._start_run(msg)
@@ -194,6 +199,7 @@ def main() -> None:
     line = sys.stdin.readline()
     if not line:
         return
+    logs.to_log_file(2)   # srun's log
     hello = json.loads(line)
     agent = Agent(hello["address"], hello["events"], hello["key"].encode(), hello["ident"])
     try:

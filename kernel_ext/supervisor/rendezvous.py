@@ -26,13 +26,14 @@ from datetime import timedelta
 from typing import Optional
 
 from ..environment import resolve_host
+# The ladders' order: see timing.py.
+from ..timing import HOST_RETRY
 
 ROUND = "accel_magics/round"
 JOINED = "nodes_joined"
 FINISHED = "nodes_finished"
 CHECKED = "nodes_checked"     # restarts may follow: every node has looked for a failure elsewhere
 FAILED = "failure"
-HOST_RETRY = 10.0             # node 0: how long the port may still be held by its last round's store
 
 
 class RendezvousTimeout(Exception):

@@ -38,10 +38,9 @@ from .rank_logs import RankLogs
 from .rank_process import RankProcess, user_stack, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
+# The ladders' order: see timing.py.
+from ..timing import (RECALL_WAIT, FORCE_AFTER, READY_WAIT)
 
-RECALL_WAIT = 3.0     # after SIGINT, how long the ranks get to be back at their prompt
-FORCE_AFTER = 2.0     # ... and when those still out get a second SIGINT (raise now: see worker._after_optimizer_step)
-READY_WAIT = 120.0    # how long the ranks get to set up (import what the environment needs)
 
 
 class SessionSupervisor(Supervisor):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import pickle
 import selectors
@@ -35,24 +36,18 @@ from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
+# The ladders' order: see timing.py.
+from ..timing import (
+    REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
+    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL,
+)
 
+log = logging.getLogger("accel_magics.supervisor")
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGHUP}
-REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
-REMOTE_CHECK = 0.5        # seconds between looks at other nodes' failure flag
-FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
-REMOTE_WAIT = 5.0         # how long a node with only secondary errors waits for the remote cause
-FLUSH_INTERVAL = 0.05     # seconds: output is batched like ipykernel's streams
 MAX_BATCH_BYTES = 256 * 1024
 READ_BYTES = 1 << 20
-STACK_WAIT = 1.0          # at most this long for ranks' stack dumps before SIGTERM
-STACK_QUIET = 0.1
-DRAIN_WAIT = 2.0          # after a rank exits, wait this long for its pipes' EOF
-RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
-STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as moving
-NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
-RDZV_POLL = 0.002         # several nodes: seconds between looks at the store (joined? all finished?)
 
 
 class Supervisor:
@@ -115,6 +110,9 @@ class Supervisor:
             self.logs.close()   # complete on disk before the kernel hears "finished"
             self._send({"kind": "finished", "reason": self.stopping,
                         "elapsed": time.time() - self.started})
+            log.info("run %s node %s attempt %s: finished (%s) in %.3fs", self.spec.get("run_id"),
+                     self.spec.get("node_rank"), self.spec.get("attempt", 0), self.stopping or "all ranks ended",
+                     time.time() - self.started)
             if together and self.spec["node_rank"] == 0:
                 self._keep_store_for_peers()
             if self.rdzv is not None:
@@ -679,6 +677,8 @@ class Supervisor:
         if self.stopping is not None:
             return
         self.stopping = reason
+        log.info("run %s node %s: stopping its ranks (%s)", self.spec.get("run_id"), self.spec.get("node_rank"),
+                 reason)
         if reason == "failed" and self.remote_check is not None and self.first_failure is not None:
             secondary, _, rank, summary = self.first_failure
             if not secondary:   # a consequence of another node's failure is not news to it

@@ -1,0 +1,97 @@
+"""Every timing constant of the stop and escalation ladders, in one place.
+
+A stop (the stop button, ``--timeout``, a failed rank, a node gone) climbs a
+ladder: each rung gives the one below it time to finish by itself before it
+steps in, so the user gets the most complete story (every rank's stacks,
+native frames too) and never waits for ever.  The rungs only work if their
+times keep an order; :func:`check_order` states it, and tests/test_timing.py
+holds the package to it (the README's numbers come from here too).
+
+In a rank's supervisor (one per run and node):
+  stacks ``STACK_WAIT``, native frames ``NATIVE_WAIT``, then SIGTERM and
+  ``RANK_GRACE`` before SIGKILL.
+In the kernel (``run_handle``), over the supervisor:
+  ``STOP_WAIT`` after a stop, SIGUSR2 (kill the ranks now), ``KILL_WAIT``,
+  then the kernel SIGKILLs everything; ``--timeout`` + ``TIMEOUT_SLACK``
+  starts the same ladder if the supervisor did not stop the run itself.
+A session's cell (``session_supervisor``): ranks recalled to their prompt
+  (``RECALL_WAIT``, a second SIGINT after ``FORCE_AFTER``), inside the
+  kernel's ``SESSION_STOP_WAIT``.
+Slurm (``slurm``): the kernel tells every node's agent to stop, and after
+  ``SLURM_STOP_WAIT`` to kill; each node runs the local ladder meanwhile;
+  ``SLURM_KILL_WAIT`` later the run ends as forced.
+A background run's ``h.stop()`` waits ``BACKGROUND_STOP_WAIT`` for all that.
+"""
+from __future__ import annotations
+
+# -- a run's supervisor ---------------------------------------------------------------
+STACK_WAIT = 1.0          # at most this long for the ranks' Python stack dumps before SIGTERM
+STACK_QUIET = 0.1         # stack pipes quiet this long: the dumps are complete
+NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
+RANK_GRACE = 3.0          # after SIGTERM, how long a rank gets before SIGKILL
+REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
+DRAIN_WAIT = 2.0          # after a rank exits, how long its pipes get to reach EOF
+RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
+FLUSH_INTERVAL = 0.05     # output is batched like ipykernel's streams
+STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
+REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
+REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
+FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
+RDZV_POLL = 0.002         # several nodes: seconds between looks at the store
+HOST_RETRY = 10.0         # a restart: how long node 0's port may still be held by its last round's store
+
+# -- a session's supervisor -----------------------------------------------------------
+RECALL_WAIT = 3.0         # after SIGINT, how long the ranks get to be back at their prompt
+FORCE_AFTER = 2.0         # ... and when those still out get a second SIGINT
+READY_WAIT = 120.0        # how long a session's ranks get to set up
+
+# -- the kernel, over a local run ------------------------------------------------------
+STOP_WAIT = 7.0           # after a stop, how long the supervisor gets to end the run by itself
+KILL_WAIT = 2.0           # after SIGUSR2, how long before the kernel SIGKILLs everything
+TIMEOUT_SLACK = 4.0       # past --timeout (or the rendezvous timeout), when the kernel steps in
+GONE_DRAIN = 2.0          # after the supervisor exited, how long its last messages may take
+DISPATCH_WAIT = 15.0      # how long the launcher gets to answer a run (it takes milliseconds)
+PRELOAD_WAIT = 60.0       # how long it gets to import the modules it was asked to preload
+SESSION_START_WAIT = 120.0  # how long a session's ranks get to start and set up
+SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervisor gets
+SESSION_END_WAIT = 15.0   # %distributed_session stop: how long the ranks get to end
+BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
+
+# -- the launcher process ---------------------------------------------------------------
+END_WAIT = 15.0           # how long a new run waits for the processes of earlier runs to end
+
+# -- Slurm: the kernel over every node, the agents ---------------------------------------
+SLURM_START_WAIT = 180.0  # srun and every agent to start (each imports torch)
+SLURM_STOP_WAIT = 10.0    # after a stop, how long the nodes get before the agents are told to kill
+SLURM_KILL_WAIT = 5.0     # after that, how long before the run ends as forced
+SLURM_GONE_WAIT = 5.0     # shutdown: how long srun gets to end by itself
+SLURM_GONE_DRAIN = 2.0    # a node's supervisor exited: how long its last messages may take
+AGENT_HEARTBEAT = 1.0     # ZMTP heartbeat between an agent and the kernel (5x that: its timeout)
+AGENT_LOST_AFTER = 5.0    # without the kernel's connection this long, an agent ends
+AGENT_IDLE_POLL = 0.2     # an agent's poll while nothing happens
+
+
+def check_order() -> list[str]:
+    """The relations the ladders need, each as (holds, why); the ones that do not hold."""
+    supervisor_stop = STACK_WAIT + NATIVE_WAIT + RANK_GRACE
+    rules = [
+        (supervisor_stop < STOP_WAIT,
+         "a supervisor finishes a stop by itself (stacks, native stacks, SIGTERM grace) before the kernel "
+         "escalates"),
+        (STACK_WAIT + NATIVE_WAIT < TIMEOUT_SLACK,
+         "at --timeout the supervisor has every rank's stacks before the kernel's backstop"),
+        (STACK_QUIET < STACK_WAIT, "stack pipes are read until quiet within the stack wait"),
+        (supervisor_stop + RECALL_WAIT < SESSION_STOP_WAIT,
+         "a session's supervisor recalls its ranks (or stops them) before the kernel escalates"),
+        (FORCE_AFTER < RECALL_WAIT, "the second SIGINT comes within the recall wait"),
+        (STOP_WAIT + KILL_WAIT < SLURM_STOP_WAIT,
+         "each node's own ladder ends a stop before the kernel tells the agents to kill"),
+        (KILL_WAIT < SLURM_KILL_WAIT, "a node's kill lands before the run ends as forced"),
+        (AGENT_LOST_AFTER >= 5 * AGENT_HEARTBEAT,
+         "an agent gives up only after its heartbeat timed out (a busy kernel is not a gone one)"),
+        (max(SESSION_STOP_WAIT + KILL_WAIT, SLURM_STOP_WAIT + SLURM_KILL_WAIT) < BACKGROUND_STOP_WAIT,
+         "h.stop() waits long enough for any placement's ladder"),
+        (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
+        (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
+    ]
+    return [why for holds, why in rules if not holds]
