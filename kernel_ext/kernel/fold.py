@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from . import events as ev
 from .errors import LauncherError, root_cause
-from ..wire.messages import Kind, RankEvent, Status, StopReason
+from ..wire.messages import Kind, RankEvent, Status, StopReason, failure_summary
 
 log = logging.getLogger("accel_magics.kernel.fold")
 
@@ -47,8 +47,7 @@ class Outcome:
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
     """The one failure record of a rank that raised (its ``failed`` report)."""
-    summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
-    return ev.RankFailure(rank=rank, kind="exception", summary=summary, traceback=event.get("traceback", ""),
+    return ev.RankFailure(rank=rank, kind="exception", summary=failure_summary(event), traceback=event.get("traceback", ""),
                           timestamp=event.get("timestamp", time.time()), secondary=event.get("secondary", False))
 
 

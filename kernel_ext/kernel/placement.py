@@ -91,10 +91,6 @@ class Placement(abc.ABC):
         """Modules a run imported that were not preloaded (a placement that
         preloads may preload them next time; nothing by default)."""
 
-    def describe(self) -> str:
-        """Where the ranks run, for logs and errors."""
-        return self.name
-
 
 class LocalPlacement(Placement):
     """Ranks forked on this machine by the kernel's launcher process; with
@@ -119,6 +115,3 @@ class LocalPlacement(Placement):
 
     def learn_modules(self, modules: list) -> None:
         self.launcher.learn_modules(modules)
-
-    def describe(self) -> str:
-        return "this machine"

@@ -30,8 +30,7 @@ from .errors import LauncherError
 from .placement import Attempt
 from .sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import (STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN)
-
+from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN
 
 
 def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:

@@ -307,9 +307,6 @@ class SlurmPlacement(Placement):
                  cfg.num_processes, cfg.num_nodes, self.agents.alloc["job"], run.master_port)
         return run
 
-    def describe(self) -> str:
-        return f"the {self.agents.num_nodes} node(s) of Slurm job {self.agents.alloc['job']}"
-
 
 class SlurmRun(Attempt):
     """One attempt on every node, over the agents' messages (see the module doc)."""

@@ -15,7 +15,7 @@ Restarts (``--max_restarts`` with one kernel per node) are rendezvous
 *rounds*, as in torch elastic: every node's kernel starts attempt N on the
 same address, node 0's store says which round it hosts (``ROUND``), and a
 node that reaches a store of an earlier round (node 0's last attempt still
-closing) lets go and tries again.  Each round's keys are its own.
+closing) lets go and tries again: each round is a store of its own.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from ..environment import resolve_host
 from ..timing import HOST_RETRY
 
 ROUND = "accel_magics/round"
-JOINED = "nodes_joined"
-FINISHED = "nodes_finished"
-CHECKED = "nodes_checked"     # restarts may follow: every node has looked for a failure elsewhere
-FAILED = "failure"
+JOINED = "accel_magics/nodes_joined"
+FINISHED = "accel_magics/nodes_finished"
+CHECKED = "accel_magics/nodes_checked"   # restarts may follow: every node has looked for a failure elsewhere
+FAILED = "accel_magics/failure"
 
 
 class RendezvousTimeout(Exception):
@@ -103,10 +103,6 @@ class NodeRendezvous:
                 time.sleep(0.05)
         if self.num_nodes > 1:
             self.store.set(ROUND, str(self.attempt))
-
-    def key(self, name: str) -> str:
-        """``name`` in this round's keys."""
-        return f"accel_magics/{self.attempt}/{name}"
 
     def listen(self) -> int:
         """One node: bind ``host:port`` now, host the store on the first connection.
@@ -195,8 +191,8 @@ class NodeRendezvous:
         """Count this node in (once); how many nodes have joined so far."""
         if not self.joined_self:
             self.joined_self = True
-            return int(self.store.add(self.key(JOINED), 1))
-        return int(self.store.add(self.key(JOINED), 0))
+            return int(self.store.add(JOINED, 1))
+        return int(self.store.add(JOINED, 0))
 
     def timeout_message(self, joined: int) -> str:
         if self.store is not None:
@@ -217,15 +213,15 @@ class NodeRendezvous:
     # -- during and after the run -------------------------------------------------
     def report_failure(self, node_rank: int, rank: int, summary: str) -> None:
         try:
-            if not self.store.check([self.key(FAILED)]):
-                self.store.set(self.key(FAILED), json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
+            if not self.store.check([FAILED]):
+                self.store.set(FAILED, json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
         except Exception:
             pass
 
     def remote_failure(self) -> Optional[dict]:
         try:
-            if self.store.check([self.key(FAILED)]):
-                failure = json.loads(self.store.get(self.key(FAILED)))
+            if self.store.check([FAILED]):
+                failure = json.loads(self.store.get(FAILED))
                 if failure["node"] != self.node_rank:
                     return failure
         except Exception:
@@ -235,13 +231,13 @@ class NodeRendezvous:
     def finish(self, name: str = FINISHED) -> None:
         """Count this node as done (``FINISHED``), or as having checked (``CHECKED``)."""
         try:
-            self.store.add(self.key(name), 1)
+            self.store.add(name, 1)
         except Exception:
             pass
 
     def finished(self, name: str = FINISHED) -> int:
         """How many nodes are done (or have checked); all of them once the store is gone."""
         try:
-            return int(self.store.add(self.key(name), 0))
+            return int(self.store.add(name, 0))
         except Exception:
             return self.num_nodes

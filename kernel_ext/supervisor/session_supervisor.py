@@ -33,13 +33,14 @@ from typing import Optional
 
 from . import native_stacks
 from .. import wire
+from ..wire.messages import failure_summary
 from .output_batch import Excerpt, bound_text
 from .rank_logs import RankLogs
 from .rank_process import RankProcess, user_stack, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 # The ladders' order: see timing.py.
-from ..timing import (RECALL_WAIT, FORCE_AFTER, READY_WAIT)
+from ..timing import RECALL_WAIT, FORCE_AFTER, READY_WAIT
 
 
 
@@ -294,7 +295,7 @@ class SessionSupervisor(Supervisor):
             return
         if kind == "failed":
             r.failed = True
-            summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+            summary = failure_summary(event)
             self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
             event["message"] = bound_text(str(event.get("message", "")), head=20, tail=20)
             event["traceback"] = bound_text(str(event.get("traceback", "")))

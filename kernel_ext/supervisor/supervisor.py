@@ -30,6 +30,7 @@ from typing import NoReturn, Optional
 
 from . import native_stacks
 from .. import wire
+from ..wire.messages import failure_summary
 from ..rank import worker
 from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
@@ -655,7 +656,7 @@ class Supervisor:
         self._catch_up(r)
         if event.get("kind") == "failed":
             r.failed = True
-            summary = f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+            summary = failure_summary(event)
             self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
             # The log has it all; the kernel gets bounded text (a rank can raise a 20 MB message).
             event["message"] = bound_text(str(event.get("message", "")), head=20, tail=20)

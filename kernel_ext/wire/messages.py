@@ -80,6 +80,12 @@ class RankEvent(_Text):
     SESSION_READY = "session_ready"
 
 
+def failure_summary(event: dict) -> str:
+    """A ``failed`` rank event in one line, ``"ValueError: boom"``: how every
+    process words it (the supervisors' logs and stores, the kernel's record)."""
+    return f"{event['exc_type']}: {event['message']}" if event.get("message") else event["exc_type"]
+
+
 class StopReason(_Text):
     """Why a supervisor stopped its ranks (``finished``'s ``reason``; None: they all ended)."""
     FAILED = "failed"              # a rank failed
