@@ -12,7 +12,8 @@ from IPython.core.error import UsageError
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
-from accel_magics.kernel_ext.kernel.slurm import AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation
+from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
+                                                  job_ended)
 
 from .magics import LAUNCH_OPTION_NAMES, return_names_of
 
@@ -124,6 +125,11 @@ def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
     if magics.slurm_agents is not None:
         magics.slurm_agents.close()
     magics.slurm_agents = None
+    job = allocation()["job"]
+    how = job_ended(job)   # asked only when agents start: a warm cell costs no squeue
+    if how is not None:
+        raise SlurmError(f"the allocation (job {job}) is gone: it {how}. Start a new allocation (salloc -N ...) "
+                         "and a kernel inside it; this kernel's other work is unaffected.")
     agents = SlurmAgents(num_nodes, slurm_args)
     try:
         agents.start()

@@ -66,6 +66,8 @@ SLURM_STOP_WAIT = 10.0    # after a stop, how long the nodes get before the agen
 SLURM_KILL_WAIT = 5.0     # after that, how long before the run ends as forced
 SLURM_GONE_WAIT = 5.0     # shutdown: how long srun gets to end by itself
 SLURM_GONE_DRAIN = 2.0    # a node's supervisor exited: how long its last messages may take
+SLURM_JOB_SETTLE = 3.0    # an ended job reads COMPLETING while Slurm kills its steps: how long to ask again
+SLURM_CANCEL_NOTICE = 10.0   # a cancelled allocation ends its cell within this (the README's promise)
 AGENT_HEARTBEAT = 1.0     # ZMTP heartbeat between an agent and the kernel (5x that: its timeout)
 AGENT_LOST_AFTER = 5.0    # without the kernel's connection this long, an agent ends
 AGENT_IDLE_POLL = 0.2     # an agent's poll while nothing happens
@@ -93,5 +95,8 @@ def check_order() -> list[str]:
          "h.stop() waits long enough for any placement's ladder"),
         (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
+        (SLURM_GONE_DRAIN + SLURM_JOB_SETTLE + RANK_GRACE < SLURM_CANCEL_NOTICE,
+         "a cancelled allocation's cell ends (its nodes' SIGTERM grace, the drain, the job's final "
+         "state) within the promised time"),
     ]
     return [why for holds, why in rules if not holds]

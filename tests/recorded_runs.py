@@ -315,3 +315,43 @@ SESSION_CELL_LOST = [
     {"kind": "exit", "rank": 0, "exitcode": None, "signal": "SIGTERM", "stopped": True, "timestamp": 7.1},
     {"kind": "finished", "reason": "failed", "session": "lost", "lost": "rank 1 died (SIGKILL)"},
 ]
+
+# Rank 2 (node n2) finishes the cell with sys.exit(0) before init_process_group;
+# ranks 0, 1 (n1) and 3 (n2) are in init_process_group waiting for it
+# ("joining", from the rank's guard of init_process_group).  The kernel stops
+# the run at the last of these (fold.must_stop); the interrupt follows.
+SLURM_LEFT_BEFORE_INIT = [
+    {"kind": "started", "pids": {0: 11, 1: 12, 2: 21, 3: 22}, "nodes": _NODES, "master_addr": "10.0.0.1"},
+    {"kind": "rank_event", "rank": 0, "node": 0, "event": {"kind": "joining"}},
+    {"kind": "rank_event", "rank": 1, "node": 0, "event": {"kind": "joining"}},
+    {"kind": "rank_event", "rank": 3, "node": 1, "event": {"kind": "joining"}},
+    {"kind": "rank_event", "rank": 2, "node": 1, "event": {"kind": "result", "exited": True, "in_world": False,
+                                                           "timestamp": 30.0}},
+    {"kind": "exit", "rank": 2, "exitcode": 0, "signal": None, "stopped": False, "timestamp": 30.1, "node": 1},
+]
+SLURM_LEFT_BEFORE_INIT_STOPPED = [
+    *[{"kind": "stacks", "rank": r, "native": False, "text":
+       f"File \"<cell>\", line 5, in <module>\n  dist.init_process_group('gloo')"} for r in (0, 1, 3)],
+    *[{"kind": "exit", "rank": r, "exitcode": None, "signal": "SIGTERM", "stopped": True, "timestamp": 31.0}
+      for r in (0, 1, 3)],
+    {"kind": "finished", "reason": "interrupt", "forced": None, "terminated_on": []},
+]
+
+# Rank 2 (node n2) ends with os._exit(0) right after init_process_group while the
+# others wait in a barrier: their gloo errors (consequences) come before its exit
+# is reaped and reported.
+SLURM_EXIT_0_AFTER_INIT = [
+    {"kind": "started", "pids": {0: 11, 1: 12, 2: 21, 3: 22}, "nodes": _NODES, "master_addr": "10.0.0.1"},
+    *[{"kind": "rank_event", "rank": r, "node": r // 2, "event": {"kind": k}} for k in ("joining", "joined")
+      for r in range(4)],
+    {"kind": "rank_event", "rank": 1, "node": 0, "event": {
+        "kind": "failed", "exc_type": "RuntimeError", "message": "Connection closed by peer [127.0.0.1]:6044",
+        "secondary": True, "timestamp": 40.0, "traceback": "..."}},
+    {"kind": "exit", "rank": 1, "exitcode": 1, "signal": None, "stopped": False, "timestamp": 40.1, "node": 0},
+    {"kind": "exit", "rank": 2, "exitcode": 0, "signal": None, "stopped": False, "timestamp": 40.2, "node": 1},
+    {"kind": "exit", "rank": 0, "exitcode": None, "signal": "SIGTERM", "stopped": True, "timestamp": 40.3,
+     "node": 0},
+    {"kind": "exit", "rank": 3, "exitcode": None, "signal": "SIGTERM", "stopped": True, "timestamp": 40.3,
+     "node": 1},
+    {"kind": "finished", "reason": "failed", "forced": None, "terminated_on": []},
+]

@@ -12,7 +12,8 @@ import pytest
 import recorded_runs as rec
 from accel_magics.kernel_ext.environment import LaunchConfig
 from accel_magics.kernel_ext.kernel import events as ev
-from accel_magics.kernel_ext.kernel.errors import DistributedRunError, DistributedTimeoutError, RunInterrupted
+from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
+                                                 RunInterrupted)
 from accel_magics.kernel_ext.kernel.fold import RunFold
 from accel_magics.kernel_ext.kernel.run import conclude
 from accel_magics.kernel_ext.wire.messages import Kind, Status, StopReason
@@ -203,3 +204,70 @@ def test_the_reason_a_run_on_several_nodes_ended(reasons, merged):
 ])
 def test_the_status_of_a_reason(reason, failed, status):
     assert Status.of(reason, failed) is status
+
+
+# -- a rank that leaves the world before or after it forms --------------------------------
+
+def _fold(**kw):
+    return RunFold("r1", list(range(4)), num_nodes=2, **kw)
+
+
+def test_ranks_waiting_in_init_process_group_for_a_rank_that_finished_are_stopped_once():
+    fold = _fold()
+    stops = []
+    for msg in rec.SLURM_LEFT_BEFORE_INIT:
+        fold.feed(msg)
+        stops.append(fold.must_stop())
+    assert stops == [False] * 4 + [True, False]   # at rank 2's result, and only once
+    for msg in rec.SLURM_LEFT_BEFORE_INIT_STOPPED:
+        fold.feed(msg)
+        assert not fold.must_stop()
+    outcome = fold.outcome()
+    assert outcome.finished.status == Status.STALLED
+    with pytest.raises(DistributedStallError) as info:
+        conclude(outcome, SLURM_CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank(s) 0, 1, 3 wait in init_process_group for rank 2 (on node n2), "
+                                      "which had already finished the cell (sys.exit(0))")
+    assert "dist.init_process_group('gloo')" in info.value.report()
+
+
+@pytest.mark.parametrize("case", ["no one in init yet", "it had joined", "joined in an earlier session cell",
+                                  "init went by"])
+def test_a_rank_that_finished_strands_no_one_unless_they_wait_for_it_in_init(case):
+    fold = _fold()
+    result = {"kind": "result", "exited": True, "in_world": case == "joined in an earlier session cell",
+              "timestamp": 1.0}
+    seq = {"no one in init yet": [(2, result)],
+           "it had joined": [(2, {"kind": "joining"}), (2, {"kind": "joined"}), (0, {"kind": "joining"}),
+                             (2, result)],
+           "joined in an earlier session cell": [(0, {"kind": "joining"}), (2, result)],
+           "init went by": [(0, {"kind": "joining"}), (0, {"kind": "joined"}), (2, result)]}[case]
+    for rank, event in seq:
+        fold.feed({"kind": "rank_event", "rank": rank, "event": event})
+        assert not fold.must_stop(), (rank, event)
+
+
+def test_an_exit_with_code_0_mid_cell_is_the_root_cause_of_the_lost_connections_it_caused():
+    _, outcome = replay(rec.SLURM_EXIT_0_AFTER_INIT, ranks=range(4), num_nodes=2)
+    cause = outcome.finished.root_cause
+    assert cause.rank == 2 and not cause.secondary
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, SLURM_CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank 2 failed: exited with code 0 before the cell ended"), str(info.value)
+    assert "(on node n2)" in str(info.value)
+
+
+def test_an_exit_with_code_0_mid_cell_that_hurt_no_one_is_no_failure():
+    seq = [m for m in rec.SLURM_EXIT_0_AFTER_INIT if m.get("rank") != 1] + []
+    seq = [m if m["kind"] != "finished" else {**m, "reason": None} for m in seq]
+    _, outcome = replay(seq, ranks=range(4), num_nodes=2)
+    assert outcome.finished.status == Status.OK and outcome.finished.root_cause is None
+
+
+def test_an_exit_with_code_0_mid_cell_is_the_root_cause_even_when_its_supervisor_counts_it_stopped():
+    """Its supervisor began stopping the node's ranks (a peer failed) before it had
+    reaped the rank that left: that exit reads "stopped", yet it is still the cause."""
+    seq = [({**m, "stopped": True} if m["kind"] == "exit" and m["rank"] == 2 else m)
+           for m in rec.SLURM_EXIT_0_AFTER_INIT]
+    _, outcome = replay(seq, ranks=range(4), num_nodes=2)
+    assert outcome.finished.root_cause.rank == 2

@@ -47,6 +47,23 @@ def test_a_rank_that_leaves_a_collective_fails_its_peer_fast(clean_kernel, leave
     assert took < 15, f"the waiting rank took {took:.1f}s to fail"
 
 
+def test_a_rank_that_leaves_before_init_process_group_does_not_leave_its_peer_waiting(clean_kernel):
+    """Rank 1 finishes the cell (sys.exit(0)) before init_process_group, where rank 0
+    waits for it: the world can never form, so the run stops at once (it waited for
+    the stall check's 30 s of quiet before), naming both and where rank 0 waited."""
+    started = time.monotonic()
+    res = clean_kernel.run("%%distributed -n 2 --output text\nimport os, sys, torch.distributed as dist\n"
+                           "if os.environ['RANK'] == '1':\n    sys.exit(0)\n"
+                           "dist.init_process_group('gloo')\ndist.barrier()\n", timeout=90)
+    took = time.monotonic() - started
+    assert res.error is not None and res.error["ename"] == "DistributedStallError", res.error_text
+    assert res.error["evalue"].startswith("rank(s) 0 wait in init_process_group for rank 1, which had already "
+                                          "finished the cell (sys.exit(0))"), res.error["evalue"]
+    assert "line 5, in <module>" in res.error_text, res.error_text   # where rank 0 waited
+    assert took < 15, f"the waiting rank took {took:.1f}s to be stopped"
+    assert clean_kernel.ok("%%distributed -n 2 --output text\nprint('next')").stdout.count("next") == 2
+
+
 def _iopub_bytes(res) -> int:
     import json
     return sum(len(json.dumps(m["content"])) for m in res.messages)

@@ -215,6 +215,44 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_other_nodes_waiting_in_i
     assert kernel.run(WORLD, timeout=120).status == "ok"
 
 
+def test_a_rank_on_node_2_that_leaves_before_init_process_group_ends_the_cell_naming_it(kernel):
+    """Rank 2 (node n2) finishes the cell with sys.exit(0) before init_process_group;
+    ranks 0, 1 (n1) and 3 (n2) wait in it for rank 2, which will never come: the
+    cell ends in seconds naming rank 2 and its node, with where the others waited."""
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, sys, torch.distributed as dist\n"
+                     "if os.environ['RANK'] == '2':\n    sys.exit(0)\n"
+                     "dist.init_process_group('gloo')\ndist.barrier()", timeout=120)
+    took = time.monotonic() - started
+    assert took < 30, f"the cell took {took:.1f}s"
+    assert res.error is not None and res.error["ename"] == "DistributedStallError", res.error_text
+    # Those already in init_process_group when the kernel stopped the run (rank 1 may still be importing).
+    m = re.match(r"rank\(s\) ([\d, ]+) wait in init_process_group for rank 2 \(on node n2\), which had already "
+                 r"finished the cell \(sys.exit\(0\)\)", res.error["evalue"])
+    assert m and set(map(int, m.group(1).split(", "))) <= {0, 1, 3}, res.error["evalue"]
+    assert "init_process_group" in res.error_text.split("where each unfinished rank was")[1], res.error_text
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
+@pytest.mark.parametrize("how", ["os._exit(0)", "SIGKILL"])
+def test_a_rank_on_node_2_that_ends_after_init_while_the_others_wait_is_the_root_cause(kernel, how):
+    """Rank 2 (node n2) ends right after init_process_group, with os._exit(0) (no
+    exception, exit code 0) or killed, while the others wait in a barrier for it:
+    their gloo errors are consequences, rank 2 on n2 is the root cause."""
+    leave = "os._exit(0)" if how == "os._exit(0)" else "os.kill(os.getpid(), 9)"
+    started = time.monotonic()
+    res = kernel.run("%%distributed --launcher slurm -n 2 --output text\nimport os, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\n"
+                     f"if dist.get_rank() == 2:\n    {leave}\n"
+                     "dist.barrier()", timeout=120)
+    assert time.monotonic() - started < 30
+    assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
+    said = "exited with code 0 before the cell ended" if how == "os._exit(0)" else "killed by SIGKILL"
+    assert res.error["evalue"].startswith(f"rank 2 failed: {said}"), res.error["evalue"]
+    assert "(on node n2)" in res.error["evalue"], res.error["evalue"]
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
 def test_max_restarts_a_rank_on_node_2_failing_in_the_first_attempt_only_succeeds_in_the_second(kernel):
     """--max_restarts on the allocation: the failure on n2 ends the first attempt
     on both nodes; the second starts on both, on a fresh rendezvous, and all 4
@@ -473,6 +511,47 @@ def test_agents_ended_from_outside_or_stopped_while_starting_are_started_again(c
         k.shutdown()
         wait_until(lambda: not k.processes(), 15, "every process of the job to end")
         wait_until(lambda: not os.listdir(k.tmpdir), 10, "the kernel's temp dir to be empty")
+    finally:
+        k.end_now()
+
+
+def step_processes(k: "AllocKernel") -> list[tuple[int, bytes]]:
+    """The job's processes that run in a Slurm step (agents, their launchers, supervisors, ranks)."""
+    found = []
+    for pid in k.processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if any(e.startswith(b"SLURM_STEP_ID=") for e in f.read().split(b"\0")):
+                    found.append((pid, cmdline(pid)))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_job_cancelled_during_a_cell_ends_it_saying_so_and_the_next_cell_says_the_allocation_is_gone(cluster):
+    """scancel of the whole job while a cell runs on both nodes: the cell ends within
+    10 s saying the job was cancelled (no traceback of ours), the next cell is a
+    UsageError saying the allocation is gone, and nothing of the job is left."""
+    k = AllocKernel(cluster)
+    try:
+        def on_output(text, fired=[]):
+            if text.count("working") >= 4 and not fired:
+                fired.append(time.monotonic())
+                cluster.run(["scancel", k.job])
+        res = k.run("%%distributed --launcher slurm -n 2 --output text\nimport time\n"
+                    "print('working', flush=True)\ntime.sleep(3600)", timeout=120, on_output=on_output)
+        assert on_output.__defaults__[0], res.stdout
+        took = time.monotonic() - on_output.__defaults__[0][0]
+        assert res.error is not None, res.stdout
+        assert took < 10, f"the cell took {took:.1f}s to end after scancel"
+        assert res.error["ename"] == "SlurmJobGone", res.error_text
+        assert f"job {k.job} was cancelled" in res.error["evalue"], res.error_text
+        assert "Traceback" not in res.error_text, res.error_text
+        again = k.run("%%distributed --launcher slurm -n 2 --output text\npass", timeout=60)
+        assert again.error is not None and again.error["ename"] == "UsageError", again.error_text
+        assert f"the allocation (job {k.job}) is gone" in again.error["evalue"], again.error_text
+        assert k.ok("1 + 1").result == "2"   # the kernel is fine
+        wait_until(lambda: not step_processes(k), 20, "every process of the job's steps to end")
     finally:
         k.end_now()
 

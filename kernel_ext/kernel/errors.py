@@ -118,9 +118,19 @@ class DistributedTimeoutError(ReportedError, TimeoutError):
 class DistributedStallError(ReportedError, TimeoutError):
     """A rank stayed in the cell, with no CPU time and no output, after other ranks finished it."""
 
-    def __init__(self, stalled: list[int], finished: list[int], seconds: float, stacks: dict[int, str]) -> None:
+    def __init__(self, stalled: list[int], finished: list[int], seconds: float, stacks: dict[int, str],
+                 left: Optional[dict] = None) -> None:
         self.stalled, self.finished, self.stacks = stalled, finished, stacks
         which = ", ".join(map(str, stalled))
+        if left:   # {rank: (how it finished, its node or None)}: they wait in init_process_group
+            gone = ", ".join(f"rank {rank}" + (f" (on node {node})" if node else "")
+                             for rank, (_, node) in sorted(left.items()))
+            hows = ", ".join(sorted({how for how, _ in left.values()}))
+            super().__init__(
+                f"rank(s) {which} wait in init_process_group for {gone}, which had already finished the "
+                f"cell ({hows}): init_process_group needs every rank of the world, so the run was stopped. "
+                "Every rank must call it (or none); where each rank waited is below.")
+            return
         super().__init__(
             f"rank(s) {which} stalled: no CPU time and no output for {seconds:g}s after rank(s) "
             f"{', '.join(map(str, finished))} finished the cell, so the run was stopped. Where each was is "

@@ -87,6 +87,10 @@ class RunFold:
         self.stacks: dict[int, str] = {}
         self.others: dict[int, str] = {}
         self.departed: dict[int, tuple[str, float]] = {}
+        self.joining: set[int] = set()     # in init_process_group for the run's world now
+        self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
+        self.mid_cell: dict[int, float] = {}   # rank -> when it exited with code 0 without its result
+        self.stranded: Optional[dict] = None    # ranks waiting in init_process_group for one that left
         self.unfinished: list[int] = []
         self.exited: set[int] = set()
         self.result: Optional[dict] = None
@@ -110,7 +114,8 @@ class RunFold:
         self.rank_handlers = {
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
             RankEvent.PROGRESS: self._rank_progress, RankEvent.NAMES: self._rank_names,
-            RankEvent.BAR: self._rank_bar,
+            RankEvent.BAR: self._rank_bar, RankEvent.JOINING: self._rank_joining,
+            RankEvent.JOINED: self._rank_joined,
         }
 
     @classmethod
@@ -160,9 +165,39 @@ class RunFold:
     def _rank_result(self, rank: int, event: dict) -> None:
         self.departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
                                event.get("timestamp", self.clock()))
+        if event.get("in_world"):
+            self.in_world.add(rank)
         # Each node's local rank 0 reports values; the run's are global rank 0's.
         if ("value" in event or "returns" in event) and rank == self.ranks[0]:
             self.result = event
+
+    def _rank_joining(self, rank: int, event: dict) -> None:
+        self.joining.add(rank)
+        if self.stranded is not None:   # another one reaches it as the run is stopped
+            self.stranded["ranks"] = sorted(set(self.stranded["ranks"]) | {rank})
+
+    def _rank_joined(self, rank: int, event: dict) -> None:
+        self.joining.discard(rank)
+        self.in_world.add(rank)
+
+    def must_stop(self) -> bool:
+        """True once, when the attempt can no longer end by itself: a rank waits
+        in ``init_process_group`` for the run's world while another rank of
+        that world finished the cell without ever joining it (the world is
+        fixed, so the wait would last until torch's timeout, 30 minutes).  The
+        caller stops the attempt; the outcome says who waited for whom."""
+        if self.stranded is not None or not self.joining:
+            return False
+        gone = {rank: how for rank, (how, _) in self.departed.items() if rank not in self.in_world}
+        gone.update({rank: "exited with code 0" for rank in self.mid_cell if rank not in self.in_world})
+        waiting = sorted(self.joining - self.exited - set(gone))
+        if not gone or not waiting:
+            return False
+        self.stranded = {"ranks": waiting, "finished": sorted(gone), "seconds": 0,
+                         "left": {rank: (how, self.node_of.get(rank)) for rank, how in gone.items()}}
+        log.info("run %s: rank(s) %s wait in init_process_group for rank(s) %s, which finished the cell",
+                 self.run_id, waiting, sorted(gone))
+        return True
 
     def _rank_progress(self, rank: int, event: dict) -> None:
         self.emit(ev.Progress(rank, event["n"], event.get("total"), event.get("desc", "")))
@@ -183,6 +218,10 @@ class RunFold:
         rank = msg["rank"]
         self.exited.add(rank)
         failure = self.failures.get(rank)
+        if failure is None and msg["exitcode"] == 0 and not msg["signal"] and rank not in self.departed:
+            # os._exit(0), or an exit from native code, mid-cell (also when the stop
+            # that followed reached its supervisor before it was reaped).
+            self.mid_cell[rank] = msg["timestamp"]
         if msg["stopped"] and failure is None:
             self.others[rank] = ("stopped (KeyboardInterrupt), back at its prompt" if msg.get("prompt") else
                                  f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})")
@@ -218,11 +257,21 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
-        reason = StopReason.INTERRUPT if self.interrupted else self.reason
+        reason = (StopReason.INTERRUPT if self.interrupted else
+                  StopReason.STALLED if self.stranded is not None else self.reason)
         unfinished = self.unfinished
         if self.forced:
             unfinished = sorted(set(unfinished) | (set(self.ranks) - self.exited))
-        failure_list = sorted(self.failures.values(), key=lambda f: f.rank)
+        failures = dict(self.failures)
+        if failures and all(f.secondary for f in failures.values()):
+            # Only consequences (lost connections): a rank that left mid-cell with
+            # code 0 is why.  (Its exit is stamped when its supervisor reaped it,
+            # which can be after the errors it caused, so it is not compared.)
+            for rank, when in self.mid_cell.items():
+                failures[rank] = ev.RankFailure(
+                    rank, "exit", "exited with code 0 before the cell ended (os._exit(0), or an exit from "
+                    "native code), while the other ranks still needed it", timestamp=when)
+        failure_list = sorted(failures.values(), key=lambda f: f.rank)
         for failure in failure_list:   # several nodes: each failure says where
             node = self.node_of.get(failure.rank)
             if node and "(on node" not in failure.summary:
@@ -243,5 +292,5 @@ class RunFold:
         log.info("run %s attempt %d: %s%s", self.run_id, self.attempt, status,
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
         return Outcome(finished, self.result, self.others, sorted(unfinished), self.rendezvous_error,
-                       self.departed, self.forced, self.stalled, session, lost, self.assigned - self.deleted,
+                       self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port)

@@ -57,6 +57,8 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
             try:
                 for msg in messages:
                     fold.feed(msg)
+                    if fold.must_stop():   # it cannot end by itself: stopped as by the button
+                        handle.interrupt()
                 break
             except KeyboardInterrupt:
                 fold.interrupted = True
@@ -174,7 +176,8 @@ def _rendezvous_failed(outcome: Outcome, cfg: LaunchConfig, note: str) -> Except
 def _stalled(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
     info = outcome.stalled or {}
     return DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
-                                 info.get("seconds", cfg.stall_timeout), outcome.finished.stacks)
+                                 info.get("seconds", cfg.stall_timeout), outcome.finished.stacks,
+                                 left=info.get("left"))
 
 
 def _terminated(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:

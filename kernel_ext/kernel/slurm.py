@@ -47,14 +47,14 @@ import zmq
 
 from .. import child_environment, wire
 from ..environment import LaunchConfig, host_address
-from .errors import LauncherError
+from .errors import LauncherError, ReportedError
 from .placement import Attempt, Placement
 from .run_handle import receive_verified
 from ..wire.messages import StopReason
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
-    SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN,
+    SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE,
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
@@ -114,6 +114,52 @@ def _expand_nodelist(nodelist: str) -> tuple[str, ...]:
             for i in range(int(lo), int(hi or lo) + 1):
                 names.append(f"{prefix}{str(i).zfill(len(lo))}")
     return tuple(names)
+
+
+#: How squeue's state of an allocation that ended reads to the user.
+_ENDED = {"CANCELLED": "was cancelled (scancel)", "TIMEOUT": "reached its time limit",
+          "PREEMPTED": "was preempted", "NODE_FAIL": "lost a node", "DEADLINE": "reached its deadline",
+          "OUT_OF_MEMORY": "ran out of memory", "FAILED": "failed", "COMPLETED": "ended", "BOOT_FAIL": "failed to boot"}
+_RUNNING = {"RUNNING", "SUSPENDED", "CONFIGURING", "RESIZING", "STAGE_OUT", "SIGNALING"}
+
+
+def job_ended(job: str, settle: float = SLURM_JOB_SETTLE) -> Optional[str]:
+    """How the allocation ended ("was cancelled (scancel)"), or None while it
+    runs (or when squeue cannot tell: never a guess that it is gone).  A job
+    that ends reads COMPLETING while Slurm kills its steps: asked again for up
+    to ``settle`` seconds, for its final state (cancelled, time limit, ...)."""
+    deadline = time.monotonic() + settle
+    while True:
+        how = _job_state(job)
+        if how != "COMPLETING" or time.monotonic() >= deadline:
+            return "ended" if how == "COMPLETING" else how
+        time.sleep(0.1)
+
+
+def _job_state(job: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    state = out.stdout.strip().split("\n")[0].strip()
+    if out.returncode != 0:
+        return "ended" if "Invalid job id" in out.stderr else None
+    if not state or state in _RUNNING:
+        return None if state else "ended"
+    return state if state == "COMPLETING" else _ENDED.get(state, f"ended (state {state})")
+
+
+class SlurmJobGone(ReportedError, LauncherError):
+    """The allocation ended under a run (scancel, its time limit, preemption):
+    Slurm stopped the agents and every rank; said as what happened, not as a
+    failure of ours."""
+
+    def __init__(self, job: str, how: str) -> None:
+        self.job = job
+        super().__init__(f"the Slurm job {job} {how} during the run: Slurm stopped the node agents and "
+                         "every rank on every node, so the cell could not finish. Nothing of it is left; "
+                         "to go on, start a new allocation (salloc) and a kernel inside it.")
 
 
 class AgentGone(LauncherError):
@@ -406,7 +452,7 @@ class SlurmRun(Attempt):
                 # Its launcher ended with its agent (killed, crashed), which stopped the run there.
                 self.finished = True
                 name = self.agents.nodes[node]["nodename"]
-                raise LauncherError(f"the agent on node {node} ({name}) ended during the run (killed, or it "
+                raise self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it "
                                     "crashed), so that node's ranks were stopped; the next cell starts the "
                                     "agents again")
             self.pending[node] = msg
@@ -416,6 +462,10 @@ class SlurmRun(Attempt):
                 return []
             self.finished = True
             reason = StopReason.merged(m.get("reason") for m in self.pending.values())
+            if reason == StopReason.TERMINATED:   # SIGTERM from outside: scancel of the job, its time limit?
+                how = job_ended(self.agents.alloc["job"])
+                if how is not None:
+                    raise SlurmJobGone(self.agents.alloc["job"], how)
             return [{"kind": "finished", "reason": reason, "forced": self.forced,
                      "terminated_on": [f"{n} ({self.agents.nodes[n]['nodename']})"
                                        for n, m in sorted(self.pending.items()) if m.get("reason") == "terminated"]}]
@@ -431,12 +481,12 @@ class SlurmRun(Attempt):
         if self.agents.proc is None or self.agents.proc.poll() is not None:
             self.forced = "srun (the node agents) ended during the run"
             self.finished = True
-            raise LauncherError("the node agents ended during the run (srun exited):\n" + self.agents.log_tail())
+            raise self._ended("the node agents ended during the run (srun exited):\n" + self.agents.log_tail())
         for node, at in list(self.exited.items()):
             if self.pending.get(node) is None and now >= at:
                 self.finished = True
                 name = self.agents.nodes[node]["nodename"]
-                raise LauncherError(f"the run's supervisor on node {node} ({name}) exited without finishing the run")
+                raise self._ended(f"the run's supervisor on node {node} ({name}) exited without finishing the run")
         for deadline in ("timeout_at", "rendezvous_at"):
             at = getattr(self, deadline)
             if at is not None and now >= at and self.stop_at is None:
@@ -452,6 +502,12 @@ class SlurmRun(Attempt):
             self.finished = True
             return True
         return False
+
+    def _ended(self, message: str) -> LauncherError:
+        """The error for a node or the agents gone mid-run: the allocation's end
+        when that is what it was (Slurm kills every step then), else ``message``."""
+        how = job_ended(self.agents.alloc["job"])
+        return SlurmJobGone(self.agents.alloc["job"], how) if how is not None else LauncherError(message)
 
     def _each(self, content: dict, skip: Optional[int] = None) -> None:
         """To every node still running; with its ranks' pids (what a kill takes if it comes to that)."""

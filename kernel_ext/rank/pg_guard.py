@@ -18,14 +18,25 @@ one.  The group is still shut down (``destroy_process_group`` does that); its
 memory and sockets go when the rank process exits, with ``os._exit`` (no
 destructor runs then).  A rank that holds sockets does not park after its
 result (``worker._park``), so peers still see the connection close at once.
+
+It also says when a rank enters and leaves ``init_process_group`` for the
+default world (``joining``, ``joined``: see :data:`announce`), so the kernel
+can tell a rank that waits there for a peer that already finished the cell
+(the peer will never come: the world is fixed) from one that is merely slow.
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from typing import Callable, Optional
 
 #: Process groups kept alive until the rank exits (see the module doc).
 _kept: list = []
+
+#: Where the rank's ``joining``/``joined`` events go (the worker sets it to its
+#: event channel; None outside a rank: nothing is said).
+announce: Optional[Callable[[dict], object]] = None
 
 
 def install() -> bool:
@@ -53,7 +64,49 @@ def install() -> bool:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and getattr(dist, "destroy_process_group", None) is original:
         dist.destroy_process_group = destroy_process_group
+    _watch_init(c10d, dist)
     return True
+
+
+def _watch_init(c10d, dist) -> None:
+    original = getattr(c10d, "init_process_group", None)
+    if original is None or getattr(original, "_accel_magics_guard", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        watched = _joins_the_world(args, kwargs)
+        if watched:
+            _say("joining")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if watched:
+                _say("joined")   # done waiting, whether it succeeded or raised
+
+    init_process_group._accel_magics_guard = True
+    c10d.init_process_group = init_process_group
+    if dist is not None and getattr(dist, "init_process_group", None) is original:
+        dist.init_process_group = init_process_group
+
+
+def _joins_the_world(args, kwargs) -> bool:
+    """Does this call join the run's world (the one the environment describes)?
+    A group of its own (a store, an init_method, another size) is not watched."""
+    if kwargs.get("store") is not None or len(args) > 1:
+        return False
+    if kwargs.get("init_method") not in (None, "env://"):
+        return False
+    size = kwargs.get("world_size", -1)
+    return size in (-1, None) or str(size) == os.environ.get("WORLD_SIZE")
+
+
+def _say(kind: str) -> None:
+    if announce is not None:
+        try:
+            announce({"kind": kind})
+        except Exception:   # never the cause of an init_process_group failure
+            pass
 
 
 def _groups_destroyed_by(c10d, group) -> list:

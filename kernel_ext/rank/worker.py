@@ -407,6 +407,7 @@ def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
     sys.modules["__main__"] = main
     _prepare_torch(env, local_rank, spec.get("gpu_count", 0))
     pg_guard.install()   # normally done in the launcher already: then a no-op
+    pg_guard.announce = emit
     rank_bars.install(emit)
     return main
 
@@ -484,7 +485,9 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
         event, code = _failure(exc, exc.__traceback__.tb_next), 1
     else:
         event = {"kind": "result", "timestamp": time.time()}
-        if reports_values:
+    if event["kind"] == "result":
+        event["in_world"] = _in_world()   # a session's rank may have joined in an earlier cell
+        if reports_values and not event.get("exited"):
             event["value"] = _pack_value(value) if value is not None else None
             returns, missing = {}, []
             for name in payload.return_names:
@@ -527,6 +530,15 @@ def _on_session_sigint(signum, frame) -> None:
         return
     if _cell_begun:
         _interrupt_pending = True
+
+
+def _in_world() -> bool:
+    """Is the default process group up (the rank is part of the run's world)?"""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
 
 
 def _world_store():

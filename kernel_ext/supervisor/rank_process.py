@@ -41,6 +41,7 @@ class RankProcess:
     status: Optional[int] = None       # waitpid status once exited
     exit_time: float = 0.0
     signalled: bool = False            # the supervisor sent it a stopping signal
+    sent: set = field(default_factory=set)   # which signals (a death by another is not its stop)
     failed: bool = False               # it reported a failure of its own
     done: bool = False                 # it reported its result (it exits with 0 right after)
     reported: bool = False
@@ -58,6 +59,12 @@ class RankProcess:
     reported_stack: bool = False       # its stack for this cell was sent
     in_cell: bool = False              # it said it began the current cell
 
+    def stopped_by_us(self, sig: Optional[int]) -> bool:
+        """Did it end because the supervisor stopped it?  Not when it died of a
+        signal the supervisor never sent (a SIGKILL from elsewhere, a crash)
+        after it was asked to stop: that death is its own, and a failure."""
+        return self.signalled and not self.failed and (sig is None or sig in self.sent)
+
     def release(self) -> None:
         """Close the go pipe: an idle or parked rank sees EOF and exits."""
         if self.go is not None:
@@ -67,6 +74,7 @@ class RankProcess:
     def signal(self, sig: int) -> None:
         """The rank process alone (SIGUSR1: dump stacks)."""
         self.signalled = True
+        self.sent.add(sig)
         try:
             os.kill(self.pid, sig)
         except ProcessLookupError:
@@ -78,6 +86,7 @@ class RankProcess:
         itself), and by group, what is in the rank's process group."""
         if self.status is None:
             self.signalled = True
+            self.sent.add(sig)
         for pid in [self.pid, *descendants(self.pid)]:
             try:
                 os.kill(pid, sig)

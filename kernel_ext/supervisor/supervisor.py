@@ -750,7 +750,8 @@ class Supervisor:
         if r.status is None:
             r.exit_time = time.monotonic()
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        if not r.failed and not r.signalled and (sig or os.WEXITSTATUS(status)):
+        stopped = r.stopped_by_us(sig)
+        if not r.failed and not stopped and (sig or os.WEXITSTATUS(status)):
             how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {os.WEXITSTATUS(status)}"
             self.logs.note(r.rank, f"--- {how} ---")
         self._send({
@@ -758,7 +759,7 @@ class Supervisor:
             "rank": r.rank,
             "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": signal.Signals(sig).name if sig else None,
-            "stopped": r.signalled and not r.failed,
+            "stopped": stopped,
             "timestamp": time.time() - (time.monotonic() - r.exit_time),
         })
         r.reported = True

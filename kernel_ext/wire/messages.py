@@ -73,11 +73,13 @@ class Kind(_Text):
 class RankEvent(_Text):
     """What a rank reports about itself (inside a ``rank_event`` message)."""
     FAILED = "failed"          # exc_type, message, traceback, timestamp, secondary
-    RESULT = "result"          # value, returns, missing, new_modules, exited, timestamp
+    RESULT = "result"          # value, returns, missing, new_modules, exited, in_world, timestamp
     PROGRESS = "progress"      # n, total, desc
     BAR = "bar"                # id, pos, desc, n, total, stats, leave, closed
     NAMES = "names"            # assigned, deleted (a session cell)
     SESSION_READY = "session_ready"
+    JOINING = "joining"        # entered init_process_group for the run's world
+    JOINED = "joined"          # left it (joined, or it raised)
 
 
 def failure_summary(event: dict) -> str:
