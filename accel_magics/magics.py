@@ -254,14 +254,14 @@ class DistributedMagics(Magics):
         """
         started = time.monotonic()
         args = parse_options(self.distributed, line)
+        if args.session:   # on the running session, wherever it is placed
+            from .session_magic import session_cell
+
+            return session_cell(self, args, line, cell, started)
         if (args.launcher or self.defaults.get("launcher")) == "slurm":
             from .slurm_magic import slurm_cell
 
             return slurm_cell(self, args, line, cell, started)
-        if args.session:
-            from .session_magic import session_cell
-
-            return session_cell(self, args, line, cell, started)
         presenter = self.presenter(args, started, background=args.background)
         try:
             cfg = self.launch_config(args)

@@ -24,7 +24,7 @@ from .magics import LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_
 
 #: Options a session fixes when it starts: a session cell cannot change them.
 SESSION_FIXED = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port", "max_restarts",
-                 "mixed_precision", "rendezvous_timeout", "stall_timeout", "config_file")
+                 "mixed_precision", "rendezvous_timeout", "stall_timeout", "config_file", "slurm_args")
 NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
               "options of %%distributed), then run this cell again. Nothing was launched.")
 
@@ -55,6 +55,16 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     if session is None or not session.alive:
         lost = f" (the last one was lost: {session.lost})" if session is not None and session.lost else ""
         raise UsageError(NO_SESSION.replace("no session is running", f"no session is running{lost}"))
+    placed = session.options.get("launcher") or "local"
+    if args.launcher is not None and args.launcher != placed:
+        raise UsageError(f"the session runs with --launcher {placed}: --launcher belongs to the session, fixed "
+                         f"when it started (`%distributed_session restart --launcher {args.launcher}` starts a "
+                         "fresh one there; its state is lost). Nothing was run.")
+    on_slurm = placed == "slurm"
+    if on_slurm:   # one reader of the allocation's agents at a time
+        from .slurm_magic import check_agents_free
+
+        check_agents_free(magics)
     fixed = [f"--{name}" for name in SESSION_FIXED if getattr(args, name, None) is not None]
     if args.oversubscribe:
         fixed.append("--oversubscribe")
@@ -106,7 +116,10 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             presenter.finish()
 
     if args.background:
-        return magics.start_background(presenter, run, label=label, where="in the session")
+        handle = magics.start_background(presenter, run, label=label, where="in the session")
+        if on_slurm:
+            magics.slurm_busy = handle
+        return handle
     result = run()
     value = magics.deliver(result)
     for name in result.returns:
@@ -178,29 +191,35 @@ class SessionMagics(Magics):
             raise UsageError(f"a session is already running ({len(session.pids)} ranks): "
                              "`%distributed_session restart` starts a fresh one, `stop` ends it.")
         given = self._given(args) if given is None else given
-        if given.get("launcher") == "slurm":
-            raise UsageError("sessions do not work with --launcher slurm yet: start the session with the local "
-                             "launcher (one kernel per node for several nodes). Nothing was started.")
+        if given.get("launcher") is None and self.dist.defaults.get("launcher"):
+            given["launcher"] = self.dist.defaults["launcher"]
         for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
                                            "`%distributed_session restart` starts a fresh one"),
                           ("output", "a cell option: give it on the %%distributed --session cell"),
                           ("timeout", "a cell option: give it on the %%distributed --session cell")):
             if given.get(name):
                 raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
-        args_like = _Args(given, getattr(args, "oversubscribe", False))
-        cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
-        self.dist.preflight_check()
         started = time.monotonic()
-        session = DistributedSession(self.dist.launcher, cfg, options=given)
         try:
-            session.start()
+            if given.get("launcher") == "slurm":   # every node of the allocation
+                from .slurm_magic import start_session
+
+                session = start_session(self.dist, given, getattr(args, "oversubscribe", False))
+                cfg = session.cfg
+            else:
+                args_like = _Args(given, getattr(args, "oversubscribe", False))
+                cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
+                self.dist.preflight_check()
+                session = DistributedSession(self.dist.launcher, cfg, options=given)
+                session.start()
         except KeyboardInterrupt:
             raise
         except SessionGone as exc:
             raise UsageError(f"{exc}. Nothing is left running.") from None
         self.dist.session = session
-        print(f"accel_magics: session started: {cfg.num_processes} rank(s)"
-              + (f" on node {cfg.node_rank} of {cfg.num_nodes}" if cfg.num_nodes > 1 else "")
+        where = (f" on each of {cfg.num_nodes} node(s) of the allocation" if given.get("launcher") == "slurm" else
+                 f" on node {cfg.node_rank} of {cfg.num_nodes}" if cfg.num_nodes > 1 else "")
+        print(f"accel_magics: session started: {cfg.num_processes} rank(s)" + where
               + f", world size {cfg.world_size}, in {time.monotonic() - started:.2f}s. "
               "Run cells on it with %%distributed --session.")
 
@@ -247,9 +266,12 @@ class SessionMagics(Magics):
         print(f"session: {len(rows)} rank(s), world size {cfg.world_size}, {session.cells_run} cell(s) run, "
               f"{session.current + ' running' if session.current else 'idle'}; "
               f"{len(session.owned)} name(s) of its own")
-        print(f"{'rank':>4}  {'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")
+        nodes = any(row.get("node") for row in rows)   # a session on several nodes: where each rank is
+        print(f"{'rank':>4}  " + (f"{'node':<8} " if nodes else "") +
+              f"{'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")
         for row in rows:
-            print(f"{row['rank']:>4}  {row['pid']:>7}  {row['state']:<9} {_fmt_bytes(row['rss']):>9}  "
+            print(f"{row['rank']:>4}  " + (f"{row.get('node') or '-':<8} " if nodes else "") +
+                  f"{row['pid']:>7}  {row['state']:<9} {_fmt_bytes(row['rss']):>9}  "
                   f"{_fmt_bytes(row['gpu']):>9}  {row['cell'] or '-'}")
 
     def _push(self, args):

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
+from accel_magics.kernel_ext.kernel.slurm_session import SlurmSession
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
                                                   job_ended)
 
@@ -22,12 +23,33 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
     """A ``--launcher slurm`` cell, in the foreground or (``--background``) in a
     thread of its own, with ``--max_restarts``: the modes of ``run.execute``
     on the allocation's placement (``kernel_ext.kernel.slurm.SlurmPlacement``).
-    Sessions on the allocation: ``%distributed_session start --launcher slurm``."""
+    Sessions on the allocation: :func:`start_session` (``%distributed_session
+    start --launcher slurm``); their cells go to ``session_magic.session_cell``."""
     explicit = {**magics.defaults,
                 **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
-    if args.session:
-        raise UsageError("--session does not work with --launcher slurm yet: run the cell in the foreground "
-                         "or with --background. Nothing was launched.")
+    alloc, num_nodes = _check_flags(magics, explicit)
+    slurm_args = explicit.get("slurm_args") or ""
+    return_names = return_names_of(args.return_names)
+    source = magics.cell_source(line, cell)
+    payload = magics.make_payload(source, return_names, share=False)
+    agents = magics.slurm_agents
+    reuse = agents is not None and agents.matches(num_nodes, slurm_args)
+    _keep_session(magics, reuse)
+    note = "" if reuse else (f"starting an agent on each of {num_nodes} node(s) of job {alloc['job']} "
+                             "(srun; once per allocation, each imports torch)")
+    presenter = magics.presenter(args, started, note=note, background=args.background)
+    if args.background:
+        label = f"In[{magics.cell_number()}]"
+        handle = magics.start_background(presenter, lambda control: _run(
+            magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse, control), label=label,
+            where=f"on Slurm job {alloc['job']}")
+        magics.slurm_busy = handle
+        return handle
+    return magics.deliver(_run(magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse))
+
+
+def _check_flags(magics, explicit: dict) -> tuple[dict, int]:
+    """The allocation and the node count, once the flags fit it and its agents are free."""
     try:
         alloc = allocation()
     except SlurmError as exc:
@@ -42,27 +64,56 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
         raise UsageError(f"--num_nodes {num_nodes}: the allocation (job {alloc['job']}, nodes "
                          f"{alloc['nodelist'] or '?'}) has only {alloc['count']} node(s). Ask for more "
                          f"(`salloc -N {num_nodes}`) or use fewer. Nothing was launched.")
+    check_agents_free(magics)
+    return alloc, num_nodes
+
+
+def check_agents_free(magics) -> None:
+    """One reader of the agents at a time: a background cell (one-shot or a
+    session's) that uses them makes another Slurm cell a UsageError."""
     busy = magics.slurm_busy
     if busy is not None and not busy.done():
         raise UsageError(f"the allocation's node agents are running {busy.label} in the background: wait for "
                          f"it (h.wait()) or stop it (h.stop()) first. Nothing was launched.")
-    slurm_args = explicit.get("slurm_args") or ""
-    return_names = return_names_of(args.return_names)
-    source = magics.cell_source(line, cell)
-    payload = magics.make_payload(source, return_names, share=False)
+
+
+def _keep_session(magics, reuse: bool) -> None:
+    """A cell that needs other agents (another --num_nodes or --slurm_args) would
+    end the session that runs on these: refused, saying how to go on."""
+    session = magics.session
+    if not reuse and isinstance(session, SlurmSession) and session.alive and session.agents.alive:
+        raise UsageError(f"a session runs on the allocation's node agents ({session.agents.num_nodes} node(s)"
+                         f"{', --slurm_args ' + repr(session.agents.slurm_args) if session.agents.slurm_args else ''}"
+                         "): this cell needs other ones, which would end it. Use the session's --num_nodes "
+                         "and --slurm_args, or `%distributed_session stop` first. Nothing was launched.")
+
+
+def start_session(magics, given: dict, oversubscribe: bool) -> SlurmSession:
+    """``%distributed_session start --launcher slurm``: the session's ranks on
+    every node of the allocation, through its agents (started if need be)."""
+    given = {**magics.defaults, **given}
+    alloc, num_nodes = _check_flags(magics, given)
+    slurm_args = given.get("slurm_args") or ""
     agents = magics.slurm_agents
-    reuse = agents is not None and agents.matches(num_nodes, slurm_args)
-    note = "" if reuse else (f"starting an agent on each of {num_nodes} node(s) of job {alloc['job']} "
-                             "(srun; once per allocation, each imports torch)")
-    presenter = magics.presenter(args, started, note=note, background=args.background)
-    if args.background:
-        label = f"In[{magics.cell_number()}]"
-        handle = magics.start_background(presenter, lambda control: _run(
-            magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse, control), label=label,
-            where=f"on Slurm job {alloc['job']}")
-        magics.slurm_busy = handle
-        return handle
-    return magics.deliver(_run(magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse))
+    if agents is None or not agents.matches(num_nodes, slurm_args):
+        print(f"accel_magics: starting an agent on each of {num_nodes} node(s) of job {alloc['job']} "
+              "(srun; once per allocation, each imports torch)")
+        try:
+            agents = _start_agents(magics, num_nodes, slurm_args)
+        except SlurmError as exc:
+            raise UsageError(f"{exc}\nNothing was started.") from None
+    try:
+        cfg = _config(agents, given, num_nodes, oversubscribe)
+    except ConfigError as exc:
+        raise UsageError(f"{exc}\nNothing was started.") from None
+    session = SlurmSession(agents, cfg, options=given)
+    try:
+        session.start()
+    except LauncherError:
+        agents.close()   # the agents (or srun) are gone: the next cell starts fresh ones
+        magics.slurm_agents = None
+        raise
+    return session
 
 
 def _run(magics, args, explicit: dict, payload, presenter, num_nodes: int, slurm_args: str, reuse: bool,
@@ -151,4 +202,4 @@ def describe_allocation() -> str:
             "(--launcher slurm runs on all of them)")
 
 
-__all__ = ["slurm_cell", "describe_allocation"]
+__all__ = ["slurm_cell", "describe_allocation", "start_session", "check_agents_free"]

@@ -215,6 +215,110 @@ def test_a_rank_failing_before_the_rendezvous_stops_the_other_nodes_waiting_in_i
     assert kernel.run(WORLD, timeout=120).status == "ok"
 
 
+def test_a_session_over_both_nodes_keeps_state_on_all_4_ranks_and_stops_cleanly(kernel):
+    """%distributed_session start --launcher slurm: 2 ranks on each node, one world
+    of 4 that stays across cells (a tensor and the process group), a failure on n2
+    named with its node while the session lives on, then stop: no rank is left."""
+    out = kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240).stdout
+    assert "session started: 2 rank(s) on each of 2 node(s)" in out, out
+    try:
+        res = kernel.ok("%%distributed --session --output text\nimport os, torch, torch.distributed as dist\n"
+                        "dist.init_process_group('gloo')\nkept = torch.tensor([dist.get_rank() + 1.0])\n"
+                        "print(f\"rank {dist.get_rank()} on {os.environ['SLURMD_NODENAME']} pid {os.getpid()}\")",
+                        timeout=120)
+        first = by_rank(res.stdout)
+        assert sorted(first) == [0, 1, 2, 3], res.stdout
+        pids = {r: lines[-1].split()[-1] for r, lines in first.items()}
+        assert [first[r][-1].split()[3] for r in range(4)] == ["n1", "n1", "n2", "n2"], first
+        res = kernel.ok("%%distributed --session --output text --return total\n"
+                        "t = kept.clone()\ndist.all_reduce(t)\ntotal = t.item()\n"
+                        "print(f'kept {kept.item():g} sum {total:g} pid {os.getpid()}')", timeout=120)
+        again = by_rank(res.stdout)
+        for r in range(4):
+            assert again[r][-1] == f"kept {r + 1} sum 10 pid {pids[r]}", again[r]   # same processes, same state
+        assert kernel.ok("total").result == "10.0"
+        bad = kernel.run("%%distributed --session --output text\nif dist.get_rank() == 2:\n"
+                         "    raise ValueError('bad batch on n2')\n", timeout=120)
+        assert bad.error["ename"] == "DistributedRunError", bad.error_text
+        assert bad.error["evalue"].startswith("rank 2 failed: ValueError: bad batch on n2 (on node n2)"), bad.error_text
+        assert "The session lives on" in bad.error_text, bad.error_text
+        res = kernel.ok("%%distributed --session --output text\nprint('still', kept.item())", timeout=120)
+        assert sorted(by_rank(res.stdout)) == [0, 1, 2, 3], res.stdout
+        status = kernel.ok("%distributed_session status").stdout
+        assert "4 rank(s), world size 4" in status, status
+        assert re.search(r"^\s+2  n2 ", status, re.M), status   # where each rank is
+        assert kernel.run("%%distributed --session --launcher local\npass").error["ename"] == "UsageError"
+    finally:
+        out = kernel.ok("%distributed_session stop", timeout=120).stdout
+    assert "session stopped" in out, out
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and alive(int(pid)) for pid in pids.values()), 15,
+               "every session rank on both nodes to be gone")
+    assert kernel.run(WORLD, timeout=120).status == "ok"   # the agents serve one-shot cells again
+
+
+def _session_pids(kernel) -> list[int]:
+    res = kernel.ok("%%distributed --session --output text\nimport os\nprint('pid', os.getpid())", timeout=120)
+    return [int(lines[-1].split()[-1]) for lines in by_rank(res.stdout).values()]
+
+
+def test_a_slurm_session_cell_stopped_by_the_button_or_in_the_background_lives_on(kernel):
+    """The stop button in a session cell on both nodes: every rank is back at its
+    prompt with its state; a background session cell returns at once, keeps the
+    agents (a one-shot Slurm cell meanwhile is a UsageError) and its handle's
+    wait() gives rank 0's value."""
+    kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
+    try:
+        kernel.ok("%%distributed --session\nimport time\nstate = 41", timeout=120)
+
+        def on_output(text, fired=[]):
+            if text.count("looping") >= 4 and not fired:
+                fired.append(True)
+                kernel.interrupt()
+        res = kernel.run("%%distributed --session --output text\nprint('looping', flush=True)\n"
+                         "while True:\n    time.sleep(0.05)", timeout=120, on_output=on_output)
+        assert res.error is not None and res.error["ename"] == "RunInterrupted", res.error_text
+        assert all(f"rank {r}:" in res.error_text for r in range(4)), res.error_text   # every node's stacks
+        res = kernel.ok("%%distributed --session --output text\nprint('state', state)", timeout=120)
+        assert [lines[-1] for lines in by_rank(res.stdout).values()] == ["state 41"] * 4, res.stdout
+        kernel.ok("h = None", timeout=10)
+        res = kernel.ok("%%distributed --session --background --output text\ntime.sleep(2)\nstate + 1",
+                        timeout=60)
+        busy = kernel.run("%%distributed --launcher slurm -n 2\npass", timeout=60)
+        assert busy.error["ename"] == "UsageError" and "in the background" in busy.error["evalue"], busy.error_text
+        kernel.ok("_h = _", timeout=10)
+        assert kernel.ok("_h.wait(60)", timeout=90).result == "42"
+    finally:
+        kernel.ok("%distributed_session stop", timeout=120)
+
+
+def test_a_slurm_session_lost_on_one_node_ends_on_every_node_and_says_so(kernel):
+    """Rank 2 (n2) fails while the ranks of n1 wait for it in an all_reduce: n1's
+    ranks cannot be brought back from gloo, so the session is lost, on every node;
+    the error names rank 2 on n2, nothing of the session is left, and the next
+    session cell says there is no session (and why the last one was lost)."""
+    kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
+    pids = _session_pids(kernel)
+    kernel.ok("%%distributed --session\nimport os, time, torch, torch.distributed as dist\n"
+              "dist.init_process_group('gloo')", timeout=120)
+    started = time.monotonic()
+    res = kernel.run("%%distributed --session --output text\nif dist.get_rank() == 2:\n"
+                     "    raise ValueError('bad batch on n2')\ndist.all_reduce(torch.ones(1))\n"
+                     "time.sleep(0.5)", timeout=120)
+    assert res.error is not None, res.stdout
+    assert time.monotonic() - started < 60
+    assert "rank 2 failed: ValueError: bad batch on n2 (on node n2)" in res.error_text, res.error_text
+    wait_until(lambda: not any(alive(pid) for pid in pids), 20, "every session rank on both nodes to be gone")
+    if res.error["ename"] == "SessionLostError":
+        again = kernel.run("%%distributed --session\npass", timeout=60)
+        assert again.error["ename"] == "UsageError" and "no session is running" in again.error["evalue"], \
+            again.error_text
+    else:   # the gloo error reached every rank and the session lives on
+        assert "The session lives on" in res.error_text, res.error_text
+        kernel.ok("%distributed_session stop", timeout=120)
+    kernel.ok("%distributed_session stop", timeout=60)   # nothing running: says so, no error
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
 def test_a_rank_on_node_2_that_leaves_before_init_process_group_ends_the_cell_naming_it(kernel):
     """Rank 2 (node n2) finishes the cell with sys.exit(0) before init_process_group;
     ranks 0, 1 (n1) and 3 (n2) wait in it for rank 2, which will never come: the
@@ -426,7 +530,7 @@ def test_a_timeout_shows_the_stacks_of_both_nodes(kernel):
 def test_bad_slurm_flags_are_usage_errors_before_anything_starts(kernel):
     for flags, words in (("--num_nodes 3", "has only 2 node(s)"), ("--node_rank 1", "cannot be given"),
                          ("--master_addr 10.0.0.1", "cannot be given"),
-                         ("--session", "does not work with --launcher slurm")):
+                         ("--session", "no session is running")):
         res = kernel.run(f"%%distributed --launcher slurm -n 2 {flags}\npass")
         assert res.error and res.error["ename"] == "UsageError" and words in res.error["evalue"], (flags, res.error_text)
     out = kernel.ok("%distributed_config --launcher slurm").stdout

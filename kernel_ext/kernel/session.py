@@ -73,6 +73,14 @@ class DistributedSession:
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
         """Start the ranks; returns once every rank is set up (raises if one could not)."""
+        self._open()
+        log.info("session %s: %d rank(s) ready", self.id, len(self.pids))
+
+    # -- where the ranks are: these hooks are the placement's part (this machine,
+    # through the launcher; every node of an allocation: slurm_session) ------------
+    def _open(self) -> None:
+        """Start the ranks and wait until every one is set up (``pids``, ``id``,
+        ``verifier``, ``master_port`` known, ``alive``), or raise SessionGone."""
         name = uuid.uuid4().hex[:12]
         self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
         self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
@@ -127,7 +135,7 @@ class DistributedSession:
         handle = self._handle(run_id, None)
         handle.timeout_at = time.monotonic() + STOP_WAIT
         try:
-            self.signer.send(self.cells[0], "stop", {"op": "stop", "run_id": run_id})
+            self._send("stop", {"op": "stop", "run_id": run_id})
             for _msg in handle.messages():
                 pass
         except LauncherError:
@@ -136,6 +144,13 @@ class DistributedSession:
             handle.close()
             self._wait_gone(handle)
             self._forget()
+
+    def _send(self, op: str, content: dict) -> None:
+        """A cell or the stop to the session's supervisor, signed with its key."""
+        self.signer.send(self.cells[0], op, content)
+
+    def _learn(self, modules: list) -> None:
+        self.launcher.learn_modules(modules)
 
     def _wait_gone(self, handle: RunHandle) -> None:
         """The supervisor exits after its ranks: wait for that (bounded), else kill."""
@@ -168,6 +183,14 @@ class DistributedSession:
         (a rank died at its prompt, the launcher was replaced)."""
         if not self.alive:
             raise SessionGone(self.lost or "the session is not running")
+        why = self._lost_since()
+        if why is not None:
+            self.lost = why
+            self._forget()
+            raise SessionGone(f"the session was lost between cells: {why}")
+
+    def _lost_since(self) -> Optional[str]:
+        """Why the session ended by itself since the last cell, or None."""
         why = None
         while self.events is not None and self.events[0].poll(0):
             frames = self.events[0].recv_multipart()
@@ -180,10 +203,7 @@ class DistributedSession:
                 why = content.get("lost") or "its ranks ended"
         if why is None and not running(self.supervisor_pid):
             why = "its processes ended (the launcher was stopped or replaced)"
-        if why is not None:
-            self.lost = why
-            self._forget()
-            raise SessionGone(f"the session was lost between cells: {why}")
+        return why
 
     # -- cells ------------------------------------------------------------------------
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
@@ -225,9 +245,8 @@ class DistributedSession:
         # Marked current only once there is a handle to close: ``finally`` unmarks it.
         self.current, self.current_control = label, control
         try:
-            self.signer.send(self.cells[0], "cell", {
-                "op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
-                "log_dir": log_dir, "excerpt": excerpt})
+            self._send("cell", {"op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
+                                "log_dir": log_dir, "excerpt": excerpt})
             if control is not None:
                 control.attach(handle)
             try:
@@ -257,7 +276,7 @@ class DistributedSession:
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
                 exc.after = ALIVE_NOTE
                 raise
-            self.launcher.learn_modules(result.new_modules)
+            self._learn(result.new_modules)
             return result
         finally:
             handle.close()

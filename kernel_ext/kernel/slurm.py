@@ -50,7 +50,7 @@ from ..environment import LaunchConfig, host_address
 from .errors import LauncherError, ReportedError
 from .placement import Attempt, Placement
 from .run_handle import receive_verified
-from ..wire.messages import StopReason
+from ..wire.messages import Kind, RankEvent, StopReason
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
@@ -358,11 +358,12 @@ class SlurmRun(Attempt):
     """One attempt on every node, over the agents' messages (see the module doc)."""
 
     def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt,
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, run_id: Optional[str] = None, key_of: Optional[str] = None) -> None:
         self.agents = agents
-        self.run_id = uuid.uuid4().hex[:12]
-        # Its supervisors sign with a key both ends derive from the allocation's.
-        self.session = wire.signed_session(wire.derive_key(agents.key, self.run_id))
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        # Its supervisors sign with a key both ends derive from the allocation's
+        # (for the run's id; a session cell's: the session's).
+        self.session = wire.signed_session(wire.derive_key(agents.key, key_of or self.run_id))
         self.cfg = cfg
         self.finished = False
         self.session_cell = False
@@ -382,6 +383,19 @@ class SlurmRun(Attempt):
         self._presses = self._pressed = 0   # stops asked (any thread) / carried out (the reading thread)
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
         self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
+        self._dispatch(payload, log_dir, excerpt, attempt)
+
+    #: Added to every command for this attempt's nodes (a session cell's: which session).
+    route: dict = {}
+    #: What the other nodes are told when a rank fails on one (a run: stop).
+    PEERS_FAILED = "peers_ended"
+    #: After a stop, how long the nodes get before they are told to kill (see timing).
+    stop_wait = STOP_WAIT
+
+    def _dispatch(self, payload, log_dir: str, excerpt, attempt: int) -> None:
+        """Each node its part of the run (as one kernel per node would)."""
+        cfg, nodes = self.cfg, self.node_ids
+        agents = self.agents
         for node_rank, node in enumerate(nodes):
             part = {name: getattr(cfg, name) for name in ("num_processes", "max_restarts", "mixed_precision",
                                                           "timeout", "rendezvous_timeout", "extra_env")}
@@ -433,47 +447,75 @@ class SlurmRun(Attempt):
         return self._merge(msg)
 
     def _merge(self, msg: dict) -> list[dict]:
-        node, kind = msg.get("node"), msg.get("kind")
-        if kind in ("output", "rank_event", "stacks", "exit", "released"):
-            self.rendezvous_at = None
-            failed = ((kind == "rank_event" and msg["event"].get("kind") == "failed")
-                      or (kind == "exit" and not msg["stopped"] and (msg["exitcode"] or msg["signal"])))
-            if failed:
-                self._peers_failed(node)
-            return [msg] if kind != "released" else []
-        if kind == "started":
-            self.started[node] = msg
-            if len(self.started) < len(self.pending):
-                return []
-            pids = {r: p for m in self.started.values() for r, p in m["pids"].items()}
-            return [{"kind": "started", "pids": pids, "nodes": self.node_of, "master_addr": self.master_addr}]
-        if kind == "finished":
-            if msg.get("reason") == "terminated" and not self.agents.connected(node):
-                # Its launcher ended with its agent (killed, crashed), which stopped the run there.
-                self.finished = True
-                name = self.agents.nodes[node]["nodename"]
-                raise self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it "
-                                    "crashed), so that node's ranks were stopped; the next cell starts the "
-                                    "agents again")
-            self.pending[node] = msg
-            if msg.get("reason") not in (None, "interrupt"):
-                self._peers_failed(node)
-            if any(m is None for m in self.pending.values()):
-                return []
+        """One node's message into the run's: a handler per kind (``_MERGE``).
+        Kinds without one ("remote_failure" among them: every node's own failures
+        come here directly, and the root cause is found from them all) are dropped."""
+        name = self._MERGE.get(Kind.parse(msg.get("kind")))
+        return getattr(self, name)(msg) if name else []
+
+    def _merge_rank(self, msg: dict) -> list[dict]:
+        """A rank's output, event, stacks or exit: passed on; a failure stops the other nodes."""
+        self.rendezvous_at = None
+        kind = msg["kind"]
+        failed = ((kind == Kind.RANK_EVENT and msg["event"].get("kind") == RankEvent.FAILED)
+                  or (kind == Kind.EXIT and not msg["stopped"] and (msg["exitcode"] or msg["signal"])))
+        if failed:
+            self._peers_failed(msg.get("node"))
+        return [msg] if kind != Kind.RELEASED else []
+
+    def _merge_started(self, msg: dict) -> list[dict]:
+        """One "started" for the run, once every node's ranks are up."""
+        self.started[msg.get("node")] = msg
+        if len(self.started) < len(self.pending):
+            return []
+        pids = {r: p for m in self.started.values() for r, p in m["pids"].items()}
+        return [{"kind": "started", "pids": pids, "nodes": self.node_of, "master_addr": self.master_addr}]
+
+    def _merge_finished(self, msg: dict) -> list[dict]:
+        """One "finished" for the run, once every node finished (the reason merged)."""
+        node = msg.get("node")
+        if msg.get("reason") == StopReason.TERMINATED and not self.agents.connected(node):
+            # Its launcher ended with its agent (killed, crashed), which stopped the run there.
             self.finished = True
-            reason = StopReason.merged(m.get("reason") for m in self.pending.values())
-            if reason == StopReason.TERMINATED:   # SIGTERM from outside: scancel of the job, its time limit?
-                how = job_ended(self.agents.alloc["job"])
-                if how is not None:
-                    raise SlurmJobGone(self.agents.alloc["job"], how)
-            return [{"kind": "finished", "reason": reason, "forced": self.forced,
-                     "terminated_on": [f"{n} ({self.agents.nodes[n]['nodename']})"
-                                       for n, m in sorted(self.pending.items()) if m.get("reason") == "terminated"]}]
-        if kind in ("supervisor_error", "waiting", "rendezvous_failed", "stalled"):
-            return [msg]
-        # "remote_failure" included: every node's own failures come here directly,
-        # and the root cause is found from them all.
-        return []
+            name = self.agents.nodes[node]["nodename"]
+            raise self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it "
+                              "crashed), so that node's ranks were stopped; the next cell starts the agents again")
+        self.pending[node] = msg
+        if msg.get("reason") not in (None, StopReason.INTERRUPT) or msg.get("session") == "lost":
+            self._peers_failed(node)
+        if any(m is None for m in self.pending.values()):
+            return []
+        self.finished = True
+        reasons = [m.get("reason") for m in self.pending.values()]
+        if self.peers_told and not self._presses:   # those stops were the kernel's, for a failure
+            reasons = [StopReason.REMOTE_FAILED if r == StopReason.INTERRUPT else r for r in reasons]
+        reason = StopReason.merged(reasons)
+        if reason == StopReason.TERMINATED:   # SIGTERM from outside: scancel of the job, its time limit?
+            how = job_ended(self.agents.alloc["job"])
+            if how is not None:
+                raise SlurmJobGone(self.agents.alloc["job"], how)
+        merged = self._session_state() if any(m.get("session") for m in self.pending.values()) else {}
+        return [{"kind": "finished", "reason": reason, "forced": self.forced, **merged,
+                 "terminated_on": [f"{n} ({self.agents.nodes[n]['nodename']})"
+                                   for n, m in sorted(self.pending.items()) if m.get("reason") == "terminated"]}]
+
+    def _merge_as_is(self, msg: dict) -> list[dict]:
+        return [msg]
+
+    _MERGE = {Kind.OUTPUT: "_merge_rank", Kind.RANK_EVENT: "_merge_rank", Kind.STACKS: "_merge_rank",
+              Kind.EXIT: "_merge_rank", Kind.RELEASED: "_merge_rank", Kind.STARTED: "_merge_started",
+              Kind.FINISHED: "_merge_finished", Kind.SUPERVISOR_ERROR: "_merge_as_is",
+              Kind.WAITING: "_merge_as_is", Kind.RENDEZVOUS_FAILED: "_merge_as_is", Kind.STALLED: "_merge_as_is"}
+
+    def _session_state(self) -> dict:
+        """A session cell on every node: lost if it is lost on any node (why, there),
+        stopped when every node stopped it, else alive."""
+        states = {node: m.get("session") for node, m in self.pending.items()}
+        lost = [f"on node {node} ({self.agents.nodes[node]['nodename']}): {m.get('lost') or 'its ranks ended'}"
+                for node, m in sorted(self.pending.items()) if m.get("session") == "lost"]
+        if lost:
+            return {"session": "lost", "lost": "; ".join(lost)}
+        return {"session": "stopped" if set(states.values()) == {"stopped"} else "alive"}
 
     def _check(self, now: float) -> bool:
         """The kernel's backstop: nodes that do not finish after a stop are told to
@@ -515,7 +557,7 @@ class SlurmRun(Attempt):
             if done is None and node != skip:
                 try:
                     pids = list(self.started.get(node, {}).get("pids", {}).values())
-                    self.agents.send(node, {**content, "pids": pids})
+                    self.agents.send(node, {**content, **self.route, "pids": pids})
                 except LauncherError:
                     pass
 
@@ -524,7 +566,7 @@ class SlurmRun(Attempt):
         for it); the root cause is that node's, which the kernel already has."""
         if not self.peers_told:
             self.peers_told = True
-            self._each({"op": "peers_ended", "run_id": self.run_id}, skip=node)
+            self._each({"op": self.PEERS_FAILED, "run_id": self.run_id}, skip=node)
 
     def close(self) -> None:
         """The run is over: node 0 (waiting after its "finished", its store up for
@@ -550,7 +592,7 @@ class SlurmRun(Attempt):
         """Every node's supervisor stops its ranks (stacks first); again: kill now."""
         if self.stop_at is None and self.kill_at is None:
             self._each({"op": "interrupt", "run_id": self.run_id})
-            self.stop_at = time.monotonic() + STOP_WAIT
+            self.stop_at = time.monotonic() + self.stop_wait
         else:   # pressed again: kill now
             self.stop_at = time.monotonic()
 

@@ -42,7 +42,7 @@ from .. import logs, wire
 from ..environment import LaunchConfig, free_port, host_address
 from ..kernel.launcher import Launcher
 # The ladders' order: see timing.py.
-from ..timing import AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER
+from ..timing import AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER, SESSION_STOP_WAIT
 
 HEARTBEAT_MS = int(AGENT_HEARTBEAT * 1000)   # ZMTP heartbeat interval (and 5x that as its timeout)
 IDLE_POLL_MS = int(AGENT_IDLE_POLL * 1000)
@@ -72,6 +72,14 @@ class Agent:
         self.launcher = Launcher(report_to=events)
         self.handle = None          # the run in progress on this node
         self.run_id = None
+        # This node's part of a session (``%distributed_session start --launcher
+        # slurm``): its supervisor's handle, the socket its cells go in on, and
+        # the signer of those cells (the session's key, derived as for a run).
+        self.part = None            # its supervisor's handle (the signed channel is self.session)
+        self.session_id = None
+        self.session_cells = None
+        self.session_signer = None
+        self.cell_id = None         # the session cell running now
         self.stopping = False
 
     # -- the channel ----------------------------------------------------------------
@@ -109,15 +117,14 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        watched = None
+        watched: set = set()
         while not self.stopping:
-            exit_fd = self.handle.pidfd if self.handle is not None else None
-            if exit_fd != watched:
-                if watched is not None:
-                    poller.unregister(watched)
-                if exit_fd is not None:
-                    poller.register(exit_fd, zmq.POLLIN)
-                watched = exit_fd
+            exit_fds = {h.pidfd for h in (self.handle, self.part) if h is not None and h.pidfd is not None}
+            for fd in watched - exit_fds:
+                poller.unregister(fd)
+            for fd in exit_fds - watched:
+                poller.register(fd, zmq.POLLIN)
+            watched = exit_fds
             ready = dict(poller.poll(IDLE_POLL_MS))
             if self.monitor in ready:
                 self._watch_connection()
@@ -130,14 +137,18 @@ class Agent:
                         self._on_command(msg)
             if self.handle is not None and self.handle.watch():
                 self._end_run()
+            if self.part is not None and self.part.watch():
+                self._end_session()
             if self.lost_since is not None and time.monotonic() - self.lost_since > LOST_AFTER:
                 log.warning("agent on %s: the kernel's connection is gone for %gs; ending", self.nodename,
                             LOST_AFTER)
                 break
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.kill()
+        for handle in (self.handle, self.part):
+            if handle is not None:
+                handle.kill()
+        self._close_session_channel()
         self.launcher.close()
         self.sock.close(linger=500)
 
@@ -145,6 +156,9 @@ class Agent:
         op = msg.get("op")
         if op not in ("ping", "port"):
             log.info("node %d (%s): %s for run %s", self.node, self.nodename, op, msg.get("run_id"))
+        if msg.get("session") is not None:   # a session's: see _on_session_command
+            self._on_session_command(op, msg)
+            return
         mine = self.handle is not None and msg.get("run_id") == self.run_id
         if op == "run":
             self._start_run(msg)
@@ -176,6 +190,68 @@ class Agent:
             self.send({"kind": "supervisor_error", "run_id": self.run_id, "message": str(exc),
                        "traceback": f"the launcher on node {self.node} ({self.nodename}) could not start the run: "
                                     f"{type(exc).__name__}: {exc}"})
+
+    # -- a session's part on this node --------------------------------------------------
+    def _on_session_command(self, op: str, msg: dict) -> None:
+        """``session_start``: this node's ranks of the session (its supervisor
+        stays, see session_supervisor); ``cell`` and ``stop``: passed to that
+        supervisor, signed with the session's key; ``interrupt`` (recall the
+        cell's ranks to their prompt) and ``kill``: as for a run."""
+        sid = msg["session"]
+        if op == "session_start":
+            self._start_session(msg)
+            return
+        if self.part is None or sid != self.session_id:
+            if op == "cell":   # its reader must not wait for a supervisor that is gone
+                self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
+            return   # an old session's (it is gone): nothing else to do
+        if op in ("cell", "stop"):
+            if op == "cell":
+                self.cell_id = msg["content"]["run_id"]
+            self.session_signer.send(self.session_cells[0], op, msg["content"])
+        elif op == "interrupt" and msg.get("run_id") == self.cell_id:
+            self.part.interrupt()
+        elif op == "kill":
+            self.part.rank_pids = set(msg.get("pids", ()))
+            self.part.kill()
+
+    def _start_session(self, msg: dict) -> None:
+        if self.part is not None:   # the kernel starts one only after the last one ended
+            self.part.kill()
+            self._end_session(quiet=True)
+        sid = self.session_id = msg["session"]
+        key = wire.derive_key(self.key, sid)
+        cfg = LaunchConfig(**msg["cfg"])
+        try:
+            self.session_cells = self.launcher.channel(zmq.PUSH, f"s{sid}-in")
+            self.session_signer = wire.signed_session(key)
+            self.part = self.launcher.launch(
+                cfg, None, run_id=sid, key=key, persistent=True, stop_wait=SESSION_STOP_WAIT,
+                extra={"session": True, "cells_addr": self.session_cells[1], "payload": None,
+                       "dispatched_together": True})
+        except Exception as exc:
+            self._close_session_channel()
+            self.send({"kind": "supervisor_error", "run_id": sid, "message": str(exc),
+                       "traceback": f"the launcher on node {self.node} ({self.nodename}) could not start the "
+                                    f"session: {type(exc).__name__}: {exc}"})
+
+    def _end_session(self, quiet: bool = False) -> None:
+        """The session's supervisor exited (stopped, lost): the kernel is told."""
+        if not quiet:
+            self.send({"kind": "supervisor_exit", "run_id": self.session_id, "cell": self.cell_id})
+        self.launcher.live.pop(self.session_id, None)
+        self.part.close()
+        self.part = None
+        self._close_session_channel()
+
+    def _close_session_channel(self) -> None:
+        if self.session_cells is not None:
+            self.session_cells[0].close(linger=0)
+            try:
+                os.unlink(self.session_cells[1][len("ipc://"):])
+            except OSError:
+                pass
+            self.session_cells = None
 
     def _end_run(self) -> None:
         """The run's supervisor exited: the kernel decides whether it had finished."""

@@ -472,31 +472,15 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
         finally:
             _in_cell = False
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            event = {"kind": "result", "exited": True, "timestamp": time.time()}
-        else:
-            event = {
-                "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
-                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
-                "timestamp": time.time(), "secondary": False,
-            }
-            code = exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
+        event, code = _exit_event(exc)
     except BaseException as exc:
         event, code = _failure(exc, exc.__traceback__.tb_next), 1
     else:
         event = {"kind": "result", "timestamp": time.time()}
+        if reports_values:
+            event.update(_values(value, ns, payload.return_names))
     if event["kind"] == "result":
         event["in_world"] = _in_world()   # a session's rank may have joined in an earlier cell
-        if reports_values and not event.get("exited"):
-            event["value"] = _pack_value(value) if value is not None else None
-            returns, missing = {}, []
-            for name in payload.return_names:
-                if name in ns:
-                    returns[name] = _pack_value(ns[name])
-                else:
-                    missing.append(name)
-            event["returns"] = returns
-            event["missing"] = missing
     if reports_values:
         event["new_modules"] = _new_modules(before)
     if ids is not None:
@@ -504,6 +488,29 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
                                    if ids.get(name) != id(value) and name != "__builtins__")
         event["deleted"] = sorted(name for name in ids if name not in ns)
     return event, code
+
+
+def _exit_event(exc: SystemExit) -> tuple[dict, int]:
+    """sys.exit() in a cell: 0 or None finishes it (a result with no value), else a failure."""
+    if exc.code in (None, 0):
+        return {"kind": "result", "exited": True, "timestamp": time.time()}, 0
+    event = {
+        "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+        "timestamp": time.time(), "secondary": False,
+    }
+    return event, exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
+
+
+def _values(value, ns: dict, return_names) -> dict:
+    """Rank 0's value and --return names, packed to travel (what is missing, named)."""
+    returns, missing = {}, []
+    for name in return_names:
+        if name in ns:
+            returns[name] = _pack_value(ns[name])
+        else:
+            missing.append(name)
+    return {"value": _pack_value(value) if value is not None else None, "returns": returns, "missing": missing}
 
 
 def _execute(spec: dict, local_rank: int) -> int:
