@@ -27,6 +27,7 @@ _magics = None
 def load_ipython_extension(ip) -> None:
     global _magics
     from .magics import DistributedMagics
+    from . import slurm_magic  # noqa: F401  (its cells: magics.CELL_MODES["slurm"])
     from .session_magic import SessionMagics
 
     if _magics is not None:

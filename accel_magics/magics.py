@@ -20,8 +20,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from accel_magics.kernel_ext.kernel import accelerate_config, preflight
 from accel_magics.kernel_ext.kernel.errors import ReportedError
-from accel_magics.kernel_ext.environment import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig, validate
+from accel_magics.kernel_ext import options
+from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.launcher import Launcher
+from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
@@ -44,51 +46,17 @@ class ReturnValueError(ReportedError, ValueError):
     """A ``--return`` value that could not travel to the kernel; the run itself succeeded."""
 
 
-LAUNCH_OPTION_NAMES = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port",
-                       "max_restarts", "mixed_precision", "output", "timeout", "rendezvous_timeout",
-                       "stall_timeout", "config_file", "launcher", "slurm_args")
+#: The launch options, in the order of the help (the table: kernel_ext/options.py).
+LAUNCH_OPTION_NAMES = options.NAMES
 
 
 def launch_options(func):
-    """The launch options shared by %%distributed and %distributed_config."""
-    decorators = [
-        argument("-n", "--num_processes", type=int, default=None,
-                 help="Processes (ranks) on this node. Default: one per local GPU, or 2 on a CPU-only machine."),
-        argument("--num_nodes", type=int, default=None, help="Nodes taking part (default 1)."),
-        argument("--node_rank", type=int, default=None, help="This node's rank, 0 .. num_nodes-1 (default 0)."),
-        argument("--master_addr", default=None,
-                 help="Address of node 0, where the rendezvous runs (default 127.0.0.1)."),
-        argument("--master_port", type=int, default=None,
-                 help="Rendezvous port. Default: a fresh free port per run (29500 for multi-node)."),
-        argument("--max_restarts", type=int, default=None,
-                 help="Re-run the whole group up to this many times after a rank fails (default 0)."),
-        argument("--mixed_precision", default=None, choices=MIXED_PRECISION_CHOICES,
-                 help="Passed to Accelerate as ACCELERATE_MIXED_PRECISION."),
-        argument("--output", default=None, choices=("auto", "widget", "text"),
-                 help="How the run is shown: a live widget, or [rank N] text lines (default auto: "
-                      "the widget in a notebook)."),
-        argument("--timeout", type=float, default=None,
-                 help="Stop the run after this many seconds and show where each rank was."),
-        argument("--rendezvous_timeout", type=float, default=None,
-                 help="Multi-node: how long the nodes wait for each other before giving up (default 300)."),
-        argument("--config_file", default=None, metavar="PATH",
-                 help="An Accelerate config file (`accelerate config`), or `default` for Accelerate's default "
-                      "one: the ranks get the environment `accelerate launch --config_file` would give them "
-                      "(mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless "
-                      "given here."),
-        argument("--launcher", default=None, choices=("local", "slurm"),
-                 help="local (default): ranks on this machine (one kernel per node for several). slurm: on "
-                      "every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): "
-                      "--num_processes per node, --num_nodes defaults to the allocation's node count."),
-        argument("--slurm_args", default=None, metavar="ARGS",
-                 help="--launcher slurm: extra srun arguments for the node agents' step, quoted "
-                      "(e.g. \"--gres=gpu:4 --cpus-per-task=8\")."),
-        argument("--stall_timeout", type=float, default=None,
-                 help="Stop the run when a rank, after another rank finished the cell, uses no CPU and prints "
-                      "nothing for this many seconds, and show where it is stuck (default 30; 0: never)."),
-    ]
-    for decorate in reversed(decorators):
-        func = decorate(func)
+    """The launch options shared by %%distributed, %distributed_config and
+    %distributed_session, declared from the options table (flags, types,
+    choices, the help with its default)."""
+    for option in reversed(options.OPTIONS):
+        func = argument(*option.flags, type=option.type, default=None, choices=option.choices,
+                        metavar=option.metavar, help=option.help_text())(func)
     return func
 
 
@@ -99,20 +67,27 @@ def _given(values: dict, name: str, default):
 
 
 def _launch_config(values: dict) -> LaunchConfig:
-    num_nodes = _given(values, "num_nodes", 1)
+    num_nodes = options.value(values, "num_nodes")
     port = values.get("master_port")
     return LaunchConfig(
         num_processes=values["num_processes"],
         num_nodes=num_nodes,
-        node_rank=_given(values, "node_rank", 0),
-        master_addr=_given(values, "master_addr", "127.0.0.1"),
-        master_port=port if port is not None else (29500 if num_nodes > 1 else None),
-        max_restarts=_given(values, "max_restarts", 0),
+        node_rank=options.value(values, "node_rank"),
+        master_addr=options.value(values, "master_addr"),
+        master_port=port if port is not None else (options.DEFAULT_MULTINODE_PORT if num_nodes > 1 else None),
+        max_restarts=options.value(values, "max_restarts"),
         mixed_precision=values.get("mixed_precision"),
         timeout=values.get("timeout"),
-        rendezvous_timeout=_given(values, "rendezvous_timeout", 300.0),
-        stall_timeout=_given(values, "stall_timeout", 30.0),
+        rendezvous_timeout=options.value(values, "rendezvous_timeout"),
+        stall_timeout=options.value(values, "stall_timeout"),
     )
+
+
+#: The cells that are not a one-shot run on this machine, by mode: "session"
+#: (the running session's ranks) and "slurm" (every node of the allocation).
+#: The modules that run them (session_magic, slurm_magic) fill it in; they use
+#: this module's public API, and this module imports neither (no cycle).
+CELL_MODES: dict = {}
 
 
 def parse_options(magic, line: str):
@@ -129,16 +104,12 @@ def config_summary(values: dict) -> str:
     return "defaults for %%distributed: " + command_line(values)
 
 
-_BUILTIN_DEFAULTS = {"num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "max_restarts": 0,
-                     "output": "auto", "rendezvous_timeout": 300.0, "stall_timeout": 30.0, "launcher": "local"}
-
-
 def command_line(values: dict) -> str:
     """The flags that differ from the built-in defaults, as a cell's first line."""
     parts = ["%%distributed"]
     for name in LAUNCH_OPTION_NAMES:
         value = values.get(name)
-        if value is None or _BUILTIN_DEFAULTS.get(name, object()) == value:
+        if value is None or options.DEFAULTS.get(name, object()) == value:
             continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)
@@ -254,14 +225,10 @@ class DistributedMagics(Magics):
         """
         started = time.monotonic()
         args = parse_options(self.distributed, line)
-        if args.session:   # on the running session, wherever it is placed
-            from .session_magic import session_cell
-
-            return session_cell(self, args, line, cell, started)
-        if (args.launcher or self.defaults.get("launcher")) == "slurm":
-            from .slurm_magic import slurm_cell
-
-            return slurm_cell(self, args, line, cell, started)
+        mode = ("session" if args.session   # on the running session, wherever it is placed
+                else "slurm" if (args.launcher or self.defaults.get("launcher")) == "slurm" else None)
+        if mode is not None:
+            return CELL_MODES[mode](self, args, line, cell, started)
         presenter = self.presenter(args, started, background=args.background)
         try:
             cfg = self.launch_config(args)
@@ -378,8 +345,6 @@ class DistributedMagics(Magics):
             self._form.sync(self.effective_defaults())
             self._update_form_texts()
         print(config_summary(self.effective_defaults()))
-        from .slurm_magic import describe_allocation
-
         if describe_allocation():
             print(describe_allocation())
         return None
@@ -393,8 +358,6 @@ class DistributedMagics(Magics):
 
         self.ensure_defaults_known()
         if self._form is None:
-            from .slurm_magic import describe_allocation
-
             self._form = ConfigForm(self.effective_defaults(), check=self._check_defaults,
                                     apply=self._apply_defaults, describe=command_line, info=describe_allocation())
             self._form.on_applied = self._update_form_texts
@@ -422,9 +385,9 @@ class DistributedMagics(Magics):
 
     def effective_defaults(self) -> dict:
         gpus = (self.launcher.info or {}).get("gpu_count", 0)
-        values = {"num_processes": gpus or 2, "num_nodes": 1, "node_rank": 0, "master_addr": "127.0.0.1",
-                  "master_port": None, "max_restarts": 0, "mixed_precision": None, "timeout": None,
-                  "output": "auto", "launcher": "local"}
+        # What the config form shows: its fields' built-in values, the GPUs counted.
+        values = {option.name: option.default for option in options.OPTIONS if option.label}
+        values["num_processes"] = gpus or 2
         values.update(self.defaults)
         return values
 

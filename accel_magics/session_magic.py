@@ -16,15 +16,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.kernel.errors import ReportedError
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
-from .magics import LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
+from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
+from .slurm_magic import check_agents_free, start_session
 
-#: Options a session fixes when it starts: a session cell cannot change them.
-SESSION_FIXED = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port", "max_restarts",
-                 "mixed_precision", "rendezvous_timeout", "stall_timeout", "config_file", "slurm_args")
+#: Options a session fixes when it starts: a session cell cannot change them (the table says which).
+SESSION_FIXED = options.SESSION_FIXED
 NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
               "options of %%distributed), then run this cell again. Nothing was launched.")
 
@@ -62,8 +63,6 @@ def session_cell(magics, args, line: str, cell: str, started: float):
                          "fresh one there; its state is lost). Nothing was run.")
     on_slurm = placed == "slurm"
     if on_slurm:   # one reader of the allocation's agents at a time
-        from .slurm_magic import check_agents_free
-
         check_agents_free(magics)
     fixed = [f"--{name}" for name in SESSION_FIXED if getattr(args, name, None) is not None]
     if args.oversubscribe:
@@ -74,10 +73,10 @@ def session_cell(magics, args, line: str, cell: str, started: float):
                          "(its state is lost). Nothing was run.")
     return_names = return_names_of(args.return_names)
     if args.timeout is not None:
-        from accel_magics.kernel_ext.environment import ConfigError, _check_seconds
+        from accel_magics.kernel_ext.environment import ConfigError, check_seconds
 
         try:
-            _check_seconds("--timeout", args.timeout)
+            check_seconds("--timeout", args.timeout)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was run.") from None
     timeout = args.timeout if args.timeout is not None else session.cfg.timeout
@@ -138,6 +137,9 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
         listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in both)
         print(f"accel_magics: the session's own {listed} used, not the notebook's. To send the notebook's "
               f"value instead: `%distributed_session push {' '.join(both)}`.", file=sys.stderr)
+
+
+CELL_MODES["session"] = session_cell
 
 
 @magics_class
@@ -202,8 +204,6 @@ class SessionMagics(Magics):
         started = time.monotonic()
         try:
             if given.get("launcher") == "slurm":   # every node of the allocation
-                from .slurm_magic import start_session
-
                 session = start_session(self.dist, given, getattr(args, "oversubscribe", False))
                 cfg = session.cfg
             else:

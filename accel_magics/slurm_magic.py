@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
+from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
 from accel_magics.kernel_ext.kernel.slurm_session import SlurmSession
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
-                                                  job_ended)
+                                                  describe_allocation, job_ended)
 
-from .magics import LAUNCH_OPTION_NAMES, return_names_of
+from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, return_names_of
 
 
 def slurm_cell(magics, args, line: str, cell: str, started: float):
@@ -54,9 +55,7 @@ def _check_flags(magics, explicit: dict) -> tuple[dict, int]:
         alloc = allocation()
     except SlurmError as exc:
         raise UsageError(f"{exc}\nNothing was launched.") from None
-    for name, why in (("node_rank", "each node's rank is its place in the allocation"),
-                      ("master_addr", "node 0 of the allocation hosts the rendezvous"),
-                      ("config_file", "give its options as flags")):
+    for name, why in options.NOT_ON_SLURM.items():
         if explicit.get(name) is not None:
             raise UsageError(f"--{name} cannot be given with --launcher slurm ({why}). Nothing was launched.")
     num_nodes = explicit.get("num_nodes") or alloc["count"]
@@ -162,10 +161,10 @@ def _config(agents, explicit: dict, num_nodes: int, oversubscribe: bool) -> Laun
     gpus = agents.nodes[min(agents.nodes)].get("gpu_count", 0)
     cfg = LaunchConfig(
         num_processes=explicit.get("num_processes") or gpus or 2, num_nodes=num_nodes, node_rank=0,
-        master_addr="127.0.0.1", master_port=explicit.get("master_port"),
-        max_restarts=explicit.get("max_restarts") or 0,
+        master_port=explicit.get("master_port"), max_restarts=options.value(explicit, "max_restarts"),
         mixed_precision=explicit.get("mixed_precision"), timeout=explicit.get("timeout"),
-        rendezvous_timeout=explicit.get("rendezvous_timeout") or 300.0, stall_timeout=0)
+        rendezvous_timeout=options.value(explicit, "rendezvous_timeout"),
+        stall_timeout=0)   # each node sees only its ranks; the kernel sees them all (fold.must_stop)
     validate(cfg, gpu_count=gpus, allow_oversubscribe=oversubscribe, check_port=False)
     return cfg
 
@@ -192,14 +191,7 @@ def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
     return agents
 
 
-def describe_allocation() -> str:
-    """One line for %distributed_config: the allocation this kernel is in, if any."""
-    try:
-        alloc = allocation()
-    except SlurmError:
-        return ""
-    return (f"Slurm allocation: job {alloc['job']}, {alloc['count']} node(s): {alloc['nodelist']} "
-            "(--launcher slurm runs on all of them)")
+CELL_MODES["slurm"] = slurm_cell
 
 
 __all__ = ["slurm_cell", "describe_allocation", "start_session", "check_agents_free"]

@@ -12,10 +12,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Optional
 
-DEFAULT_MULTINODE_PORT = 29500
+from .options import DEFAULT_MULTINODE_PORT, DEFAULTS, MIXED_PRECISION_CHOICES  # noqa: F401 (re-exported)
+
 MAX_RESTARTS = 1000
 MAX_SECONDS = 10_000_000          # ~116 days: longer "timeouts" are mistakes (and overflow timers)
-MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 
 
 class ConfigError(ValueError):
@@ -25,15 +25,16 @@ class ConfigError(ValueError):
 @dataclass
 class LaunchConfig:
     num_processes: int
-    num_nodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    # The defaults are the options table's (options.py), the one place they are written.
+    num_nodes: int = DEFAULTS["num_nodes"]
+    node_rank: int = DEFAULTS["node_rank"]
+    master_addr: str = DEFAULTS["master_addr"]
     master_port: Optional[int] = None     # None: a fresh free port per run
-    max_restarts: int = 0
+    max_restarts: int = DEFAULTS["max_restarts"]
     mixed_precision: Optional[str] = None
     timeout: Optional[float] = None
-    rendezvous_timeout: float = 300.0     # how long nodes wait for each other
-    stall_timeout: float = 30.0           # a rank idle this long after another finished is stuck (0: never)
+    rendezvous_timeout: float = DEFAULTS["rendezvous_timeout"]   # how long nodes wait for each other
+    stall_timeout: float = DEFAULTS["stall_timeout"]   # idle this long after another rank finished: stuck
     extra_env: dict = field(default_factory=dict)
 
     @property
@@ -88,11 +89,11 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
         raise ConfigError(f"--master_port must be between 1 and 65535 (got {cfg.master_port}).")
     if not 0 <= cfg.max_restarts <= MAX_RESTARTS:
         raise ConfigError(f"--max_restarts must be between 0 and {MAX_RESTARTS} (got {cfg.max_restarts}).")
-    _check_seconds("--rendezvous_timeout", cfg.rendezvous_timeout)
+    check_seconds("--rendezvous_timeout", cfg.rendezvous_timeout)
     if cfg.stall_timeout != 0:
-        _check_seconds("--stall_timeout", cfg.stall_timeout)
+        check_seconds("--stall_timeout", cfg.stall_timeout)
     if cfg.timeout is not None:
-        _check_seconds("--timeout", cfg.timeout)
+        check_seconds("--timeout", cfg.timeout)
     if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ConfigError(
             f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)} (got {cfg.mixed_precision!r})."
@@ -112,7 +113,7 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
             )
 
 
-def _check_seconds(flag: str, value) -> None:
+def check_seconds(flag: str, value) -> None:
     """A duration flag: a finite number of seconds, > 0 and at most MAX_SECONDS."""
     import math
 

@@ -11,8 +11,9 @@ other changes.
 
 There is one form per kernel: every ``%distributed_config`` shows the same
 widget models, so two forms on a page stay in sync.  The rules and the
-command line come from the caller (``check``, ``describe``), so this module
-imports ipywidgets only.
+command line come from the caller (``check``, ``describe``); the fields,
+their labels and choices from the options table (``kernel_ext/options.py``),
+so this module imports ipywidgets and that table only.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from typing import Callable, Optional
 
 import ipywidgets as w
 
-MIXED = [("Accelerate's default", "default"), ("no", "no"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8")]
+from accel_magics.kernel_ext.options import BY_NAME, OPTIONS
+
+# The fields, their labels and choices: the options table's (kernel_ext/options.py).
+MIXED = [("Accelerate's default", "default")] + [(c, c) for c in BY_NAME["mixed_precision"].choices]
 _UNREADABLE = object()   # a field whose text is not a value: never applied until edited
-INT_FIELDS = ("num_processes", "num_nodes", "node_rank", "max_restarts")
-LABELS = {"num_processes": "processes / node", "num_nodes": "nodes", "node_rank": "this node's rank",
-          "master_addr": "master address", "master_port": "master port", "max_restarts": "max restarts",
-          "mixed_precision": "mixed precision", "timeout": "timeout (s)", "output": "output", "launcher": "launcher"}
+LABELS = {option.name: option.label for option in OPTIONS if option.label}
+INT_FIELDS = tuple(name for name in LABELS if BY_NAME[name].type is int and name != "master_port")
 
 
 class ConfigForm:
@@ -40,14 +42,15 @@ class ConfigForm:
         self.fields = {name: w.IntText(description=LABELS[name], style=style) for name in INT_FIELDS}
         self.fields["master_addr"] = w.Text(description=LABELS["master_addr"], continuous_update=False, style=style)
         self.fields["master_port"] = w.Text(description=LABELS["master_port"], continuous_update=False, style=style,
-                                            placeholder="default: a free port per run (29500 multi-node)")
+                                            placeholder=f"default: {BY_NAME['master_port'].default_text}")
         self.fields["mixed_precision"] = w.Dropdown(options=MIXED, description=LABELS["mixed_precision"], style=style)
         self.fields["timeout"] = w.Text(description=LABELS["timeout"], continuous_update=False, style=style,
                                         placeholder="none")
-        self.fields["output"] = w.Dropdown(options=["auto", "widget", "text"], description=LABELS["output"],
+        self.fields["output"] = w.Dropdown(options=list(BY_NAME["output"].choices), description=LABELS["output"],
                                            style=style)
         # local: this machine (one kernel per node); slurm: every node of this kernel's allocation.
-        self.fields["launcher"] = w.Dropdown(options=["local", "slurm"], description=LABELS["launcher"], style=style)
+        self.fields["launcher"] = w.Dropdown(options=list(BY_NAME["launcher"].choices), description=LABELS["launcher"],
+                                             style=style)
         self.notes = {name: w.HTML() for name in self.fields}
         self.status = w.HTML()
         self.command = w.HTML()

@@ -84,6 +84,16 @@ def allocation() -> dict:
     return {"job": job, "nodelist": nodelist, "nodes": nodes, "count": count}
 
 
+def describe_allocation() -> str:
+    """One line for %distributed_config: the allocation this kernel is in, if any."""
+    try:
+        alloc = allocation()
+    except SlurmError:
+        return ""
+    return (f"Slurm allocation: job {alloc['job']}, {alloc['count']} node(s): {alloc['nodelist']} "
+            "(--launcher slurm runs on all of them)")
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """``n[1-3],gpu7`` -> ``['n1', 'n2', 'n3', 'gpu7']`` (``scontrol show hostnames``,
     else a parser of the common forms).  Asked once per node list: every cell

@@ -31,6 +31,7 @@ from typing import Optional
 from .. import logs, wire  # noqa: F401
 from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
 from ..supervisor import session_supervisor, supervisor  # noqa: F401
+from ..supervisor import spare as spare_supervisor  # noqa: F401
 from ..wire import payload  # noqa: F401
 from ..process_tree import children, kill_orphans, running
 # The ladders' order: see timing.py.
@@ -305,7 +306,7 @@ class Zygote:
             waiter.close()
 
     def fork_spare(self, ranks: Optional[int] = None) -> None:
-        from ..supervisor.supervisor import serve_spare
+        from ..supervisor.spare import serve_spare
 
         ranks = ranks or self.expected_ranks
         control_r, control_w = os.pipe()

@@ -1,8 +1,9 @@
 """A session's supervisor: persistent ranks that run cell after cell.
 
 Runs in the supervisor process of a ``%distributed_session`` (forked by the
-launcher like any run's, see :mod:`supervisor`, which hands over to
-:meth:`SessionSupervisor.serve_session` once the spec says "session").  The
+launcher like any run's: the spare becomes this supervisor when its spec
+says "session", see :mod:`spare`; :meth:`Supervisor.serve` then runs
+:meth:`SessionSupervisor._run`).  The
 ranks stay alive between cells, each with its own namespace
 (``worker._serve_session``); this process keeps reading their pipes and is,
 as for a one-shot run, the only sender on the channel to the kernel.
@@ -49,15 +50,9 @@ class SessionSupervisor(Supervisor):
     ranks set up (``session_ready``) -> "ready" to the kernel -> cells, one at
     a time -> "stop" from the kernel (or the session is lost) -> ranks end."""
 
-    @classmethod
-    def adopt(cls, supervisor: Supervisor) -> "SessionSupervisor":
-        """The run's supervisor, now a session's: same state, session behaviour."""
-        obj = cls.__new__(cls)
-        obj.__dict__ = supervisor.__dict__
-        return obj
-
     # -- life cycle -----------------------------------------------------------
-    def serve_session(self) -> None:
+    def _run(self) -> None:
+        """The session, after its spec: ranks set up, then cells until stopped or lost."""
         import zmq
 
         self.session_id = self.spec["run_id"]

@@ -18,7 +18,6 @@ SIGKILL after a grace period.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -31,11 +30,10 @@ from typing import NoReturn, Optional
 from . import native_stacks
 from .. import wire
 from ..wire.messages import failure_summary
-from ..rank import worker
 from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
-from .rank_process import RankProcess, fork_idle_rank, set_nonblocking, user_stack
+from .rank_process import RankProcess, user_stack
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 # The ladders' order: see timing.py.
 from ..timing import (
@@ -54,71 +52,47 @@ STALL_CPU = 0.05          # CPU seconds a rank must use in a look to count as mo
 class Supervisor:
     """One run's supervisor; forked ahead of time as the zygote's spare.
 
-    Life cycle: :meth:`prefork` forks idle ranks (each waits on its own "go"
-    pipe) while there is no run yet, then the run channel is connected (ZMQ
-    starts its I/O thread only after the last fork).  :meth:`serve` waits for
-    the run spec on the control pipe, drops ranks the run does not need, hands
-    every rank the spec and supervises to the end.  Forking ahead takes the
-    fork cost off the critical path of the next cell.
+    Life cycle: as a :class:`spare.Spare` it forked idle ranks (each waits on
+    its own "go" pipe) while there was no run yet, connected the run channel
+    (ZMQ starts its I/O thread only after the last fork) and got the run's
+    spec; built from that spare, :meth:`serve` drops ranks the run does not
+    need, hands every rank the spec and supervises to the end (:meth:`_run`;
+    a session's supervisor overrides it).  Forking ahead takes the fork cost
+    off the critical path of the next cell.
     """
 
-    def __init__(self, control_fd: int) -> None:
-        self.control_fd = control_fd
-        self.idle: list[RankProcess] = []        # forked ahead, pipes registered; numbered at the run
+    def __init__(self, spare) -> None:
+        """The run's supervisor, from the spare it was (:class:`spare.Spare`):
+        its idle ranks, selector, signal wake-up pipe and channel are handed
+        over by name, the spare is not used again."""
+        self.idle: list[RankProcess] = spare.idle   # forked ahead, pipes registered; numbered at the run
+        self.sel = spare.sel
+        self._fds: list[int] = spare.fds          # every fd a rank must not inherit
+        self.wakeup_r, self.wakeup_w = spare.wakeup_r, spare.wakeup_w
+        self.ctx, self.sock, self.session, self.events_addr = spare.ctx, spare.sock, spare.session, spare.events_addr
+        self._discarded: set[int] = spare.discarded
         self.ranks: list[RankProcess] = []
-        self.sel = selectors.DefaultSelector()
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
         self.stack_deadline: Optional[float] = None
         self.kill_deadline: Optional[float] = None
         self.timeout_deadline: Optional[float] = None
         self.flush_due: Optional[float] = None
-        self._fds: list[int] = []          # every fd a rank must not inherit
         self.rdzv = None
         self.spec: dict = {}
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.stall_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
-        self._discarded: set[int] = set()
         self.logs = RankLogs("")
 
     # -- life cycle -------------------------------------------------------
-    def serve(self, prefork: int, events_addr: str) -> NoReturn:
+    def serve(self, key: bytes, spec: dict, spec_bytes: bytes) -> NoReturn:
+        """The run, from its spec to the end of the process (never returns):
+        whatever goes wrong is reported, and no rank is left behind."""
         code = 0
         try:
-            self._install_signals()
-            self.prefork(prefork)
-            self._connect(events_addr)   # after the last fork: ZMQ starts a thread
-            handed = self._wait_for_spec()
-            if handed is None:             # the zygote is gone or dropped the spare
-                self._discard_idle(len(self.idle))
-                os._exit(0)
-            key, spec_bytes = handed
-            self._start(key, spec_bytes)
-            if self.spec.get("session"):
-                from .session_supervisor import SessionSupervisor
-
-                SessionSupervisor.adopt(self).serve_session()
-                return
-            together = self.spec.get("dispatched_together")
-            if self.spec["num_nodes"] > 1 and self.stopping is None and not together:
-                self.remote_check = time.monotonic() + REMOTE_CHECK
-            elif self.spec.get("stall_timeout"):
-                self.stall_check = time.monotonic() + STALL_CHECK
-            self._loop()
-            if not together:
-                self._finish_nodes()
-            self.logs.close()   # complete on disk before the kernel hears "finished"
-            self._send({"kind": "finished", "reason": self.stopping,
-                        "elapsed": time.time() - self.started})
-            log.info("run %s node %s attempt %s: finished (%s) in %.3fs", self.spec.get("run_id"),
-                     self.spec.get("node_rank"), self.spec.get("attempt", 0), self.stopping or "all ranks ended",
-                     time.time() - self.started)
-            if together and self.spec["node_rank"] == 0:
-                self._keep_store_for_peers()
-            if self.rdzv is not None:
-                self.rdzv.close()   # stop listening (joins the store's thread: after "finished")
-            self._reap_rest()
+            self._start(key, spec, spec_bytes)
+            self._run()
         except BaseException as exc:  # report, never leave ranks behind
             code = 1
             self._kill_all(signal.SIGKILL)
@@ -141,6 +115,29 @@ class Supervisor:
             except BaseException:
                 pass
             os._exit(code)
+
+    def _run(self) -> None:
+        """A one-shot run: until every rank is reported, then "finished" (a
+        session's supervisor runs cell after cell instead: SessionSupervisor)."""
+        together = self.spec.get("dispatched_together")
+        if self.spec["num_nodes"] > 1 and self.stopping is None and not together:
+            self.remote_check = time.monotonic() + REMOTE_CHECK
+        elif self.spec.get("stall_timeout"):
+            self.stall_check = time.monotonic() + STALL_CHECK
+        self._loop()
+        if not together:
+            self._finish_nodes()
+        self.logs.close()   # complete on disk before the kernel hears "finished"
+        self._send({"kind": "finished", "reason": self.stopping,
+                    "elapsed": time.time() - self.started})
+        log.info("run %s node %s attempt %s: finished (%s) in %.3fs", self.spec.get("run_id"),
+                 self.spec.get("node_rank"), self.spec.get("attempt", 0), self.stopping or "all ranks ended",
+                 time.time() - self.started)
+        if together and self.spec["node_rank"] == 0:
+            self._keep_store_for_peers()
+        if self.rdzv is not None:
+            self.rdzv.close()   # stop listening (joins the store's thread: after "finished")
+        self._reap_rest()
 
     def _reap_rest(self) -> None:
         """After "finished": let the parked ranks go, wait (bounded) for every
@@ -182,44 +179,6 @@ class Supervisor:
         for r in self.ranks:
             r.release()
 
-    def _install_signals(self) -> None:
-        worker.set_parent_death_signal(signal.SIGKILL)
-        r, w = os.pipe()
-        set_nonblocking(r)
-        set_nonblocking(w)
-        self.wakeup_r, self.wakeup_w = r, w
-        signal.set_wakeup_fd(w)
-        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
-        self._fds = [self.control_fd, r, w, self.sel.fileno()]
-        # Orphans of the ranks (children that escaped their process group)
-        # become this process's children, so none can outlive the run.
-        try:
-            ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        except (OSError, AttributeError):  # pragma: no cover - non-Linux
-            pass
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked across the zygote's fork
-
-    def prefork(self, n: int) -> None:
-        """Fork ``n`` idle ranks; each blocks until it is given the spec."""
-        for _ in range(n):
-            rank = fork_idle_rank(len(self.idle), self._fds, SIGNALS)
-            self._fds += [rank.go, *rank.fds.values()]
-            # Registered now, while idle: the run's critical path only numbers the ranks.
-            for kind, fd in rank.fds.items():
-                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
-            self.idle.append(rank)
-
-    def _wait_for_spec(self) -> Optional[tuple]:
-        """Block until the zygote hands over a run (None: it dropped this spare)."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # idle: a stop just ends it
-        try:
-            return wire.read_frame(self.control_fd)
-        finally:
-            signal.signal(signal.SIGTERM, lambda *_: None)
-
     def _discard_idle(self, n: int) -> None:
         """Drop the last ``n`` idle ranks (the run needs fewer)."""
         for _ in range(n):
@@ -228,8 +187,7 @@ class Supervisor:
             rank.release()   # EOF on the go pipe: the idle rank exits by itself
             self._discarded.add(rank.pid)
 
-    def _start(self, key: bytes, spec_bytes: bytes) -> None:
-        spec = pickle.loads(spec_bytes)
+    def _start(self, key: bytes, spec: dict, spec_bytes: bytes) -> None:
         self.spec = spec
         if spec.get("events_addr", self.events_addr) != self.events_addr:
             # A run the kernel reads on a socket of its own (a session, a background run).
@@ -465,20 +423,6 @@ class Supervisor:
         self.rdzv.finish(CHECKED)
         if self.spec["node_rank"] == 0:
             self._wait_all(CHECKED)
-
-    def _connect(self, events_addr: str) -> None:
-        import zmq  # only now: the ranks were forked from a single-threaded process
-
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.connect(events_addr)
-        self.events_addr = events_addr
-        # The run's key arrives with the spec; until then a throwaway one.
-        self.session = wire.signed_session(wire.new_key())
-        # Walk the signing path once while idle: its first use after the fork
-        # (copy-on-write faults, lazy imports) would otherwise cost the run ~0.5 ms.
-        self.session.serialize(self.session.msg("run_event", {"kind": "warm-up", "pids": {0: 1}}))
 
     def _send(self, content: dict) -> None:
         content["run_id"] = self.spec["run_id"]
@@ -763,8 +707,3 @@ class Supervisor:
             "timestamp": time.time() - (time.monotonic() - r.exit_time),
         })
         r.reported = True
-
-
-def serve_spare(control_fd: int, prefork: int, events_addr: str) -> NoReturn:
-    """Entry point in a supervisor forked ahead by the zygote. Never returns."""
-    Supervisor(control_fd).serve(prefork, events_addr)

@@ -1,0 +1,101 @@
+"""The launch options: one table that the parser, the config form,
+``%distributed_config``, the help, the engine's ``LaunchConfig`` and the
+Slurm and session checks are all built from.
+
+Each :class:`Option` says its flag, type, choices, built-in default (and how
+the help words it), its label in the config form, and what it is to a
+session (fixed when the session starts) and to ``--launcher slurm`` (refused
+there, and why).  A new option is one row here; nothing else writes a
+default down.  No IPython here: the engine and the views read it too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
+#: A multi-node run's port when none is given (torchrun's).
+DEFAULT_MULTINODE_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type = str
+    default: object = None            # the built-in value; None: none (or computed: see default_text)
+    help: str = ""
+    default_text: str = ""            # how the help words a computed default ("one per local GPU, ...")
+    short: tuple = ()                 # more flags ("-n")
+    choices: Optional[tuple] = None
+    metavar: Optional[str] = None
+    label: str = ""                   # the config form's field ("" for none)
+    session_fixed: bool = False       # a session's, fixed when it starts: refused on its cells
+    not_on_slurm: str = ""            # why --launcher slurm refuses it ("" : allowed)
+
+    @property
+    def flags(self) -> tuple:
+        return (*self.short, f"--{self.name}")
+
+    def help_text(self) -> str:
+        """The help, with the default said once, from this row."""
+        if self.default_text:
+            return f"{self.help} Default: {self.default_text}."
+        if self.default is None:
+            return self.help
+        value = f"{self.default:g}" if isinstance(self.default, float) else self.default
+        return f"{self.help} Default: {value}." if self.help.endswith(".") else f"{self.help} (default {value})."
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("num_processes", int, None, "Processes (ranks) on this node (with --launcher slurm: on each node).",
+           default_text="one per local GPU, or 2 on a CPU-only machine", short=("-n",), label="processes / node",
+           session_fixed=True),
+    Option("num_nodes", int, 1, "Nodes taking part (with --launcher slurm, the allocation's when not given)",
+           label="nodes", session_fixed=True),
+    Option("node_rank", int, 0, "This node's rank, 0 .. num_nodes-1", label="this node's rank", session_fixed=True,
+           not_on_slurm="each node's rank is its place in the allocation"),
+    Option("master_addr", str, "127.0.0.1", "Address of node 0, where the rendezvous runs", label="master address",
+           session_fixed=True, not_on_slurm="node 0 of the allocation hosts the rendezvous"),
+    Option("master_port", int, None, "Rendezvous port.",
+           default_text=f"a fresh free port per run ({DEFAULT_MULTINODE_PORT} for multi-node)", label="master port",
+           session_fixed=True),
+    Option("max_restarts", int, 0, "Re-run the whole group up to this many times after a rank fails",
+           label="max restarts", session_fixed=True),
+    Option("mixed_precision", str, None, "Passed to Accelerate as ACCELERATE_MIXED_PRECISION.",
+           choices=MIXED_PRECISION_CHOICES, label="mixed precision", session_fixed=True),
+    Option("output", str, "auto", "How the run is shown: a live widget, or [rank N] text lines; auto: the widget "
+           "in a notebook", choices=("auto", "widget", "text"), label="output"),
+    Option("timeout", float, None, "Stop the run after this many seconds and show where each rank was.",
+           label="timeout (s)"),
+    Option("rendezvous_timeout", float, 300.0, "Multi-node: how long the nodes wait for each other before giving up",
+           session_fixed=True),
+    Option("config_file", str, None, "An Accelerate config file (`accelerate config`), or `default` for "
+           "Accelerate's default one: the ranks get the environment `accelerate launch --config_file` would give "
+           "them (mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless given here.",
+           metavar="PATH", session_fixed=True, not_on_slurm="give its options as flags"),
+    Option("launcher", str, "local", "local: ranks on this machine (one kernel per node for several). slurm: on "
+           "every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): --num_processes per node, "
+           "--num_nodes defaults to the allocation's node count.", choices=("local", "slurm"), label="launcher"),
+    Option("slurm_args", str, None, "--launcher slurm: extra srun arguments for the node agents' step, quoted "
+           "(e.g. \"--gres=gpu:4 --cpus-per-task=8\").", metavar="ARGS", session_fixed=True),
+    Option("stall_timeout", float, 30.0, "Stop the run when a rank, after another rank finished the cell, uses no "
+           "CPU and prints nothing for this many seconds, and show where it is stuck; 0: never",
+           session_fixed=True),
+)
+
+BY_NAME = {option.name: option for option in OPTIONS}
+NAMES = tuple(BY_NAME)
+#: The built-in defaults that are plain values (the others are computed or none).
+DEFAULTS = {option.name: option.default for option in OPTIONS if option.default is not None}
+SESSION_FIXED = tuple(option.name for option in OPTIONS if option.session_fixed)
+NOT_ON_SLURM = {option.name: option.not_on_slurm for option in OPTIONS if option.not_on_slurm}
+
+
+def value(values: dict, name: str):
+    """``values[name]``, else the built-in default (0 is a value, None is not)."""
+    given = values.get(name)
+    return DEFAULTS.get(name) if given is None else given
+
+
+__all__ = ["Option", "OPTIONS", "BY_NAME", "NAMES", "DEFAULTS", "SESSION_FIXED", "NOT_ON_SLURM", "value",
+           "MIXED_PRECISION_CHOICES", "DEFAULT_MULTINODE_PORT"]

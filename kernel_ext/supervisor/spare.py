@@ -1,0 +1,119 @@
+"""A supervisor forked ahead of its run (the zygote's spare), and what it becomes.
+
+The zygote forks the next run's supervisor before the run exists, so a cell
+starts with a message, not a fork.  While it waits, that process is a
+:class:`Spare`: it forks idle ranks (each waiting on its "go" pipe) while it
+has no thread, then connects the run channel (ZMQ starts a thread) and waits
+on its control pipe for a spec.  The spec says what the run is: a one-shot
+run (:class:`supervisor.Supervisor`) or a session
+(:class:`session_supervisor.SessionSupervisor`), each built from the spare's
+resources, which are handed over by name (:meth:`Supervisor.__init__`).
+:func:`serve_spare` is the process's entry point; it is the one module that
+knows both kinds, so neither imports the other's.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import selectors
+import signal
+from typing import NoReturn, Optional
+
+from .. import wire
+from ..rank import worker
+from .rank_process import RankProcess, fork_idle_rank, set_nonblocking
+from .session_supervisor import SessionSupervisor
+from .supervisor import PR_SET_CHILD_SUBREAPER, SIGNALS, Supervisor
+
+
+class Spare:
+    """What a supervisor holds before it knows its run (see the module doc)."""
+
+    def __init__(self, control_fd: int) -> None:
+        self.control_fd = control_fd
+        self.idle: list[RankProcess] = []     # forked ahead, pipes registered; numbered at the run
+        self.sel = selectors.DefaultSelector()
+        self.fds: list[int] = []              # every fd a rank must not inherit
+        self.discarded: set[int] = set()
+        self.wakeup_r = self.wakeup_w = -1
+        self.ctx = self.sock = self.session = None
+        self.events_addr = ""
+
+    def install_signals(self) -> None:
+        worker.set_parent_death_signal(signal.SIGKILL)
+        r, w = os.pipe()
+        set_nonblocking(r)
+        set_nonblocking(w)
+        self.wakeup_r, self.wakeup_w = r, w
+        signal.set_wakeup_fd(w)
+        for sig in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+        self.fds = [self.control_fd, r, w, self.sel.fileno()]
+        # Orphans of the ranks (children that escaped their process group)
+        # become this process's children, so none can outlive the run.
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - non-Linux
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked across the zygote's fork
+
+    def prefork(self, n: int) -> None:
+        """Fork ``n`` idle ranks; each blocks until it is given the spec."""
+        for _ in range(n):
+            rank = fork_idle_rank(len(self.idle), self.fds, SIGNALS)
+            self.fds += [rank.go, *rank.fds.values()]
+            # Registered now, while idle: the run's critical path only numbers the ranks.
+            for kind, fd in rank.fds.items():
+                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
+            self.idle.append(rank)
+
+    def connect(self, events_addr: str) -> None:
+        import zmq  # only now: the ranks were forked from a single-threaded process
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(events_addr)
+        self.events_addr = events_addr
+        # The run's key arrives with the spec; until then a throwaway one.
+        self.session = wire.signed_session(wire.new_key())
+        # Walk the signing path once while idle: its first use after the fork
+        # (copy-on-write faults, lazy imports) would otherwise cost the run ~0.5 ms.
+        self.session.serialize(self.session.msg("run_event", {"kind": "warm-up", "pids": {0: 1}}))
+
+    def wait_for_spec(self) -> Optional[tuple]:
+        """Block until the zygote hands over a run (None: it dropped this spare)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # idle: a stop just ends it
+        try:
+            return wire.read_frame(self.control_fd)
+        finally:
+            signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def abandon(self) -> None:
+        """No run: every idle rank sees EOF on its go pipe and exits by itself."""
+        for rank in self.idle:
+            rank.release()
+        self.idle = []
+
+
+def serve_spare(control_fd: int, prefork: int, events_addr: str) -> NoReturn:
+    """Entry point in a supervisor forked ahead by the zygote. Never returns."""
+    spare = Spare(control_fd)
+    try:
+        spare.install_signals()
+        spare.prefork(prefork)
+        spare.connect(events_addr)   # after the last fork: ZMQ starts a thread
+        handed = spare.wait_for_spec()
+        if handed is None:           # the zygote is gone or dropped the spare
+            spare.abandon()
+            os._exit(0)
+        key, spec_bytes = handed
+        spec = pickle.loads(spec_bytes)
+    except BaseException:
+        spare.abandon()
+        os._exit(1)
+    kind = SessionSupervisor if spec.get("session") else Supervisor
+    kind(spare).serve(key, spec, spec_bytes)
