@@ -69,18 +69,19 @@ class SessionSupervisor(Supervisor):
         self.cells.setsockopt(zmq.LINGER, 0)
         self.cells.connect(self.spec["cells_addr"])
         self.sel.register(self.cells.getsockopt(zmq.FD), selectors.EVENT_READ, ("cells", None))
+        # The one loop's tables, for a session: cells come in; the stop button
+        # recalls a cell's ranks; a kill or SIGTERM loses the session.
+        self.sources["cells"] = lambda key: self._take_cells()
+        self.on_signal.update({signal.SIGUSR1: self._on_stop_button, signal.SIGUSR2: self._on_kill,
+                               signal.SIGTERM: self._on_kill})
+        self.on_signal.pop(signal.SIGHUP)   # the nodes of a session finish together: nothing to do
         self.logs.close()
         self.timeout_deadline = None   # --timeout is a cell's
         if self.stopping is None:
             self._wait_ready()
         if self.stopping is not None and self.ending is None:   # the rendezvous failed, a rank died
             self._lose(self.lost or "the session's ranks could not start")
-        while self.ending is None:
-            self._poll(self._next_timeout())
-            self._take_cells()
-            self._on_time()
-            if self.cell is not None and self.ending is None and all(r.back for r in self.ranks):
-                self._finish_cell()
+        self._serve_until(lambda: self.ending is not None)
         self._end()
 
     def _wait_ready(self) -> None:
@@ -128,18 +129,6 @@ class SessionSupervisor(Supervisor):
         self.cells.close()
 
     # -- cells from the kernel ------------------------------------------------------
-    def _poll(self, timeout: Optional[float]) -> None:
-        for key, _ in self.sel.select(timeout):
-            kind, rank = key.data
-            if kind == "signal":
-                self._on_signals()
-            elif kind == "store":
-                self._host_store(key.fd)
-            elif kind == "cells":
-                self._take_cells()
-            elif rank.fds.get(kind) == key.fd:
-                self._on_readable(kind, rank, key.fd)
-
     def _take_cells(self) -> None:
         """Every message waiting on the cells socket (its fd is edge-triggered:
         drain until none is left), verified before it is unpickled."""
@@ -201,59 +190,39 @@ class SessionSupervisor(Supervisor):
         return self.cell_sources
 
     # -- signals and exits ------------------------------------------------------------
-    def _on_signals(self) -> None:
-        try:
-            data = os.read(self.wakeup_r, 512)
-        except BlockingIOError:
-            return
-        for signum in data:
-            if signum == signal.SIGCHLD:
-                self._reap()
-            elif signum == signal.SIGUSR1:   # the stop button
-                if self.cell is not None:
-                    self._recall("interrupt")
-            elif signum in (signal.SIGUSR2, signal.SIGTERM):
-                if self.stopping is None:
-                    self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
-                self._lose("the stop did not bring every rank back in time, so the kernel ended the session"
-                           if signum == signal.SIGUSR2 else
-                           "the session's supervisor was sent SIGTERM by another process")
+    def _on_stop_button(self, signum: int) -> None:
+        if self.cell is not None:
+            self._recall("interrupt")
 
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            r = next((r for r in self.ranks if r.pid == pid), None)
-            if r is None:
-                continue
-            r.status, r.exit_time = status, time.monotonic()
-            r.release()
-            r.signal_group(signal.SIGKILL)
-            while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
-                pass
-            if self.ending is not None:
-                continue   # stopping anyway
-            code = os.waitstatus_to_exitcode(status)
-            what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            self.logs.note(r.rank, f"--- {what} ---")
-            if self.cell is not None:
-                self._drain(r)
-                r.output.end()
-                self._flush()
-                if not r.failed:
-                    self._note_failure(False, time.time(), r.rank, what)
-                self._send({"kind": "exit", "rank": r.rank,
-                            "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                            "signal": signal.Signals(-code).name if code < 0 else None,
-                            "stopped": False, "timestamp": time.time()})
-                r.back = True
-                if self.stopping is None:
-                    self.stopping = "failed"
-            self._lose(f"rank {r.rank} {what}; a session cannot go on without one of its ranks")
+    def _on_kill(self, signum: int) -> None:
+        if self.stopping is None:
+            self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
+        self._lose("the stop did not bring every rank back in time, so the kernel ended the session"
+                   if signum == signal.SIGUSR2 else "the session's supervisor was sent SIGTERM by another process")
+
+    def _on_rank_exit(self, r: RankProcess, status: int) -> None:
+        """A session's rank exited: the session cannot go on without it."""
+        while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
+            pass
+        if self.ending is not None:
+            return   # stopping anyway
+        code = os.waitstatus_to_exitcode(status)
+        what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        self.logs.note(r.rank, f"--- {what} ---")
+        if self.cell is not None:
+            self._drain(r)
+            r.output.end()
+            self._flush()
+            if not r.failed:
+                self._note_failure(False, time.time(), r.rank, what)
+            self._send({"kind": "exit", "rank": r.rank,
+                        "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                        "signal": signal.Signals(-code).name if code < 0 else None,
+                        "stopped": False, "timestamp": time.time()})
+            r.back = True
+            if self.stopping is None:
+                self.stopping = "failed"
+        self._lose(f"rank {r.rank} {what}; a session cannot go on without one of its ranks")
 
     # -- rank events --------------------------------------------------------------------
     def _on_rank_event(self, r: RankProcess, event: dict) -> None:
@@ -344,16 +313,16 @@ class SessionSupervisor(Supervisor):
         except ProcessLookupError:
             pass
 
-    def _next_timeout(self) -> Optional[float]:
-        due = super()._next_timeout()
-        for at in (self.recall_at, self.force_at, self.verdict_at):
-            if at is not None:
-                left = max(0.0, at - time.monotonic())
-                due = left if due is None else min(due, left)
-        return due
+    def _deadlines(self) -> list:
+        return super()._deadlines() + [self.recall_at, self.force_at, self.verdict_at]
 
     def _on_time(self) -> None:
-        now = time.monotonic()
+        self._take_cells()   # its socket's fd is edge-triggered: drained at every turn of the loop
+        self._on_cell_time(time.monotonic())
+        if self.cell is not None and self.ending is None and all(r.back for r in self.ranks):
+            self._finish_cell()
+
+    def _on_cell_time(self, now: float) -> None:
         if self.stall_check is not None and now >= self.stall_check:
             self._check_stall(now)   # as for one-shot runs: a back rank is one that finished
         if self.timeout_deadline is not None and now >= self.timeout_deadline:

@@ -84,6 +84,14 @@ class Supervisor:
         self.stall_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.logs = RankLogs("")
+        # The one event loop's tables (a session's supervisor adds to them):
+        # what a ready selector key of each kind means (a rank's pipes aside),
+        # and what each signal means.
+        self.sources = {"signal": lambda key: self._on_signals(), "store": lambda key: self._host_store(key.fd)}
+        self.on_signal = {signal.SIGCHLD: lambda signum: self._reap(),
+                          signal.SIGUSR1: lambda signum: self._stop("interrupt", stacks=True),
+                          signal.SIGHUP: lambda signum: self._peers_ended(),
+                          signal.SIGUSR2: self._stop_now, signal.SIGTERM: self._stop_now}
 
     # -- life cycle -------------------------------------------------------
     def serve(self, key: bytes, spec: dict, spec_bytes: bytes) -> NoReturn:
@@ -232,10 +240,9 @@ class Supervisor:
     def _poll(self, timeout: Optional[float]) -> None:
         for key, _ in self.sel.select(timeout):
             kind, rank = key.data
-            if kind == "signal":
-                self._on_signals()
-            elif kind == "store":
-                self._host_store(key.fd)
+            source = self.sources.get(kind)
+            if source is not None:
+                source(key)
             elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
 
@@ -430,15 +437,25 @@ class Supervisor:
         self.session.send(self.sock, "run_event", content)
 
     # -- event loop -------------------------------------------------------
-    def _loop(self) -> None:
-        while not all(r.reported for r in self.ranks):
+    def _serve_until(self, done) -> None:
+        """The one event loop of every supervisor: wait for what comes or is due,
+        then act on the time, until ``done()`` (a one-shot run: every rank is
+        reported; a session: it ended)."""
+        while not done():
             self._poll(self._next_timeout())
             self._on_time()
 
+    def _loop(self) -> None:
+        self._serve_until(lambda: all(r.reported for r in self.ranks))
+
+    def _deadlines(self) -> list:
+        """Every deadline the loop must wake up for (None: not set)."""
+        return [self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline, self.remote_check,
+                self.stall_check]
+
     def _next_timeout(self) -> Optional[float]:
         now = time.monotonic()
-        due = [d for d in (self.flush_due, self.stack_deadline, self.kill_deadline,
-                           self.timeout_deadline, self.remote_check, self.stall_check) if d is not None]
+        due = [d for d in self._deadlines() if d is not None]
         due += [r.exit_time + DRAIN_WAIT for r in self.ranks if r.status is not None and not r.reported]
         if self.stack_deadline is not None:
             due.append(now + STACK_QUIET)
@@ -484,19 +501,17 @@ class Supervisor:
         except BlockingIOError:
             return
         for signum in data:
-            if signum == signal.SIGCHLD:
-                self._reap()
-            elif signum == signal.SIGUSR1:
-                self._stop("interrupt", stacks=True)
-            elif signum == signal.SIGHUP:
-                self._peers_ended()
-            elif signum in (signal.SIGUSR2, signal.SIGTERM):
-                # SIGUSR2: the kernel's "stop now".  SIGTERM comes from elsewhere
-                # (a rank, the system, the launcher ending): the run says so.
-                if self.stopping is None:
-                    self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
-                self.stack_deadline = None
-                self._kill_all(signal.SIGKILL)
+            handler = self.on_signal.get(signum)
+            if handler is not None:
+                handler(signum)
+
+    def _stop_now(self, signum: int) -> None:
+        """SIGUSR2: the kernel's "stop now".  SIGTERM comes from elsewhere (a
+        rank, the system, the launcher ending): the run says so."""
+        if self.stopping is None:
+            self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
+        self.stack_deadline = None
+        self._kill_all(signal.SIGKILL)
 
     def _reap(self) -> None:
         while True:
@@ -509,24 +524,27 @@ class Supervisor:
             r = next((r for r in self.ranks if r.pid == pid), None)
             if r is None:
                 continue   # a discarded idle rank, or a rank's orphan we killed
-            r.status = status
+            r.status, r.exit_time = status, time.monotonic()
             r.release()
-            r.exit_time = time.monotonic()
             # Anything the rank started dies with it: no orphans.
             r.signal_group(signal.SIGKILL)
-            kill_orphans({r.pid for r in self.ranks})
-            if r.reported:
-                continue
-            # Its failure report (if any) is already in its event pipe:
-            # read it first, so the exit is not taken for the cause.
-            while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
-                pass
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0 and self.stopping is None:
-                if not r.failed:
-                    what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    self._note_failure(False, time.time(), r.rank, what)
-                self._stop("failed", stacks=False)
+            self._on_rank_exit(r, status)
+
+    def _on_rank_exit(self, r: RankProcess, status: int) -> None:
+        """A one-shot run's rank exited: a failure stops the run."""
+        kill_orphans({r.pid for r in self.ranks})
+        if r.reported:
+            return
+        # Its failure report (if any) is already in its event pipe:
+        # read it first, so the exit is not taken for the cause.
+        while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
+            pass
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and self.stopping is None:
+            if not r.failed:
+                what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                self._note_failure(False, time.time(), r.rank, what)
+            self._stop("failed", stacks=False)
 
     def _on_readable(self, kind: str, r: RankProcess, fd: int) -> bool:
         """Read what is there; False once nothing more is (EAGAIN or EOF)."""
