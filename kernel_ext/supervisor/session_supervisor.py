@@ -318,22 +318,18 @@ class SessionSupervisor(Supervisor):
 
     def _on_time(self) -> None:
         self._take_cells()   # its socket's fd is edge-triggered: drained at every turn of the loop
-        self._on_cell_time(time.monotonic())
+        super()._on_time()
         if self.cell is not None and self.ending is None and all(r.back for r in self.ranks):
             self._finish_cell()
 
-    def _on_cell_time(self, now: float) -> None:
-        if self.stall_check is not None and now >= self.stall_check:
-            self._check_stall(now)   # as for one-shot runs: a back rank is one that finished
-        if self.timeout_deadline is not None and now >= self.timeout_deadline:
-            self.timeout_deadline = None
-            self._recall("timeout")
-        if self.stack_deadline is not None:
-            live = [r for r in self._out() if r.in_cell]
-            dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
-            if dumped or now >= self.stack_deadline:
-                self.stack_deadline = None
-                self._interrupt_cell()
+    def _stack_waiters(self) -> list:
+        return [r for r in self._out() if r.in_cell]
+
+    def _after_stacks(self) -> None:
+        self._interrupt_cell()
+
+    def _on_policy_time(self, now: float) -> None:
+        """The recall's rungs: a second SIGINT, a fresh look at those still out, the verdict."""
         if self.force_at is not None and now >= self.force_at:
             self.force_at = None
             for r in self._out():
@@ -351,15 +347,12 @@ class SessionSupervisor(Supervisor):
             self.verdict_at = None
             if self._out():
                 self._lose(self._describe_stuck())
-        if self.kill_deadline is not None and now >= self.kill_deadline:
-            self.kill_deadline = None
-            self._kill_all(signal.SIGKILL)
-        for r in self.ranks:   # a rank that died: once its pipes are drained (see _reap)
-            if r.status is not None and not r.reported and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
-                self._close_pipes(r)
-                r.reported = True
-        if self.flush_due is not None and now >= self.flush_due:
-            self._flush()
+
+    def _settle(self, r: RankProcess, now: float) -> None:
+        """A rank that died: done with once its pipes are drained (see _on_rank_exit)."""
+        if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
+            self._close_pipes(r)
+            r.reported = True
 
     def _stop(self, reason: str, stacks: bool) -> None:
         """The one-shot supervisor's stop (its stall check calls it): here, a recall."""

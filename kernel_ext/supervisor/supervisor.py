@@ -462,6 +462,9 @@ class Supervisor:
         return max(0.0, min(due) - now) if due else None
 
     def _on_time(self) -> None:
+        """What is due now: the one escalation ladder (stall check, --timeout,
+        stacks then the stop, the kill), whatever the kind of run; the hooks
+        below are where a session's supervisor differs."""
         now = time.monotonic()
         if self.remote_check is not None and now >= self.remote_check:
             self._check_remote()
@@ -471,29 +474,45 @@ class Supervisor:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)
         if self.stack_deadline is not None:
-            live = self._working()
+            live = self._stack_waiters()
             dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
             if dumped or now >= self.stack_deadline:
                 self.stack_deadline = None
-                self._terminate()
+                self._after_stacks()
+        self._on_policy_time(now)
         if self.kill_deadline is not None and now >= self.kill_deadline:
             self.kill_deadline = None
             self._kill_all(signal.SIGKILL)
         for r in self.ranks:
-            if r.reported:
-                continue
-            if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
-                self._report_exit(r)
-            elif r.status is None and r.done and "ev" not in r.fds:
-                # It delivered its result and closed its outputs (the event
-                # pipe last), so all it wrote is in its pipes: its exit (0) is
-                # a formality.  Report now; it is parked until "finished".
-                # Its stdout may still be held open by a process it started:
-                # that process is killed when the rank exits, not waited for.
-                self._drain(r)
-                self._report_exit(r)
+            if not r.reported:
+                self._settle(r, now)
         if self.flush_due is not None and now >= self.flush_due:
             self._flush()
+
+    # -- the hooks of the ladder (a one-shot run's; SessionSupervisor has its own) --
+    def _stack_waiters(self) -> list:
+        """The ranks whose stacks a stop waits for."""
+        return self._working()
+
+    def _after_stacks(self) -> None:
+        """The stacks are in (or their wait is over): the stop itself."""
+        self._terminate()
+
+    def _on_policy_time(self, now: float) -> None:
+        """Deadlines of a kind of run of its own (none for a one-shot run)."""
+
+    def _settle(self, r: RankProcess, now: float) -> None:
+        """Report a rank's exit once all it wrote is read."""
+        if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
+            self._report_exit(r)
+        elif r.status is None and r.done and "ev" not in r.fds:
+            # It delivered its result and closed its outputs (the event
+            # pipe last), so all it wrote is in its pipes: its exit (0) is
+            # a formality.  Report now; it is parked until "finished".
+            # Its stdout may still be held open by a process it started:
+            # that process is killed when the rank exits, not waited for.
+            self._drain(r)
+            self._report_exit(r)
 
     def _on_signals(self) -> None:
         try:
