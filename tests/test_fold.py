@@ -271,3 +271,23 @@ def test_an_exit_with_code_0_mid_cell_is_the_root_cause_even_when_its_supervisor
            for m in rec.SLURM_EXIT_0_AFTER_INIT]
     _, outcome = replay(seq, ranks=range(4), num_nodes=2)
     assert outcome.finished.root_cause.rank == 2
+
+
+def test_a_kernel_per_node_stops_its_ranks_waiting_for_a_rank_that_left_on_another_node():
+    """Node 0's fold sees only node 0's ranks; node 1's departure comes through the
+    store as ``remote_departed`` (see Supervisor._check_remote)."""
+    fold = RunFold("r1", [0, 1], num_nodes=2)
+    for msg in ({"kind": "started", "pids": {0: 11, 1: 12}},
+                {"kind": "rank_event", "rank": 0, "event": {"kind": "joining"}},
+                {"kind": "rank_event", "rank": 1, "event": {"kind": "joining"}}):
+        fold.feed(msg)
+        assert not fold.must_stop()
+    fold.feed({"kind": "remote_departed", "rank": 2, "node": 1, "how": "sys.exit(0)"})
+    assert fold.must_stop()
+    for msg in rec.SLURM_LEFT_BEFORE_INIT_STOPPED:
+        if msg.get("rank") in (None, 0, 1):
+            fold.feed(msg)
+    with pytest.raises(DistributedStallError) as info:
+        conclude(fold.outcome(), SLURM_CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank(s) 0, 1 wait in init_process_group for rank 2 (on node 1), "
+                                      "which had already finished the cell (sys.exit(0))")

@@ -125,6 +125,37 @@ def test_a_failing_rank_on_one_node_ends_both_cells(nodes):
         _quiet(node)
 
 
+@pytest.mark.parametrize("per_node", [2, 1])
+def test_a_rank_on_node_1_that_leaves_before_init_process_group_ends_both_cells_naming_it(nodes, per_node):
+    """Node 1's first rank finishes the cell (sys.exit(0)) before init_process_group,
+    where every other rank waits for it: each kernel sees only its own node, so
+    node 1 says it in node 0's store and node 0's kernel stops its waiting ranks
+    too, naming the rank and its node (one rank per node: node 1 has no one
+    waiting, and ends as its rank did)."""
+    port = _free_port()
+    cell = (f"%%distributed -n {per_node} --num_nodes 2 --node_rank {{node}} --master_addr 127.0.0.1 "
+            f"--master_port {port} --output text --rendezvous_timeout 60\n"
+            "import os, sys, torch.distributed as dist\n"
+            f"if os.environ['RANK'] == '{per_node}':\n    sys.exit(0)\n"
+            "dist.init_process_group('gloo')\ndist.barrier()\n")
+    started = time.monotonic()
+    msgs = [nodes[i].start(cell.format(node=i)) for i in (0, 1)]
+    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    assert time.monotonic() - started < 30, outs
+    error = outs[0]["error"]
+    assert error is not None and error["ename"] == "DistributedStallError", outs[0]
+    waiting = ", ".join(map(str, range(per_node)))
+    assert error["evalue"].startswith(f"rank(s) {waiting} wait in init_process_group for rank {per_node} "
+                                      "(on node 1), which had already finished the cell (sys.exit(0))"), error
+    if per_node == 2:
+        assert outs[1]["error"]["ename"] == "DistributedStallError", outs[1]
+        assert outs[1]["error"]["evalue"].startswith("rank(s) 3 wait in init_process_group for rank 2,"), outs[1]
+    else:
+        assert outs[1]["error"] is None, outs[1]
+    for node in nodes:
+        _quiet(node)
+
+
 def test_max_restarts_with_a_kernel_per_node_a_failure_on_node_1_restarts_both_nodes(nodes):
     """A rank on node 1 fails in the first attempt only: both kernels' cells go
     to a second attempt on a fresh rendezvous round and succeed, one world of 4."""

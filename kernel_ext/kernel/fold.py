@@ -109,6 +109,7 @@ class RunFold:
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
             Kind.WAITING: self._waiting, Kind.RENDEZVOUS_FAILED: self._rendezvous_failed,
             Kind.STALLED: self._stalled, Kind.REMOTE_FAILURE: self._remote_failure,
+            Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
         }
         self.rank_handlers = {
@@ -244,6 +245,12 @@ class RunFold:
     def _remote_failure(self, msg: dict) -> None:
         self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
                                      timestamp=0.0)
+
+    def _remote_departed(self, msg: dict) -> None:
+        """A kernel per node: another node's rank finished the cell without
+        joining the world (this node's ranks may wait for it: must_stop)."""
+        self.departed[msg["rank"]] = (msg["how"], self.clock())
+        self.node_of.setdefault(msg["rank"], str(msg["node"]))
 
     def _supervisor_error(self, msg: dict) -> None:
         raise LauncherError("the run's supervisor failed:\n" + msg["traceback"])

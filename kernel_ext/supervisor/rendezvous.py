@@ -34,6 +34,7 @@ JOINED = "accel_magics/nodes_joined"
 FINISHED = "accel_magics/nodes_finished"
 CHECKED = "accel_magics/nodes_checked"   # restarts may follow: every node has looked for a failure elsewhere
 FAILED = "accel_magics/failure"
+DEPARTED = "accel_magics/departed"   # ranks that finished the cell without joining the world (a count, then each)
 
 
 class RendezvousTimeout(Exception):
@@ -227,6 +228,25 @@ class NodeRendezvous:
         except Exception:
             pass
         return None
+
+    def report_departed(self, node_rank: int, rank: int, how: str) -> None:
+        """A rank of this node finished the cell without joining the world: the
+        other nodes' ranks that wait for it in init_process_group never will."""
+        try:
+            index = int(self.store.add(DEPARTED, 1)) - 1
+            self.store.set(f"{DEPARTED}/{index}", json.dumps({"node": node_rank, "rank": rank, "how": how}))
+        except Exception:
+            pass
+
+    def departed_elsewhere(self, seen: int) -> tuple[int, list]:
+        """The departures reported after the first ``seen`` (how many there are
+        now, and those of other nodes)."""
+        try:
+            count = int(self.store.add(DEPARTED, 0))
+            found = [json.loads(self.store.get(f"{DEPARTED}/{i}")) for i in range(seen, count)]
+        except Exception:
+            return seen, []
+        return count, [d for d in found if d["node"] != self.node_rank]
 
     def finish(self, name: str = FINISHED) -> None:
         """Count this node as done (``FINISHED``), or as having checked (``CHECKED``)."""

@@ -81,6 +81,7 @@ class Supervisor:
         self.spec: dict = {}
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
+        self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
         self.stall_check: Optional[float] = None
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.logs = RankLogs("")
@@ -375,8 +376,13 @@ class Supervisor:
         self._stop("stalled", stacks=True)
 
     def _check_remote(self) -> None:
-        """Several nodes: stop when another node reports a failure; report ours."""
+        """Several nodes: stop when another node reports a failure; report ours.
+        Ranks of other nodes that left without joining the world go to the
+        kernel too (its fold sees whether one of ours waits for them)."""
         self.remote_check = time.monotonic() + REMOTE_CHECK
+        self.departures_seen, departed = self.rdzv.departed_elsewhere(self.departures_seen)
+        for d in departed:
+            self._send({"kind": "remote_departed", **d})
         remote = self.rdzv.remote_failure()
         if remote is not None and self.stopping is None:
             self._send({"kind": "remote_failure", **remote})
@@ -645,6 +651,9 @@ class Supervisor:
             summary = bound_text(summary, head=20, tail=20)
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
+            if self.remote_check is not None and not event.get("in_world"):   # a kernel per node
+                self.rdzv.report_departed(self.spec["node_rank"], r.rank,
+                                          "sys.exit(0)" if event.get("exited") else "returned")
             r.done_time = time.monotonic()
             # The rank's last event: stop reading its event and stack pipes
             # now, a process the cell started may hold them open for long.

@@ -24,6 +24,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
 ``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause
+``remote_departed``    ``rank``, ``node``, ``how``: a rank of another node finished the cell without
+                       joining the world (a kernel per node)
 ``supervisor_error``   ``traceback``, ``message``
 ``session_lost``       ``lost``: why the session's ranks are gone
 ``finished``           ``reason`` (a :class:`StopReason` or None), ``elapsed``; ``session``
@@ -65,6 +67,7 @@ class Kind(_Text):
     RENDEZVOUS_FAILED = "rendezvous_failed"
     STALLED = "stalled"
     REMOTE_FAILURE = "remote_failure"
+    REMOTE_DEPARTED = "remote_departed"
     SUPERVISOR_ERROR = "supervisor_error"
     SESSION_LOST = "session_lost"
     FINISHED = "finished"
