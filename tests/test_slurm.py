@@ -573,6 +573,32 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         k.end_now()
 
 
+def test_a_slurm_session_whose_rank_dies_between_cells_is_lost_and_nothing_outlives_the_kernel(cluster):
+    """kill -9 of a session rank on n2 between cells: the next session cell says the
+    session was lost (where, and why), a new session starts; a kernel killed with
+    -9 while that session lives leaves nothing on any node nor in squeue."""
+    k = AllocKernel(cluster)
+    try:
+        k.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
+        res = k.ok("%%distributed --session --output text\nimport os\nprint('pid', os.getpid())", timeout=120)
+        pids = {r: int(lines[-1].split()[-1]) for r, lines in by_rank(res.stdout).items()}
+        os.kill(pids[3], signal.SIGKILL)
+        wait_until(lambda: not alive(pids[3]), 10, "rank 3 to be gone")
+        lost = k.run("%%distributed --session\npass", timeout=120)
+        assert lost.error is not None and lost.error["ename"] in ("UsageError", "SessionLostError"), lost.error_text
+        assert "lost" in lost.error["evalue"] and "n2" in lost.error["evalue"], lost.error_text
+        wait_until(lambda: not any(alive(p) for p in pids.values()), 20, "every rank of the lost session to be gone")
+        k.ok("%distributed_session restart", timeout=240)
+        assert sorted(by_rank(k.ok("%%distributed --session --output text\nprint('again')",
+                                   timeout=120).stdout)) == [0, 1, 2, 3]
+        k.kc.stop_channels()
+        os.kill(k.pid, signal.SIGKILL)
+        wait_until(lambda: not k.processes(), 20, "every process of the session on both nodes to end")
+        wait_until(lambda: not cluster.steps(k.job), 15, "the agents' step to leave squeue")
+    finally:
+        k.end_now()
+
+
 def srun_pid(k: "AllocKernel") -> int:
     for pid in k.processes():
         with open(f"/proc/{pid}/stat") as f:
