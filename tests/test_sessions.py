@@ -256,6 +256,7 @@ def test_a_session_timeout_keeps_the_session_and_shows_each_ranks_stack(session)
     ok_cell(k, "kept = 'yes'")
     res = cell(k, "import time\ndef slow_step():\n    time.sleep(600)\nslow_step()", flags="--timeout 2")
     assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert "exceeded --timeout 2s" in res.error["evalue"], res.error["evalue"]   # the cell's own, said
     assert "slow_step" in res.error_text and "rank 1:" in res.error_text and "The session lives on" in res.error_text
     assert by_rank(ok_cell(k, "print(kept)").stdout) == {0: ["yes"], 1: ["yes"]}
 

@@ -263,7 +263,8 @@ def _session_pids(kernel) -> list[int]:
 
 def test_a_slurm_session_cell_stopped_by_the_button_or_in_the_background_lives_on(kernel):
     """The stop button in a session cell on both nodes: every rank is back at its
-    prompt with its state; a background session cell returns at once, keeps the
+    prompt with its state (and a cell's --timeout later is still the cell's: the
+    stop's escalation does not outlive its cell); a background session cell returns at once, keeps the
     agents (a one-shot Slurm cell meanwhile is a UsageError) and its handle's
     wait() gives rank 0's value."""
     kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
@@ -280,6 +281,12 @@ def test_a_slurm_session_cell_stopped_by_the_button_or_in_the_background_lives_o
         assert all(f"rank {r}:" in res.error_text for r in range(4)), res.error_text   # every node's stacks
         res = kernel.ok("%%distributed --session --output text\nprint('state', state)", timeout=120)
         assert [lines[-1] for lines in by_rank(res.stdout).values()] == ["state 41"] * 4, res.stdout
+        res = kernel.run("%%distributed --session --output text --timeout 3\n"
+                         "def stuck_in_the_session():\n    time.sleep(3600)\nstuck_in_the_session()", timeout=120)
+        assert res.error is not None and res.error["ename"] == "DistributedTimeoutError", res.error_text
+        assert "exceeded --timeout 3s" in res.error["evalue"], res.error["evalue"]
+        assert all(f"rank {r}:" in res.error_text for r in range(4)), res.error_text   # every node's stacks
+        assert "stuck_in_the_session" in res.error_text and "The session lives on" in res.error_text, res.error_text
         kernel.ok("h = None", timeout=10)
         res = kernel.ok("%%distributed --session --background --output text\ntime.sleep(2)\nstate + 1",
                         timeout=60)

@@ -256,6 +256,12 @@ class RunHandle(Attempt):
             self._why = "it did not answer the stop"
             self.force_kill()
 
+    def signal_stop(self) -> None:
+        """The stop alone (stacks, then the stop), with no escalation of its own:
+        for a holder that leaves that to whoever reads the run (a Slurm node's
+        agent holding a session's part: the kernel escalates, cell by cell)."""
+        self._signal(signal.SIGUSR1)
+
     def peers_ended(self) -> None:
         """A run on several nodes, dispatched together: another node failed
         (this one stops), or every node is done (node 0 closes its store)."""

@@ -15,6 +15,7 @@ cell that bound it last; :meth:`push` hands names back to the kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -241,6 +242,7 @@ class DistributedSession:
         self.check()
         started = time.time()
         run_id = uuid.uuid4().hex[:12]
+        cfg = dataclasses.replace(self.cfg, timeout=timeout)   # the cell's own --timeout (its error says it)
         handle = self._handle(run_id, timeout)
         # Marked current only once there is a handle to close: ``finally`` unmarks it.
         self.current, self.current_control = label, control
@@ -250,7 +252,7 @@ class DistributedSession:
             if control is not None:
                 control.attach(handle)
             try:
-                outcome = collect(handle, self.cfg, 0, emit, heartbeat)
+                outcome = collect(handle, cfg, 0, emit, heartbeat)
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()
@@ -263,7 +265,7 @@ class DistributedSession:
             if outcome.session == "lost":
                 self.lost = outcome.lost or "its ranks could not go on"
                 try:
-                    conclude(outcome, self.cfg, 0, started)
+                    conclude(outcome, cfg, 0, started)
                 except BaseException as exc:
                     cause = exc
                 else:
@@ -272,7 +274,7 @@ class DistributedSession:
                 self._forget()
                 raise SessionLostError(self.lost, cause) from None
             try:
-                result = conclude(outcome, self.cfg, 0, started)
+                result = conclude(outcome, cfg, 0, started)
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
                 exc.after = ALIVE_NOTE
                 raise

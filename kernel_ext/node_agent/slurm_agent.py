@@ -210,7 +210,9 @@ class Agent:
                 self.cell_id = msg["content"]["run_id"]
             self.session_signer.send(self.session_cells[0], op, msg["content"])
         elif op == "interrupt" and msg.get("run_id") == self.cell_id:
-            self.part.interrupt()
+            # The kernel escalates (it reads the cell); an escalation armed here
+            # would outlive the cell and end the session cells later.
+            self.part.signal_stop()
         elif op == "kill":
             self.part.rank_pids = set(msg.get("pids", ()))
             self.part.kill()
