@@ -278,13 +278,15 @@ class DistributedMagics(Magics):
                 events[0].close(linger=0)
             presenter.finish()
 
-    def start_background(self, presenter, target, label: str, where: str = ""):
-        """Start ``target(control)`` in its own thread; the handle the cell returns."""
+    def start_background(self, presenter, target, label: str, where: str = "", owner: object = None):
+        """Start ``target(control)`` in its own thread; the handle the cell returns.
+        ``owner``: the session whose ranks it runs on (stopping that session stops
+        it, and no other background run)."""
         from accel_magics.kernel_ext.kernel.background import BackgroundRun
 
         from .background_handle import BackgroundCell
 
-        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run))
+        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run), owner=owner)
         self.background_runs.add(run)
         return BackgroundCell(run, label, self.deliver, where)
 

@@ -115,7 +115,7 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             presenter.finish()
 
     if args.background:
-        handle = magics.start_background(presenter, run, label=label, where="in the session")
+        handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session)
         if on_slurm:
             magics.slurm_busy = handle
         return handle
@@ -229,9 +229,10 @@ class SessionMagics(Magics):
             if not quiet:
                 print("accel_magics: no session is running.")
             return
-        for run in list(self.dist.background_runs):   # its background cell first
+        own = [run for run in list(self.dist.background_runs) if run.owner is session]
+        for run in own:   # its background cell first (one-shot background runs have ranks of their own)
             run.stop()
-        for run in list(self.dist.background_runs):
+        for run in own:
             run.wait(30)
         started = time.monotonic()
         session.stop()

@@ -307,6 +307,30 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
     assert "done in" in k.ok("h").result
 
 
+def test_stopping_or_restarting_the_session_leaves_a_one_shot_background_run_alone(clean_kernel, tmp_path):
+    """Issue 24 item 2: `%distributed_session stop` and `restart` stopped every
+    background run, a long one-shot training run with ranks of its own included.
+    Only the session's own cells are its to stop."""
+    k = clean_kernel
+    up, go = tmp_path / "up", tmp_path / "go"
+    k.ok(START)
+    k.ok(f"%%distributed -n 2 --background --output text\nimport os, time\n"
+         f"open('{up}' + os.environ['RANK'], 'w').close()\n"
+         f"deadline = time.monotonic() + 90\n"
+         f"while not os.path.exists('{go}') and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+         "'survived' if os.path.exists('" + str(go) + "') else 'gave up'")
+    k.ok("h = _")
+    wait_until(lambda: all(os.path.exists(f"{up}{r}") for r in range(2)), 60, "the background run's ranks to run")
+    k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(600)")
+    k.ok("own = _")
+    k.ok("%distributed_session restart", timeout=120)
+    assert k.ok("own.status").result == "'interrupted'"   # the session's own cell: stopped with it
+    k.ok("%distributed_session stop", timeout=60)
+    assert k.ok("h.status").result == "'running'"
+    go.touch()
+    assert k.ok("h.wait(60)", timeout=90).result == "'survived'"
+
+
 def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
     k = clean_kernel
     k.ok("%%distributed -n 2 --background --output text\nimport os, time\n"

@@ -22,8 +22,9 @@ class BackgroundRun:
     """``target(control)`` in a daemon thread; its result or its error, once done."""
 
     def __init__(self, target: Callable[[RunControl], RunResult], name: str = "",
-                 on_done: Optional[Callable[["BackgroundRun"], None]] = None) -> None:
+                 on_done: Optional[Callable[["BackgroundRun"], None]] = None, owner: object = None) -> None:
         self.control = RunControl()
+        self.owner = owner   # whose ranks it runs on (a session), None for ranks of its own
         self.result: Optional[RunResult] = None
         self.error: Optional[BaseException] = None
         self.started = time.monotonic()
