@@ -291,3 +291,21 @@ def test_a_kernel_per_node_stops_its_ranks_waiting_for_a_rank_that_left_on_anoth
         conclude(fold.outcome(), SLURM_CFG, attempt=0, started=0.0)
     assert str(info.value).startswith("rank(s) 0, 1 wait in init_process_group for rank 2 (on node 1), "
                                       "which had already finished the cell (sys.exit(0))")
+
+
+def test_no_message_says_rank_s_dash():
+    """Issue 24 item 8: "rank(s) - were stopped" when no rank was listed."""
+    from accel_magics.kernel_ext.kernel.errors import RunInterrupted
+
+    assert str(RunInterrupted({}, [])) == "interrupted: no rank was still running"
+    assert str(RunInterrupted({}, [0, 2])) == "interrupted: rank(s) 0, 2 were stopped"
+    assert str(DistributedTimeoutError(3, {}, [])) == "the run exceeded --timeout 3s; its ranks were stopped"
+    assert str(DistributedTimeoutError(3, {}, [1])).endswith("rank(s) 1 had not finished and were stopped")
+    seq = [m for m in rec.LOCAL["timeout"] if m["kind"] != "finished"] + [
+        {"kind": "finished", "reason": "terminated", "forced": None, "terminated_on": []}]
+    seq = [({**m, "stopped": False} if m["kind"] == "exit" else m) for m in seq]
+    _, outcome = replay(seq)
+    outcome.unfinished = []
+    with pytest.raises(Exception) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert "rank(s) -" not in str(info.value) and str(info.value).endswith("so every rank was stopped."), info.value

@@ -86,6 +86,11 @@ class DistributedRunError(ReportedError, RuntimeError):
         return "".join(parts)
 
 
+def ranks_text(ranks, none: str) -> str:
+    """``"rank(s) 0, 1"``, or what to say when there is none (never "rank(s) -")."""
+    return f"rank(s) {', '.join(map(str, ranks))}" if ranks else none
+
+
 def format_stacks(stacks: dict[int, str]) -> str:
     parts = ["\n--- where each unfinished rank was (most recent call first) ---\n"]
     for rank, text in sorted(stacks.items()):
@@ -107,8 +112,9 @@ class DistributedTimeoutError(ReportedError, TimeoutError):
         self.unfinished = unfinished
         self.note = note
         super().__init__(
-            f"the run exceeded --timeout {timeout:g}s; rank(s) {', '.join(map(str, unfinished)) or '-'} "
-            "had not finished and were stopped"
+            f"the run exceeded --timeout {timeout:g}s; "
+            + (f"{ranks_text(unfinished, '')} had not finished and were stopped" if unfinished else
+               "its ranks were stopped")
         )
 
     def report(self) -> str:
@@ -150,7 +156,8 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         self.unfinished = unfinished
         self.note = note
         super().__init__(
-            f"interrupted: rank(s) {', '.join(map(str, unfinished)) or '-'} were stopped"
+            f"interrupted: {ranks_text(unfinished, 'no rank was still running')}"
+            + (" were stopped" if unfinished else "")
         )
 
     def report(self) -> str:

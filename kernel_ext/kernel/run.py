@@ -17,7 +17,7 @@ from typing import Any, Optional
 from . import events as ev
 from ..environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, RendezvousError,
-                     RunInterrupted, RunTerminated, forced_note)
+                     RunInterrupted, RunTerminated, forced_note, ranks_text)
 from .fold import EventSink, Outcome, RunFold
 from .launcher import Launcher
 from .placement import Attempt, LocalPlacement, Placement
@@ -184,8 +184,8 @@ def _terminated(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
     where = f" on node {', '.join(outcome.terminated_on)}" if outcome.terminated_on else ""
     return RunTerminated(
         f"the run's supervisor{where} was sent SIGTERM by another process (a rank's os.kill, "
-        f"the system, a job scheduler), so every rank was stopped: rank(s) "
-        f"{', '.join(map(str, outcome.unfinished)) or '-'} had not finished.")
+        f"the system, a job scheduler), so every rank was stopped"
+        + (f": {ranks_text(outcome.unfinished, '')} had not finished." if outcome.unfinished else "."))
 
 
 def _timed_out(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
