@@ -476,23 +476,31 @@ def test_a_launcher_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatc
     assert counts[1:] == counts[:1] * 3, f"open fds per attempt: {counts}"   # (the first made ZMQ's context)
 
 
-def test_logs_are_private_whatever_the_umask(tmp_path):
+@pytest.mark.parametrize("where", ["ACCEL_MAGICS_LOG_DIR", "XDG_CACHE_HOME"])
+def test_logs_are_private_whatever_the_umask(tmp_path, where):
     """Item 11: log dirs were 0755 and files 0644 (0777/0666 with umask 000);
-    another local user read an HF_TOKEN a rank printed."""
+    another local user read an HF_TOKEN a rank printed.  Issue 24 item 8: the
+    parents made for the default root ($XDG_CACHE_HOME/accel_magics) were 0777."""
     import glob
     import os
 
     from conftest import LoadedKernel
+    if where == "XDG_CACHE_HOME":   # the default root, two levels to make: accel_magics/runs
+        env, root, made = ({"ACCEL_MAGICS_LOG_DIR": "", "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                           tmp_path / "cache" / "accel_magics" / "runs", [tmp_path / "cache" / "accel_magics"])
+    else:
+        env, root, made = {"ACCEL_MAGICS_LOG_DIR": str(tmp_path / "logs")}, tmp_path / "logs", []
     old = os.umask(0)   # the kernel, its launcher and ranks inherit it
     try:
-        k = LoadedKernel(extra_env={"ACCEL_MAGICS_LOG_DIR": str(tmp_path / "logs")})
+        k = LoadedKernel(extra_env=env)
     finally:
         os.umask(old)
     try:
         k.ok("%%distributed -n 2 --output text\nprint('HF_TOKEN=hf_secret')\n")
-        runs = glob.glob(str(tmp_path / "logs" / "*"))
+        runs = glob.glob(str(root / "*"))
         assert len(runs) == 1
-        assert os.stat(tmp_path / "logs").st_mode & 0o777 == 0o700
+        for directory in [root, *made]:
+            assert os.stat(directory).st_mode & 0o777 == 0o700, (directory, oct(os.stat(directory).st_mode))
         assert os.stat(runs[0]).st_mode & 0o777 == 0o700
         files = glob.glob(runs[0] + "/*") + glob.glob(runs[0] + "/.*")
         assert files and all(os.stat(f).st_mode & 0o777 == 0o600 for f in files), \

@@ -32,6 +32,25 @@ MARKER = ".accel_magics-run"   # in every run directory this project made; locke
 _OPEN = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
+def make_private_dirs(path: str) -> None:
+    """``os.makedirs``, with every directory it makes private (0700) whatever
+    the umask: makedirs gives the parents it creates 0777 minus the umask, so
+    under umask 000 ``$XDG_CACHE_HOME/accel_magics`` was world-writable."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            continue   # made meanwhile (another run): not ours to change
+        os.chmod(directory, 0o700)   # mkdir's mode is cut by the umask, never widened: set it
+
+
 class RankLogs:
     def __init__(self, directory: str) -> None:
         self.dir = directory
@@ -72,8 +91,7 @@ class RankLogs:
     def _open_dir(self) -> None:
         """Make the run's directory (or, for a restart, take the one this run made)."""
         root = os.path.dirname(self.dir)
-        if not os.path.isdir(root):
-            os.makedirs(root, mode=0o700, exist_ok=True)
+        make_private_dirs(root)
         try:
             os.mkdir(self.dir, 0o700)
             fresh = True
