@@ -612,14 +612,17 @@ def test_no_rank_ever_holds_the_key_that_signs_its_supervisors_messages(clean_ke
 def test_a_return_value_that_cannot_come_back_is_an_error_not_a_stand_in(clean_kernel):
     """Also seen: a --return value that failed to unpickle in the kernel silently became a placeholder."""
     k = clean_kernel
-    res = k.run("%%distributed -n 2 --output text --return good bomb lock\n"
-                "import threading\n"
+    res = k.run("%%distributed -n 2 --output text --return good bomb lock leave\n"
+                "import sys, threading\n"
                 "class Bomb:\n    def __reduce__(self):\n        return (eval, ('1/0',))\n"
-                "good, bomb, lock = 42, Bomb(), threading.Lock()\n")
+                "class Quit:\n    def __reduce__(self):\n        return (sys.exit, (3,))\n"
+                "good, bomb, lock, leave = 42, Bomb(), threading.Lock(), Quit()\n")
     assert res.error["ename"] == "ReturnValueError", res.error_text
     assert "'bomb' could not be brought back (ZeroDivisionError" in res.error["evalue"]
     assert "'lock' could not be brought back (TypeError" in res.error["evalue"]
-    assert k.ok("print(good, 'bomb' in dir(), 'lock' in dir())").stdout == "42 False False\n"
+    # issue 24 item 8: a value whose unpickling raises SystemExit escaped raw
+    assert "'leave' could not be brought back (SystemExit" in res.error["evalue"], res.error_text
+    assert k.ok("print(good, 'bomb' in dir(), 'lock' in dir(), 'leave' in dir())").stdout == "42 False False False\n"
 
 
 def test_a_rank_that_sigterms_its_supervisor_is_not_reported_as_an_interrupt(clean_kernel):

@@ -239,6 +239,8 @@ class RemoteRepr:
 def _unpack(packed: dict):
     try:
         return loads_value(packed)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:   # SystemExit too: a value's __reduce__ may call anything
         text = packed.get("repr") or f"<{packed.get('type', 'a value')} object that could not be loaded>"
         return RemoteRepr(text, f"{type(exc).__name__}: {exc}" if "blob" in packed else str(exc))
