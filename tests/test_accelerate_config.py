@@ -132,3 +132,31 @@ def test_a_bad_config_is_a_usage_error_before_anything_starts(clean_kernel, tmp_
     assert "Accelerate cannot launch" in res.error["evalue"] and "fp12" in res.error["evalue"], res.error["evalue"]
     assert "Nothing was launched" in res.error["evalue"]
     k.ok("%%distributed -n 2 --output text\nprint('still fine')")
+
+
+def test_an_edit_that_keeps_size_and_time_is_read_and_a_huge_file_fails_at_once(tmp_path):
+    """Issue 24 item 8: the cache was keyed on path, mtime and size, so `cp -p` of a
+    same-size edit ran the old settings; a 200 MB "config" blocked the cell 120 s."""
+    import time as _time
+
+    from accel_magics.kernel_ext.environment import ConfigError
+    from accel_magics.kernel_ext.kernel import accelerate_config
+
+    config = tmp_path / "a.yaml"
+    config.write_text(FSDP_CONFIG)
+    first = accelerate_config.load(str(config), {})
+    assert first.env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    st = os.stat(config)
+    config.write_text(FSDP_CONFIG.replace("mixed_precision: bf16", "mixed_precision: fp16"))   # same size
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(config).st_size == st.st_size and os.stat(config).st_mtime_ns == st.st_mtime_ns
+    assert accelerate_config.load(str(config), {}).env["ACCELERATE_MIXED_PRECISION"] == "fp16"
+
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as f:
+        f.truncate(200 * 2**20)   # sparse: 200 MB to read, none on disk
+    started = _time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        accelerate_config.load(str(huge), {})
+    assert _time.monotonic() - started < 2
+    assert "200.0 MiB, not an Accelerate config" in str(info.value)

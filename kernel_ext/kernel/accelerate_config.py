@@ -12,7 +12,7 @@ That code runs in a short-lived subprocess (``python -m
 accel_magics.kernel_ext.kernel.accelerate_config``): it imports torch and asks it
 about devices, which must not happen in the kernel (the pre-flight check
 guards the kernel's CUDA state), and its warnings go to a pipe, not into the
-notebook.  The answer is cached per file version and flags, so only the
+notebook.  The answer is cached per file content and flags, so only the
 first cell with a given config pays the ~2 s.
 
 Precedence (decided here, as ``accelerate launch`` does with its flags):
@@ -21,6 +21,7 @@ file, and the file wins over built-in defaults.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -90,6 +91,22 @@ def resolve(value: str) -> str:
 
 
 _cache: dict = {}
+#: An Accelerate config is a few hundred bytes; a file this big is not one (and
+#: reading it must not block the cell).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _content_key(path: str, value: str) -> str:
+    """What the cache is keyed on: the file's content (an edit that keeps the size
+    and the time, ``cp -p``, is still an edit), read once, bounded."""
+    size = os.stat(path).st_size
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if max(size, len(data)) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config_file {value}: {path} is {max(size, len(data)) / 2**20:.1f} MiB, not an "
+                          f"Accelerate config (those are a few hundred bytes; the limit is "
+                          f"{MAX_CONFIG_BYTES >> 20} MiB). Check the path.")
+    return hashlib.sha256(data).hexdigest()
 
 
 def load(value: str, flags: dict, *, python: str = sys.executable, timeout: float = TIMEOUT) -> AccelerateLaunch:
@@ -98,8 +115,7 @@ def load(value: str, flags: dict, *, python: str = sys.executable, timeout: floa
     main_process_ip, main_process_port, mixed_precision), into the ranks'
     environment.  ConfigError with Accelerate's own message if it refuses."""
     path = resolve(value)
-    st = os.stat(path)
-    key = (path, st.st_mtime_ns, st.st_size, json.dumps(flags, sort_keys=True))
+    key = (path, _content_key(path, value), json.dumps(flags, sort_keys=True))
     if key in _cache:
         return _cache[key]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
