@@ -54,6 +54,7 @@ DISPATCH_WAIT = 15.0      # how long the launcher gets to answer a run (it takes
 PRELOAD_WAIT = 60.0       # how long it gets to import the modules it was asked to preload
 SESSION_START_WAIT = 120.0  # how long a session's ranks get to start and set up
 SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervisor gets
+SESSION_TIMEOUT_SLACK = 12.0  # past a session cell's --timeout, when the kernel steps in
 SESSION_END_WAIT = 15.0   # %distributed_session stop: how long the ranks get to end
 BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
 
@@ -86,6 +87,9 @@ def check_order() -> list[str]:
         (supervisor_stop + RECALL_WAIT < SESSION_STOP_WAIT,
          "a session's supervisor recalls its ranks (or stops them) before the kernel escalates"),
         (FORCE_AFTER < RECALL_WAIT, "the second SIGINT comes within the recall wait"),
+        (STACK_WAIT + NATIVE_WAIT + RECALL_WAIT + 3 * STACK_QUIET + RANK_GRACE < SESSION_TIMEOUT_SLACK,
+         "at a session cell's --timeout its supervisor recalls the ranks (or loses the session, saying where "
+         "they were) before the kernel's backstop blames the supervisor"),
         (STOP_WAIT + KILL_WAIT < SLURM_STOP_WAIT,
          "each node's own ladder ends a stop before the kernel tells the agents to kill"),
         (KILL_WAIT < SLURM_KILL_WAIT, "a node's kill lands before the run ends as forced"),

@@ -307,6 +307,20 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
     assert "done in" in k.ok("h").result
 
 
+def test_a_timeout_with_a_sigstopped_rank_names_the_rank_not_the_supervisor(session):
+    """Issue 24 item 4: a session cell with --timeout and a SIGSTOPped rank blamed
+    the supervisor ("did not respond") and said "--timeout 0s", though the
+    supervisor answered: the kernel's backstop came before the session's own
+    ladder (stacks, recall, verdict) could end."""
+    k = session
+    res = cell(k, "import os, signal, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                  "time.sleep(600)", flags="--timeout 3", timeout=90)
+    assert res.error is not None, res.stdout
+    text = res.error_text
+    assert "did not respond" not in text and "--timeout 0s" not in text, text
+    assert "rank 1" in text and "exceeded --timeout 3s" in text, text
+
+
 def test_stopping_or_restarting_the_session_leaves_a_one_shot_background_run_alone(clean_kernel, tmp_path):
     """Issue 24 item 2: `%distributed_session stop` and `restart` stopped every
     background run, a long one-shot training run with ranks of its own included.

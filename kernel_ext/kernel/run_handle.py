@@ -63,10 +63,11 @@ class RunHandle(Attempt):
     def __init__(self, launcher, run_id: str, key: bytes, supervisor_pid: int,
                  master_port: int, timeout: Optional[float], rendezvous_timeout: Optional[float] = None,
                  pull=None, stop_wait: Optional[float] = None, session=None,
-                 ranks: Optional[list] = None) -> None:
+                 ranks: Optional[list] = None, timeout_slack: float = TIMEOUT_SLACK) -> None:
         """``pull``: the run's own socket (a session's, a background run's: read
         in another thread, or between cells), else the launcher's shared one.
-        ``stop_wait``: how long the supervisor gets to end the run after a stop."""
+        ``stop_wait``: how long the supervisor gets to end the run after a stop;
+        ``timeout_slack``: past ``timeout``, when the kernel steps in."""
         self.launcher = launcher
         self.run_id = run_id
         # A run on a socket of its own may be read while another run is: its own verifier.
@@ -83,7 +84,7 @@ class RunHandle(Attempt):
         self.interrupted = 0
         self.forced: Optional[str] = None   # why the kernel had to kill the run itself
         now = time.monotonic()
-        self.timeout_at = now + timeout + TIMEOUT_SLACK if timeout else None
+        self.timeout_at = now + timeout + timeout_slack if timeout else None
         # Several nodes: until the ranks are released, the wait is bounded by the rendezvous timeout.
         self.rendezvous_at = now + rendezvous_timeout + TIMEOUT_SLACK if rendezvous_timeout else None
         self.term_at: Optional[float] = None    # send SIGTERM then

@@ -37,7 +37,7 @@ from .run import RunControl, RunResult, collect, conclude
 from .run_handle import RunHandle
 # The ladders' order: see timing.py.
 from ..timing import (
-    SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT,
+    SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
 )
 
 
@@ -217,6 +217,7 @@ class DistributedSession:
     def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
         handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
                            pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier,
+                           timeout_slack=SESSION_TIMEOUT_SLACK,
                            ranks=sorted(self.pids) or [self.cfg.global_rank(i) for i in self.cfg.local_ranks])
         handle.rank_pids = set(self.pids.values())
         handle.session_cell = True
