@@ -202,7 +202,7 @@ class Agent:
             self._start_session(msg)
             return
         if self.part is None or sid != self.session_id:
-            if op == "cell":   # its reader must not wait for a supervisor that is gone
+            if op in ("cell", "stop"):   # its reader must not wait for a supervisor that is gone
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
             return   # an old session's (it is gone): nothing else to do
         if op in ("cell", "stop"):
