@@ -244,6 +244,12 @@ def test_a_session_over_both_nodes_keeps_state_on_all_4_ranks_and_stops_cleanly(
         assert "The session lives on" in bad.error_text, bad.error_text
         res = kernel.ok("%%distributed --session --output text\nprint('still', kept.item())", timeout=120)
         assert sorted(by_rank(res.stdout)) == [0, 1, 2, 3], res.stdout
+        # A one-shot cell on the same agents while the session waits: its own ranks,
+        # and the session's are untouched.
+        assert kernel.run(WORLD, timeout=120).status == "ok"
+        res = kernel.ok("%%distributed --session --output text\nprint('kept', kept.item(), os.getpid())",
+                        timeout=120)
+        assert [by_rank(res.stdout)[r][-1] for r in range(4)] == [f"kept {r + 1}.0 {pids[r]}" for r in range(4)]
         status = kernel.ok("%distributed_session status").stdout
         assert "4 rank(s), world size 4" in status, status
         assert re.search(r"^\s+2  n2 ", status, re.M), status   # where each rank is
