@@ -318,7 +318,7 @@ def test_a_timeout_with_a_sigstopped_rank_names_the_rank_not_the_supervisor(sess
     assert res.error is not None, res.stdout
     text = res.error_text
     assert "did not respond" not in text and "--timeout 0s" not in text, text
-    assert "rank 1" in text and "exceeded --timeout 3s" in text, text
+    assert "rank 1 was stopped (SIGSTOP" in text and "exceeded --timeout 3s" in text, text
 
 
 def test_stopping_or_restarting_the_session_leaves_a_one_shot_background_run_alone(clean_kernel, tmp_path):

@@ -363,8 +363,7 @@ class SessionSupervisor(Supervisor):
         stuck = self._out()
         for r in stuck:
             self._drain(r)   # a dump still in its pipe
-        places = "; ".join(f"rank {r.rank} was in {where_blocked(r.stack.decode('utf-8', 'replace'))}"
-                           for r in stuck)
+        places = "; ".join(self._where_stuck(r) for r in stuck)
         if self.stopping == "failed" and self.first_failure is not None:
             failed = self.first_failure[2]
             return (f"{places} waiting for rank {failed}, which failed, and could not be brought back "
@@ -372,6 +371,11 @@ class SessionSupervisor(Supervisor):
         what = {"interrupt": "the stop", "timeout": "the --timeout stop", "stalled": "the stall stop"}
         return (f"{places} and did not come back from {what.get(self.stopping, 'the stop')} within "
                 f"{RECALL_WAIT:g}s (a rank blocked in a collective or in native code cannot be interrupted)")
+
+    def _where_stuck(self, r: RankProcess) -> str:
+        if native_stacks.state(r.pid) in ("T", "t"):   # no stack comes from a stopped process
+            return f"rank {r.rank} was stopped (SIGSTOP, or a debugger: process state T)"
+        return f"rank {r.rank} was in {where_blocked(r.stack.decode('utf-8', 'replace'))}"
 
     def _lose(self, why: str) -> None:
         if self.ending is None:
