@@ -295,6 +295,21 @@ class SlurmAgents:
         except Exception:
             return {}   # not signed with the allocation's key: dropped unread
 
+    # -- where a run's parts go -----------------------------------------------------------
+    def node_part(self, cfg: LaunchConfig, node_rank: int, master_port: int, fields: tuple) -> dict:
+        """What node ``node_rank``'s launcher gets of ``cfg`` (``fields`` of it, and
+        its place in the world), as one kernel per node would set it.  The stall
+        check is the kernel's here: each node sees only its own ranks."""
+        part = {name: getattr(cfg, name) for name in fields}
+        part.update(num_nodes=cfg.num_nodes, node_rank=node_rank, master_addr=self.nodes[min(self.nodes)]["address"],
+                    master_port=master_port, stall_timeout=0)
+        return part
+
+    def rank_nodes(self, num_processes: int) -> dict:
+        """Global rank -> node name: ranks numbered as torchrun does, node by node."""
+        return {node_rank * num_processes + i: self.nodes[node]["nodename"]
+                for node_rank, node in enumerate(sorted(self.nodes)) for i in range(num_processes)}
+
     def free_port(self) -> int:
         """A free port on node 0 (its supervisor hosts the rendezvous there)."""
         request = uuid.uuid4().hex[:8]
@@ -364,6 +379,11 @@ class SlurmPlacement(Placement):
         return run
 
 
+#: What each node's launcher is given of a run's config (a session's: SESSION_FIELDS).
+RUN_FIELDS = ("num_processes", "max_restarts", "mixed_precision", "timeout", "rendezvous_timeout", "extra_env")
+SESSION_FIELDS = ("num_processes", "mixed_precision", "rendezvous_timeout", "extra_env")
+
+
 class SlurmRun(Attempt):
     """One attempt on every node, over the agents' messages (see the module doc)."""
 
@@ -383,8 +403,7 @@ class SlurmRun(Attempt):
         self.master_port = cfg.master_port or agents.free_port()
         P = cfg.num_processes
         self.ranks = list(range(cfg.num_nodes * P))
-        self.node_of = {node_rank * P + i: agents.nodes[node]["nodename"]
-                        for node_rank, node in enumerate(nodes) for i in range(P)}
+        self.node_of = agents.rank_nodes(P)
         self.pending = {node: None for node in nodes}    # node -> its "finished" message, once there
         self.started: dict[int, dict] = {}
         self.exited: dict[int, float] = {}   # node -> when its agent saw its supervisor exit (+ drain)
@@ -407,10 +426,7 @@ class SlurmRun(Attempt):
         cfg, nodes = self.cfg, self.node_ids
         agents = self.agents
         for node_rank, node in enumerate(nodes):
-            part = {name: getattr(cfg, name) for name in ("num_processes", "max_restarts", "mixed_precision",
-                                                          "timeout", "rendezvous_timeout", "extra_env")}
-            part.update(num_nodes=cfg.num_nodes, node_rank=node_rank, master_addr=self.master_addr,
-                        master_port=self.master_port, stall_timeout=0)
+            part = agents.node_part(cfg, node_rank, self.master_port, RUN_FIELDS)
             try:
                 agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
                                    "log_dir": log_dir, "excerpt": excerpt, "attempt": attempt})

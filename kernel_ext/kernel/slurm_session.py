@@ -26,7 +26,7 @@ from ..environment import LaunchConfig
 from .errors import LauncherError
 from .run_handle import receive_verified
 from .session import DistributedSession, SessionGone
-from .slurm import SlurmAgents, SlurmRun
+from .slurm import SESSION_FIELDS, SlurmAgents, SlurmRun
 from ..timing import SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT
 
 log = logging.getLogger("accel_magics.kernel.slurm_session")
@@ -67,23 +67,21 @@ class SlurmSession(DistributedSession):
         agents, cfg = self.agents, self.cfg
         self.id = uuid.uuid4().hex[:12]
         self.verifier = wire.signed_session(wire.derive_key(agents.key, self.id))
-        nodes = sorted(agents.nodes)
-        address = agents.nodes[nodes[0]]["address"]
         self.master_port = cfg.master_port or agents.free_port()
-        for node_rank, node in enumerate(nodes[:cfg.num_nodes]):
-            part = {name: getattr(cfg, name) for name in ("num_processes", "mixed_precision",
-                                                          "rendezvous_timeout", "extra_env")}
-            part.update(num_nodes=cfg.num_nodes, node_rank=node_rank, master_addr=address,
-                        master_port=self.master_port, stall_timeout=0)
+        for node_rank, node in enumerate(self._nodes):
+            part = agents.node_part(cfg, node_rank, self.master_port, SESSION_FIELDS)
             try:
                 agents.send(node, {"op": "session_start", "session": self.id, "cfg": part})
             except LauncherError:
                 self._forget()
                 raise
-        P = cfg.num_processes
-        self.node_of = {node_rank * P + i: agents.nodes[node]["nodename"]
-                        for node_rank, node in enumerate(nodes[:cfg.num_nodes]) for i in range(P)}
-        self._wait_ready(nodes[:cfg.num_nodes])
+        self.node_of = agents.rank_nodes(cfg.num_processes)
+        self._wait_ready(self._nodes)
+
+    @property
+    def _nodes(self) -> list:
+        """The session's nodes (SLURM_NODEID), in node-rank order: those of its agents."""
+        return sorted(self.agents.nodes)
 
     def _wait_ready(self, nodes: list) -> None:
         """Every node's ranks set up: "ready" from each node's supervisor."""
@@ -123,7 +121,7 @@ class SlurmSession(DistributedSession):
                 msg, _ = receive_verified(self.agents.events, self.verifier, self.id)
                 if msg is None:
                     break
-                msg["node"] = sorted(self.agents.nodes)[msg.get("node_rank", 0)]
+                msg["node"] = self._nodes[msg.get("node_rank", 0)]
                 out.append(msg)
         while True:
             msg = self.agents.receive(0)
@@ -134,7 +132,7 @@ class SlurmSession(DistributedSession):
         return out
 
     def _send(self, op: str, content: dict) -> None:
-        for node in sorted(self.agents.nodes)[:self.cfg.num_nodes]:
+        for node in self._nodes:
             self.agents.send(node, {"op": op, "session": self.id, "content": content})
 
     def _handle(self, run_id: str, timeout: Optional[float]) -> SlurmSessionCell:
@@ -156,7 +154,7 @@ class SlurmSession(DistributedSession):
     def _wait_gone(self, handle) -> None:
         """Every node's part ended (its supervisor ends after its ranks): what is
         left anywhere is killed."""
-        for node in sorted(self.agents.nodes)[:self.cfg.num_nodes]:
+        for node in self._nodes:
             try:
                 self.agents.send(node, {"op": "kill", "session": self.id, "pids": []})
             except LauncherError:
