@@ -324,12 +324,26 @@ def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launch
     assert result.value == 7
 
 
+def _open_memfds():
+    """The globals memfds this process still holds open.  Counting every fd
+    would be noise: the launcher's own threads open and close sockets and
+    pipes while idle (the next run's supervisor is forked ahead)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:                  # closed between listdir and readlink
+            continue
+        if target.startswith("/memfd:accel_magics-globals"):
+            held.append(target)
+    return held
+
+
 def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
     import numpy as np
     import torch
     tensor = torch.arange(4 * 1024 * 1024, dtype=torch.float32)       # 16 MB: over the threshold
     array = np.arange(2 * 1024 * 1024, dtype=np.float64)               # 16 MB
-    fds_before = len(os.listdir("/proc/self/fd"))
     payload = build_payload(
         "import os\n"
         "rank = int(os.environ['RANK'])\n"
@@ -341,11 +355,12 @@ def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
         {"tensor": tensor, "array": array})
     assert len(payload.globals_blob) < 4096            # the data is not in the pickle
     assert payload.shared is not None
+    assert _open_memfds() != []                         # what the last line looks for is there
     result = execute(launcher, LaunchConfig(num_processes=2), payload)
     assert result.value == (1000.0, float(4 * 1024 * 1024 - 1), 0.0, 5.0)   # rank 0 saw only its own writes
     assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
     assert payload.shared is None                       # released after the run
-    assert len(os.listdir("/proc/self/fd")) <= fds_before   # the memfd is closed
+    assert _open_memfds() == []                         # the memfd is closed
 
 
 def test_progress_helper_reports_structured_progress(launcher):
