@@ -157,6 +157,9 @@ class TextView:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):
             self.live.write([f"[rank {e.rank}] {e.failure.summary}"])
 
+    def on_Quiet(self, e: ev.Quiet) -> None:
+        self.live.write([f"[accel_magics] {e.text()}"])
+
     def on_Waiting(self, e: ev.Waiting) -> None:
         if e.joined != getattr(self, "_joined", None):
             self._joined = e.joined

@@ -78,8 +78,10 @@ OPTIONS: tuple[Option, ...] = (
            "--num_nodes defaults to the allocation's node count.", choices=("local", "slurm"), label="launcher"),
     Option("slurm_args", str, None, "--launcher slurm: extra srun arguments for the node agents' step, quoted "
            "(e.g. \"--gres=gpu:4 --cpus-per-task=8\").", metavar="ARGS", session_fixed=True),
-    Option("stall_timeout", float, 30.0, "Stop the run when a rank, after another rank finished the cell, uses no "
-           "CPU and prints nothing for this many seconds, and show where it is stuck; 0: never",
+    Option("stall_timeout", float, 30.0, "When a rank, after another rank finished the cell, uses no CPU and "
+           "prints nothing for this many seconds: stop the run if it is stuck where nothing can move it (its "
+           "interpreter blocked, a collective the finished rank will never join) and show where; a rank that "
+           "only waits (a sleep, a subprocess, a socket) is named, not stopped; 0: never look",
            session_fixed=True),
 )
 

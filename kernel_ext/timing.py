@@ -34,6 +34,7 @@ DRAIN_WAIT = 2.0          # after a rank exits, how long its pipes get to reach 
 RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 FLUSH_INTERVAL = 0.05     # output is batched like ipykernel's streams
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
+BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
 REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
 REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
@@ -99,6 +100,8 @@ def check_order() -> list[str]:
          "h.stop() waits long enough for any placement's ladder"),
         (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
+        (2 * BEAT_INTERVAL <= STALL_CHECK,
+         "a rank whose interpreter runs has beaten at least once between two stall checks"),
         (SLURM_GONE_DRAIN + SLURM_JOB_SETTLE + RANK_GRACE < SLURM_CANCEL_NOTICE,
          "a cancelled allocation's cell ends (its nodes' SIGTERM grace, the drain, the job's final "
          "state) within the promised time"),

@@ -683,6 +683,47 @@ def test_a_rank_stuck_after_its_peers_finished_is_reported_with_its_native_stack
     assert took < 3 + 10, f"took {took:.1f}s"
 
 
+def test_a_rank_that_only_waits_after_its_peers_finished_runs_to_the_end(clean_kernel):
+    """Issue 24 item 5: rank 0 waiting idle after its peer finished (a sleep, a
+    subprocess doing the work, a socket wait) was stopped as stalled at
+    --stall_timeout and the work lost.  Quiet is not stuck: it runs to the end,
+    and the view says once which rank waits where."""
+    res = clean_kernel.run("%%distributed -n 2 --output text --stall_timeout 1.5\n"
+                           "import os, socket, subprocess, threading, time\n"
+                           "if os.environ['RANK'] == '0':\n"
+                           "    time.sleep(4)\n"
+                           "    subprocess.run(['sleep', '3'])\n"
+                           "    a, b = socket.socketpair()\n"
+                           "    threading.Timer(3, b.send, (b'upload done',)).start()\n"
+                           "    print(a.recv(20).decode())\n"
+                           "print('finished')\n", timeout=90)
+    assert res.status == "ok", res.error_text
+    assert "[rank 0] upload done" in res.stdout and "[rank 0] finished" in res.stdout
+    views = [text for text in res.live if "not stuck" in text]
+    assert views, res.live
+    assert max(text.count("not stuck") for text in views) == 1, views[-1]   # once, not every 1.5 s
+    said = [line for line in views[-1].splitlines() if "not stuck" in line]
+    assert said[0].startswith("[accel_magics] rank(s) 0 have used no CPU and printed nothing for") and \
+        "since rank(s) 1 finished the cell" in said[0] and "clock_nanosleep" in said[0], said[0]
+
+
+def test_a_session_rank_that_waits_after_its_peers_finished_runs_to_the_end(clean_kernel):
+    """Item 5 in a session cell: the same wait, the session's state kept."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2 --stall_timeout 1.5")
+    try:
+        res = k.run("%%distributed --session --output text\nimport os, time\nwaited = 0\n"
+                    "if os.environ['RANK'] == '0':\n    time.sleep(4)\n    waited = 4\nprint('waited', waited)\n",
+                    timeout=60)
+        assert res.status == "ok", res.error_text
+        assert "[rank 0] waited 4" in res.stdout and "[rank 1] waited 0" in res.stdout
+        assert any("[accel_magics] rank(s) 0 have used no CPU" in text and "not stuck" in text
+                   for text in res.live), res.live
+        assert "[rank 0] 4" in k.ok("%%distributed --session --output text\nprint(waited)").stdout
+    finally:
+        k.ok("%distributed_session stop")
+
+
 def test_a_busy_rank_after_its_peers_finished_is_not_a_stall(clean_kernel):
     res = clean_kernel.ok("%%distributed -n 2 --output text --stall_timeout 1\n"
                           "import os, time\n"

@@ -155,6 +155,7 @@ class RunView:
         self.elapsed = 0.0
         self.error = ""
         self.world_note = ""
+        self.quiet_note = ""   # ranks quiet but not stuck (ev.Quiet): said under the header while running
         self._last_refresh = 0.0
         self._dirty = True
         self._bar_order = 0
@@ -273,6 +274,10 @@ class RunView:
         self.status = "waiting"
         self.world_note = f"waiting for {e.expected - e.joined} of {e.expected} nodes at {e.address}"
 
+    def on_Quiet(self, e) -> None:
+        self.quiet_note = e.text()
+        self._dirty = True
+
     def on_Heartbeat(self, e) -> None:
         self._dirty = True   # elapsed time moves on
 
@@ -288,6 +293,8 @@ class RunView:
         if self.attempt:
             parts.append(html.escape(self.attempt))
         text = " &middot; ".join(parts)
+        if self.quiet_note and not final:
+            text += f"<br><span style='color:{_MUTED}'>{html.escape(self.quiet_note)}</span>"
         if self.error:
             text += f"<br><span style='color:#d62728'>{html.escape(self.error)}</span>"
         if self.log_dir:

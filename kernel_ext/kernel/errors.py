@@ -125,7 +125,7 @@ class DistributedStallError(ReportedError, TimeoutError):
     """A rank stayed in the cell, with no CPU time and no output, after other ranks finished it."""
 
     def __init__(self, stalled: list[int], finished: list[int], seconds: float, stacks: dict[int, str],
-                 left: Optional[dict] = None) -> None:
+                 left: Optional[dict] = None, why: Optional[dict] = None) -> None:
         self.stalled, self.finished, self.stacks = stalled, finished, stacks
         which = ", ".join(map(str, stalled))
         if left:   # {rank: (how it finished, its node or None)}: they wait in init_process_group
@@ -137,11 +137,13 @@ class DistributedStallError(ReportedError, TimeoutError):
                 f"cell ({hows}): init_process_group needs every rank of the world, so the run was stopped. "
                 "Every rank must call it (or none); where each rank waited is below.")
             return
+        reasons = "; ".join(f"rank {rank}: {text}" for rank, text in sorted((why or {}).items()))
         super().__init__(
             f"rank(s) {which} stalled: no CPU time and no output for {seconds:g}s after rank(s) "
-            f"{', '.join(map(str, finished))} finished the cell, so the run was stopped. Where each was is "
-            "below (native frames included). If a rank was waiting on purpose, raise --stall_timeout "
-            "(0 turns this check off)."
+            f"{', '.join(map(str, finished))} finished the cell, and stuck where nothing can move "
+            f"{'them' if len(stalled) > 1 else 'it'}" + (f" ({reasons})" if reasons else "") +
+            ", so the run was stopped. Where each was is below (native frames included); "
+            "--stall_timeout 0 turns this check off."
         )
 
     def report(self) -> str:

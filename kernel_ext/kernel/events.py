@@ -153,6 +153,23 @@ class Heartbeat:
 
 
 @dataclass
+class Quiet:
+    """Ranks use no CPU and print nothing after a peer finished the cell, but
+    are not stuck (they sleep, wait for a subprocess or a socket): the run goes
+    on, and the user is told once where each waits."""
+    ranks: list[int]
+    seconds: float
+    finished: list[int]
+    where: dict[int, str]
+
+    def text(self) -> str:
+        places = "; ".join(f"rank {rank} in {self.where.get(rank, '?')}" for rank in self.ranks)
+        return (f"rank(s) {', '.join(map(str, self.ranks))} have used no CPU and printed nothing for "
+                f"{self.seconds:g}s since rank(s) {', '.join(map(str, self.finished))} finished the cell; "
+                f"not stuck ({places}), so the run goes on (--timeout bounds a cell)")
+
+
+@dataclass
 class Waiting:
     """Nodes are still joining the rendezvous (multi-node runs)."""
     joined: int

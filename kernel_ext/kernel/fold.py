@@ -108,7 +108,7 @@ class RunFold:
             Kind.HEARTBEAT: self._heartbeat, Kind.STARTED: self._started, Kind.OUTPUT: self._output,
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
             Kind.WAITING: self._waiting, Kind.RENDEZVOUS_FAILED: self._rendezvous_failed,
-            Kind.STALLED: self._stalled, Kind.REMOTE_FAILURE: self._remote_failure,
+            Kind.STALLED: self._stalled, Kind.QUIET: self._quiet, Kind.REMOTE_FAILURE: self._remote_failure,
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
         }
@@ -241,6 +241,10 @@ class RunFold:
 
     def _stalled(self, msg: dict) -> None:
         self.stalled = msg
+
+    def _quiet(self, msg: dict) -> None:
+        self.emit(ev.Quiet(msg["ranks"], msg["seconds"], msg["finished"],
+                           {int(rank): where for rank, where in msg["where"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
         self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",

@@ -177,7 +177,8 @@ def _stalled(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:
     info = outcome.stalled or {}
     return DistributedStallError(info.get("ranks", outcome.unfinished), info.get("finished", []),
                                  info.get("seconds", cfg.stall_timeout), outcome.finished.stacks,
-                                 left=info.get("left"))
+                                 left=info.get("left"),
+                                 why={int(rank): text for rank, text in (info.get("why") or {}).items()})
 
 
 def _terminated(outcome: Outcome, cfg: LaunchConfig, note: str) -> Exception:

@@ -531,7 +531,8 @@ class SlurmRun(Attempt):
     _MERGE = {Kind.OUTPUT: "_merge_rank", Kind.RANK_EVENT: "_merge_rank", Kind.STACKS: "_merge_rank",
               Kind.EXIT: "_merge_rank", Kind.RELEASED: "_merge_rank", Kind.STARTED: "_merge_started",
               Kind.FINISHED: "_merge_finished", Kind.SUPERVISOR_ERROR: "_merge_as_is",
-              Kind.WAITING: "_merge_as_is", Kind.RENDEZVOUS_FAILED: "_merge_as_is", Kind.STALLED: "_merge_as_is"}
+              Kind.WAITING: "_merge_as_is", Kind.RENDEZVOUS_FAILED: "_merge_as_is", Kind.STALLED: "_merge_as_is",
+              Kind.QUIET: "_merge_as_is"}
 
     def _session_state(self) -> dict:
         """A session cell on every node: lost if it is lost on any node (why, there),

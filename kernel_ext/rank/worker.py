@@ -29,7 +29,7 @@ from typing import NoReturn, Optional
 import cloudpickle
 
 from ..supervisor import native_stacks
-from . import pg_guard
+from . import liveness, pg_guard
 from .. import process_tree
 from . import rank_bars
 from .. import wire
@@ -236,7 +236,7 @@ def _warm_up() -> None:
 
 
 def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int,
-                 parent: int) -> NoReturn:
+                 parent: int, beat=None) -> NoReturn:
     """A rank forked ahead of its run: wait for the spec, then run. Never returns.
 
     Until the spec arrives nothing of the run exists here: the environment,
@@ -254,6 +254,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
+        liveness.start(beat)
     except BaseException:
         os._exit(1)
     run_rank(spec, local_rank, event_fd, stack_fd, go_fd)

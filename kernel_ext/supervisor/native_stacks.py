@@ -82,16 +82,21 @@ def dump(pids: list[int], timeout: float = 2.5) -> dict[int, str]:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_HEARTBEAT_THREAD = '"accel_magics-alive"'   # rank/liveness.py's thread name, as py-spy quotes it
 _SYMBOL_CHARS = 160
 
 
 def trim(text: str) -> str:
-    """py-spy's dump without its header, colours and accel_magics' own frames,
-    with C++ template arguments folded (a pybind11 frame is kilobytes long)."""
+    """py-spy's dump without its header, colours, accel_magics' own frames and
+    the rank's heartbeat thread, with C++ template arguments folded (a
+    pybind11 frame is kilobytes long)."""
     lines = []
+    ours = False
     for line in _ANSI.sub("", text).splitlines():
         stripped = line.strip()
-        if line.startswith(("Process ", "Python v")) or not stripped:
+        if line.startswith("Thread "):
+            ours = _HEARTBEAT_THREAD in line
+        if ours or line.startswith(("Process ", "Python v")) or not stripped:
             continue
         if any(own in stripped for own in _OWN):
             continue
@@ -145,3 +150,42 @@ def _stat_cpu(pid: int, children_too: bool = False) -> Optional[float]:
     if children_too:
         ticks += int(fields[13]) + int(fields[14])     # cutime, cstime: children it waited for
     return ticks / _TICK
+
+
+# Native frames of a wait that only other ranks can end: torch.distributed's
+# collectives and stores (c10d::Work::wait, gloo's pairs, NCCL).  A rank in one
+# after a peer finished the cell waits for a rank that will never come.
+_COLLECTIVE = re.compile(r"\bc10d::|\bgloo::|nccl", re.IGNORECASE)
+_PY_FRAME = re.compile(r"\(.*:\d+\)$")
+
+
+def stuck_in(text: str) -> Optional[str]:
+    """Why a quiet rank's dump (:func:`trim`'s form) says nothing can move it,
+    or None when it may be waiting for something that ends (a sleep, a
+    subprocess, a socket, a lock another of its threads holds).  A plain
+    function of the text, so each verdict is unit-tested on recorded dumps."""
+    for line in text.splitlines():
+        if line.startswith("Thread "):
+            continue
+        m = _COLLECTIVE.search(line)
+        if m:
+            frame = line.strip().split(" (")[0]
+            return f"it waits in a torch.distributed collective ({frame}) that a rank which finished will never join"
+    return None
+
+
+def where(text: str) -> str:
+    """The cell's thread's wait in a few words: its innermost native frame and
+    innermost Python frame, ``clock_nanosleep in <module> (<cell>:4)``."""
+    native = python = ""
+    for line in text.splitlines():
+        if line.startswith("Thread "):
+            if native or python:
+                break
+            continue
+        frame = line.strip()
+        if _PY_FRAME.search(frame):
+            python = python or frame
+            break
+        native = native or frame.split(" (")[0]
+    return " in ".join(part for part in (native, python) if part) or "an unknown place (no native stack)"

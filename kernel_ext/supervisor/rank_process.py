@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
 from .. import PACKAGE_DIR, wire
-from ..rank import worker
+from ..rank import liveness, worker
 from .output_batch import Excerpt, OutputBatch
 from ..process_tree import descendants
 
@@ -50,6 +50,9 @@ class RankProcess:
     last_output: float = 0.0           # when it last wrote to its output
     cpu_seen: Optional[float] = None   # CPU seconds at cpu_since (stall detection)
     cpu_since: float = 0.0
+    beat: Optional[object] = None      # its interpreter's heartbeat counter (rank/liveness.py)
+    beat_seen: int = -1                # the count at beat_since
+    beat_since: float = 0.0
     go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
                                        # lets a rank that succeeded (parked) exit
     # A session's rank (session_supervisor): at its prompt, or running a cell.
@@ -64,6 +67,16 @@ class RankProcess:
         signal the supervisor never sent (a SIGKILL from elsewhere, a crash)
         after it was asked to stop: that death is its own, and a failure."""
         return self.signalled and not self.failed and (sig is None or sig in self.sent)
+
+    def interpreter_runs(self, now: float) -> float:
+        """Seconds since its interpreter last ran Python (0.0: just now); call
+        it at every stall check, which is when the count is compared."""
+        if self.beat is None:
+            return 0.0
+        count = liveness.read(self.beat)
+        if count != self.beat_seen:
+            self.beat_seen, self.beat_since = count, now
+        return now - self.beat_since
 
     def release(self) -> None:
         """Close the go pipe: an idle or parked rank sees EOF and exits."""
@@ -127,29 +140,31 @@ def fork_idle_rank(local: int, close_in_child: list[int], blocked_signals: set) 
     widen_pipe(out_w)
     ev_r, ev_w = os.pipe()
     st_r, st_w = os.pipe()
+    beat = liveness.new_counter()
     parent = os.getpid()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)
     pid = os.fork()
     if pid == 0:  # the rank
-        _become_rank(close_in_child + [go_w, out_r, ev_r, st_r], go_r, local, out_w, ev_w, st_w, parent)
+        _become_rank(close_in_child + [go_w, out_r, ev_r, st_r], go_r, local, out_w, ev_w, st_w, parent, beat)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     for fd in (go_r, out_w, ev_w, st_w):
         os.close(fd)
-    rank = RankProcess(local=local, rank=-1, pid=pid, fds={"out": out_r, "ev": ev_r, "st": st_r}, go=go_w)
+    rank = RankProcess(local=local, rank=-1, pid=pid, fds={"out": out_r, "ev": ev_r, "st": st_r}, go=go_w,
+                       beat=beat)
     for fd in rank.fds.values():
         set_nonblocking(fd)
     return rank
 
 
 def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int, st_w: int,
-                 parent: int) -> NoReturn:
+                 parent: int, beat) -> NoReturn:
     signal.set_wakeup_fd(-1)
     for fd in close:
         try:
             os.close(fd)
         except OSError:
             pass
-    worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent)
+    worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent, beat)
 
 
 # The launcher's frames below the cell: ours, and runpy's (``python -m``; a
@@ -158,6 +173,7 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
                f'File "{os.path.join(os.path.dirname(os.__file__), "runpy.py")}"')
 
 
+_HEARTBEAT_FILE = os.sep + os.path.join("rank", "liveness.py")
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
                    ("stdlib", "platstdlib", "purelib", "platlib")) if p})
@@ -175,6 +191,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     line instead of five frames each."""
     sources = sources or {}
     threads: list[tuple[str, list]] = []
+    ours: set[int] = set()   # the rank's heartbeat thread (rank/liveness.py): not the user's
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
@@ -182,12 +199,15 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
         if stripped.endswith("(most recent call first):"):
             threads.append((stripped, []))
             continue
-        if stripped.startswith(_OWN_FRAMES):
-            continue
-        m = _FRAME.match(line)
         if not threads:
             threads.append(("", []))
+        if stripped.startswith(_OWN_FRAMES):
+            if _HEARTBEAT_FILE in stripped:
+                ours.add(len(threads) - 1)
+            continue
+        m = _FRAME.match(line)
         threads[-1][1].append(m.groupdict() if m else {"raw": stripped})
+    threads = [t for i, t in enumerate(threads) if i not in ours]
     if not threads:
         return text
 

@@ -170,6 +170,7 @@ class SessionSupervisor(Supervisor):
         self.timeout_deadline = time.monotonic() + content["timeout"] if content.get("timeout") else None
         stall = self.spec.get("stall_timeout")
         self.stall_check = time.monotonic() + STALL_CHECK if stall else None
+        self.stall_judged, self.said_quiet = float("-inf"), set()   # each cell judges its own quiet ranks
         self.logs = RankLogs(content.get("log_dir", ""))
         excerpt = content.get("excerpt")
         for r in self.ranks:

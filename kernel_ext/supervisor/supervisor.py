@@ -83,6 +83,8 @@ class Supervisor:
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
         self.stall_check: Optional[float] = None
+        self.stall_judged = float("-inf")   # when quiet ranks were last judged (see _check_stall)
+        self.said_quiet: set[int] = set()   # ranks the user was told wait (once each)
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.logs = RankLogs("")
         # The one event loop's tables (a session's supervisor adds to them):
@@ -347,11 +349,19 @@ class Supervisor:
         self.kill_deadline = time.monotonic() + self.grace
 
     def _check_stall(self, now: float) -> None:
-        """One node: a rank still in the cell after another finished it, with no
-        CPU time and no output for ``stall_timeout`` seconds, is stuck (a
-        deadlock at teardown, a collective its peers left): stop the run and
-        show where it is, native frames included, instead of hanging for good.
-        One rank busy is enough to wait: the others may be waiting for it."""
+        """One node: stop a run that nothing can move, and only that.
+
+        A rank still in the cell after another finished it, with no CPU time
+        and no output for ``stall_timeout`` seconds, is *quiet*.  Quiet is not
+        stuck: rank 0 may sleep, wait for a subprocess or for an upload while
+        its peers are done.  So each quiet rank is judged (:meth:`_stuck`):
+        stuck when its interpreter cannot run Python any more (a thread holds
+        the GIL in native code: the teardown deadlock), or when its native
+        stack is in a torch.distributed collective, which the finished rank
+        will never join.  The run is stopped, with every rank's native stack,
+        only when every quiet rank is stuck (one that can move may be what the
+        others wait for); otherwise the user is told once which rank waits
+        where, and the run goes on (``--timeout`` bounds a cell)."""
         self.stall_check = now + STALL_CHECK
         if self.stopping is not None:
             self.stall_check = None
@@ -367,13 +377,36 @@ class Supervisor:
                 return
             if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
                 r.cpu_seen, r.cpu_since = cpu, now
-        quiet = [now - max(r.cpu_since, r.last_output, since_finish) for r in running]
         limit = self.spec["stall_timeout"]
-        if min(quiet) < limit:
+        quiet = min(now - max(r.cpu_since, r.last_output, since_finish) for r in running)
+        blocked = {r.rank: r.interpreter_runs(now) for r in running}   # read at every check (see its doc)
+        if quiet < limit or now < self.stall_judged + limit:
             return
-        self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
-                    "finished": [r.rank for r in finished]})
-        self._stop("stalled", stacks=True)
+        self.stall_judged = now
+        why = {r.rank: self._stuck(r, blocked[r.rank], limit) for r in running}
+        if all(why.values()):
+            self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
+                        "finished": [r.rank for r in finished], "why": why})
+            self._stop("stalled", stacks=True)
+            return
+        waiting = [r for r in running if not why[r.rank] and r.rank not in self.said_quiet]
+        if waiting:
+            self.said_quiet.update(r.rank for r in waiting)
+            where = {r.rank: native_stacks.where(r.native) for r in waiting}
+            log.warning("run %s: rank(s) %s quiet for %.0fs after rank(s) %s finished; not stuck (%s)",
+                        self.spec.get("run_id"), [r.rank for r in waiting], quiet, [r.rank for r in finished], where)
+            self._send({"kind": "quiet", "ranks": [r.rank for r in waiting], "seconds": round(quiet, 1),
+                        "finished": [r.rank for r in finished], "where": where})
+        for r in running:
+            r.native = ""   # a later verdict looks again; the stop's dump is taken then
+
+    def _stuck(self, r: RankProcess, blocked_for: float, limit: float) -> Optional[str]:
+        """Why nothing can move this quiet rank, or None if something may."""
+        if blocked_for >= limit:
+            return (f"its interpreter has not run Python for {blocked_for:.0f}s: a thread holds the GIL "
+                    "in native code and does not return (a deadlock)")
+        r.native = native_stacks.dump([r.pid], NATIVE_WAIT).get(r.pid, "")
+        return native_stacks.stuck_in(r.native)
 
     def _check_remote(self) -> None:
         """Several nodes: stop when another node reports a failure; report ours.
@@ -678,9 +711,10 @@ class Supervisor:
         if stacks and live and reason in ("timeout", "stalled"):
             # A diagnosis was asked for: native frames too (a rank stuck in a
             # destructor or a collective shows one line of Python otherwise).
-            native = native_stacks.dump([r.pid for r in live], NATIVE_WAIT)
+            missing = [r.pid for r in live if not r.native]   # the stall check's verdict dumped some
+            native = native_stacks.dump(missing, NATIVE_WAIT) if missing else {}
             for r in live:
-                r.native = native.get(r.pid, "")
+                r.native = r.native or native.get(r.pid, "")
         if stacks and live:
             for r in live:
                 r.signal(signal.SIGUSR1)

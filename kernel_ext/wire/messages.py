@@ -66,6 +66,7 @@ class Kind(_Text):
     WAITING = "waiting"
     RENDEZVOUS_FAILED = "rendezvous_failed"
     STALLED = "stalled"
+    QUIET = "quiet"                  # ranks quiet after a peer finished, but not stuck: told, not stopped
     REMOTE_FAILURE = "remote_failure"
     REMOTE_DEPARTED = "remote_departed"
     SUPERVISOR_ERROR = "supervisor_error"
