@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from accel_magics.kernel_ext.kernel import accelerate_config, preflight
-from accel_magics.kernel_ext.kernel.errors import ReportedError
+from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.launcher import Launcher
@@ -379,9 +379,15 @@ class DistributedMagics(Magics):
 
     # -- defaults -----------------------------------------------------------
     def ensure_defaults_known(self) -> None:
-        """Wait for the launcher (it counts the GPUs) so defaults are right."""
+        """Wait for the launcher (it counts the GPUs) so defaults are right.
+        The stop button meanwhile (the first cell of a kernel waits seconds
+        while it imports torch) is a RunInterrupted that says nothing ran; the
+        launcher goes on starting, for the next cell."""
         try:
             self.launcher.ensure_running()
+        except KeyboardInterrupt:
+            raise RunInterrupted({}, [], note=" (the launcher was still starting: it imports torch, once per "
+                                 "kernel; nothing ran. Run the cell again)") from None
         except Exception:  # reported by the next run; the form still works
             pass
 

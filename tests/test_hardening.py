@@ -724,6 +724,45 @@ def test_a_session_rank_that_waits_after_its_peers_finished_runs_to_the_end(clea
         k.ok("%distributed_session stop")
 
 
+REINIT_ROUNDS = ("import torch, torch.distributed as dist\n"
+                 "sums = []\n"
+                 "for round in range(3):\n"
+                 "    dist.init_process_group('gloo')\n"
+                 "    t = torch.ones(1) * (round + 1)\n"
+                 "    dist.all_reduce(t)\n"
+                 "    dist.barrier()\n"
+                 "    sums.append(float(t))\n"
+                 "    dist.destroy_process_group()\n"
+                 "print('sums', sums)\n")
+
+
+def test_init_process_group_again_after_destroy_never_hangs(clean_kernel):
+    """Issue 24 item 6: three rounds of init / all_reduce / barrier / destroy in
+    one cell hung in 6 of 10 runs: the second round read the first round's
+    addresses from the store (same keys: torch counts groups from 0 again
+    after a destroy), and reached the first round's groups, kept alive by
+    pg_guard.  Each round now rendezvous under keys of its own."""
+    for cell in range(6):
+        started = time.monotonic()
+        res = clean_kernel.run("%%distributed -n 2 --output text --timeout 40\n" + REINIT_ROUNDS, timeout=90)
+        assert res.status == "ok", f"cell {cell}: {res.error_text}"
+        assert res.stdout.count("sums [2.0, 4.0, 6.0]") == 2, res.stdout
+        assert time.monotonic() - started < 20, f"cell {cell} took {time.monotonic() - started:.1f}s"
+
+
+def test_init_process_group_again_in_later_session_cells(clean_kernel):
+    """Item 6 in a session: each cell makes and destroys its own group."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2")
+    try:
+        for cell in range(3):
+            res = k.run("%%distributed --session --output text --timeout 40\n" + REINIT_ROUNDS, timeout=90)
+            assert res.status == "ok", f"cell {cell}: {res.error_text}"
+            assert res.stdout.count("sums [2.0, 4.0, 6.0]") == 2, res.stdout
+    finally:
+        k.ok("%distributed_session stop")
+
+
 def test_a_busy_rank_after_its_peers_finished_is_not_a_stall(clean_kernel):
     res = clean_kernel.ok("%%distributed -n 2 --output text --stall_timeout 1\n"
                           "import os, time\n"
@@ -813,3 +852,47 @@ def test_the_kernels_run_log_goes_only_into_a_run_directory_a_supervisor_made(tm
     log = RunLog(str(ours))
     log.records.append("again")
     assert log.save() is None
+
+
+def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
+    """Issue 24 item 7: the stop button while the first cell of a kernel waited
+    for the launcher ("starting the launcher": it imports torch) showed a
+    40-line traceback through magics, launcher.py and zmq's poll.  Now it is one
+    RunInterrupted line saying nothing ran, and the next cell runs.  The
+    launcher is made slow to start (a sitecustomize that waits in it only), so
+    the stop lands while the cell waits for it, whatever the machine's speed."""
+    import os
+
+    from kernel_harness import KernelSession, wait_until
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('ACCEL_MAGICS_LAUNCHER'):\n    time.sleep(6)\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    k = KernelSession(extra_env={"PYTHONPATH": path, "TMPDIR": str(tmp_path)})
+    try:
+        k.ok("%load_ext accel_magics")
+        msg_id = k.kc.execute("%%distributed -n 2 --output text\nprint('ran')\n")
+
+        def waits_for_the_launcher() -> bool:
+            """The kernel's main thread blocks in poll(2), which only the wait
+            for the launcher's "ready" does (an idle kernel waits in epoll)."""
+            try:
+                with open(f"/proc/{k.pid}/wchan") as f:
+                    return "poll_schedule" in f.read()
+            except OSError:
+                return False
+
+        wait_until(waits_for_the_launcher, 30, "the cell to wait for the launcher")
+        k.interrupt()
+        reply = k.reply_to(msg_id, time.monotonic() + 60)["content"]
+        assert reply["status"] == "error"
+        text = "\n".join(reply["traceback"])
+        assert reply["ename"] == "RunInterrupted", text
+        assert "the launcher was still starting" in text and "nothing ran" in text, text
+        assert len([line for line in text.splitlines() if line.strip()]) <= 3, text   # a line, not a traceback
+        for internal in ("ensure_defaults_known", "launcher.py", "poll.py", "magics.py"):
+            assert internal not in text, text
+        res = k.ok("%%distributed -n 2 --output text\nprint('ran')\n", timeout=120)
+        assert res.stdout.count("] ran") == 2, res.stdout
+    finally:
+        k.shutdown()

@@ -34,6 +34,9 @@ from typing import Callable, Optional
 #: Process groups kept alive until the rank exits (see the module doc).
 _kept: list = []
 
+#: How many times this rank called ``init_process_group`` for the run's world.
+_rounds = 0
+
 #: Where the rank's ``joining``/``joined`` events go (the worker sets it to its
 #: event channel; None outside a rank: nothing is said).
 announce: Optional[Callable[[dict], object]] = None
@@ -76,18 +79,46 @@ def _watch_init(c10d, dist) -> None:
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
         watched = _joins_the_world(args, kwargs)
-        if watched:
-            _say("joining")
-        try:
+        if not watched:
             return original(*args, **kwargs)
+        global _rounds
+        _rounds += 1
+        _say("joining")
+        try:
+            if _rounds == 1:
+                return original(*args, **kwargs)
+            return original(*args, **_own_keys(_rounds, kwargs))
         finally:
-            if watched:
-                _say("joined")   # done waiting, whether it succeeded or raised
+            _say("joined")   # done waiting, whether it succeeded or raised
 
     init_process_group._accel_magics_guard = True
     c10d.init_process_group = init_process_group
     if dist is not None and getattr(dist, "init_process_group", None) is original:
         dist.init_process_group = init_process_group
+
+
+def _own_keys(round_: int, kwargs: dict) -> dict:
+    """The arguments of a later ``init_process_group`` of the world (after a
+    ``destroy_process_group``): the same rendezvous as ``env://``, under keys
+    of this round's own.
+
+    Why: torch counts process groups from 0 again after a destroy, so a second
+    round writes and reads the same store keys as the first ("default_pg/0/..."
+    in the run's store, which outlives the round).  A rank that reads them
+    before its peers rewrote them connects to the first round's addresses:
+    under torchrun that fails with "Connection refused", here it reached the
+    first round's groups (kept alive above) and hung.  Every rank makes the
+    same calls in the same order, so the n-th round has the same prefix on
+    every rank."""
+    from torch.distributed import PrefixStore, rendezvous
+    from torch.distributed.constants import default_pg_timeout
+
+    rest = {k: v for k, v in kwargs.items() if k not in ("init_method", "rank", "world_size", "store")}
+    timeout = kwargs.get("timeout") or default_pg_timeout   # the store's, as env:// would use
+    store, rank, world_size = next(rendezvous("env://", rank=kwargs.get("rank", -1),
+                                              world_size=kwargs.get("world_size", -1), timeout=timeout))
+    return {**rest, "store": PrefixStore(f"accel_magics/round/{round_}", store), "rank": rank,
+            "world_size": world_size}
 
 
 def _joins_the_world(args, kwargs) -> bool:
