@@ -779,3 +779,77 @@ def test_the_multi_node_regression_notebook_runs_a_real_multi_node_cell(cluster,
         assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     finally:
         cluster.release(alloc["SLURM_JOB_ID"])
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_flood_from_the_network_costs_the_kernel_bounded_memory_and_cells_keep_working(kernel):
+    """Issue 24 item 1: the kernel's two TCP ports on the cluster network took
+    garbage connections and 128 MB frames from anyone (55 -> 1,270 MB, never
+    freed).  Now only a peer with the allocation's key gets past the CURVE
+    handshake: a flood from a second user, while cells run, grows the kernel by
+    under 50 MB, costs it little CPU, and the cells give the right sums."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    kernel.ok("%distributed_config --reset")
+    kernel.ok("_mg = get_ipython().magics_manager.registry['DistributedMagics']\n"
+              "_mg.slurm_agents and _mg.slurm_agents.close(); _mg.slurm_agents = None")   # no agents: no ports of ours
+    jupyters = listening_ports({kernel.pid})                         # ipykernel's own
+    assert "sum=10" in kernel.ok(WORLD, timeout=240).stdout          # the agents are up: their ports exist
+    ports = sorted(listening_ports({kernel.pid}) - jupyters)
+    assert len(ports) == 2, ports                                   # the agents' ROUTER and the events PULL
+    kernel.ok("%%distributed --launcher slurm -n 2 --output text\nprint('warm')", timeout=120)
+    before, cpu_before = _rss_mb(kernel.pid), _cpu_seconds(kernel.pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample():   # a measurement: the kernel's RSS while the flood runs
+        while not done.wait(0.2):
+            peak.append(_rss_mb(kernel.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    flood_seconds = 12.0
+    started = time.monotonic()
+    flood = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "flood.py"), "127.0.0.1",
+                              str(flood_seconds), *map(str, ports)], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            res = kernel.run(WORLD, timeout=120)
+            assert res.status == "ok", res.error_text
+            assert sorted(by_rank(res.stdout)) == [0, 1, 2, 3] and "sum=10" in res.stdout, res.stdout
+        out, _ = flood.communicate(timeout=flood_seconds + 60)
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+        done.set()
+        sampler.join(timeout=5)
+    elapsed = time.monotonic() - started
+    sent = json.loads(out.strip().splitlines()[-1])
+    assert sent["connections"] > 1000 and sent["big_frames"] > 0, sent     # the flood really happened
+    res = kernel.run(WORLD, timeout=120)
+    assert res.status == "ok" and "sum=10" in res.stdout, res.error_text
+    after = _rss_mb(kernel.pid)
+    cpu = _cpu_seconds(kernel.pid) - cpu_before
+    assert max(peak) - before < 50, f"the kernel grew from {before:.0f} to {max(peak):.0f} MB under the flood"
+    assert after - before < 50, f"the kernel stayed at {after:.0f} MB (from {before:.0f} MB)"
+    # Three 4-rank cells ran meanwhile: that is most of this CPU time.
+    assert cpu < 0.5 * elapsed, f"the kernel used {cpu:.1f}s of CPU in {elapsed:.1f}s"
+    print(f"flood: {sent}; kernel RSS {before:.0f} -> peak {max(peak):.0f} -> {after:.0f} MB; "
+          f"CPU {cpu:.1f}s in {elapsed:.1f}s")

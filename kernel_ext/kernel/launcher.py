@@ -129,13 +129,15 @@ class Launcher:
     """The kernel's handle on its launcher process."""
 
     def __init__(self, preload: Optional[list[str]] = None, python: str = sys.executable,
-                 report_to: Optional[str] = None) -> None:
+                 report_to: Optional[str] = None, report_keys=None) -> None:
         """``report_to``: where runs send their messages instead of this
         launcher's own socket (a Slurm node's agent: the kernel's, over TCP;
-        the runs sign them with a key the kernel knows, see ``launch(key=)``)."""
+        the runs sign them with a key the kernel knows, see ``launch(key=)``).
+        ``report_keys``: that socket's CURVE keys (``wire.transport``)."""
         self.preload = preload
         self.python = python
         self.report_to = report_to
+        self.report_keys = report_keys
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
         self.dropped = 0          # messages that failed verification (forged, stale)
@@ -207,6 +209,8 @@ class Launcher:
         finally:
             log.close()
         init = {"private_dir": self.dir, "events_addr": self.events_addr, "kernel_pid": os.getpid()}
+        if self.report_to and self.report_keys is not None:
+            init["events_curve"] = self.report_keys.client_half()
         if self.preload is not None:
             init["preload"] = self.preload
         self._send(init)

@@ -46,6 +46,7 @@ from typing import Iterator, Optional
 import zmq
 
 from .. import child_environment, wire
+from ..wire import transport
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError, ReportedError
 from .placement import Attempt, Placement
@@ -222,12 +223,17 @@ class SlurmAgents:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Both ports are on the cluster network: only peers holding the
+        # allocation's key get past the handshake (wire/transport.py).
+        keys = transport.curve_keys(self.key)
+        transport.listen(self.sock, keys, max_bytes=transport.CONTROL_MAX_BYTES)
         address = host_address("ACCEL_MAGICS_KERNEL_ADDR")
         port = self.sock.bind_to_random_port(f"tcp://{address}")
         # The runs' own messages, from every node's supervisor (see slurm_agent).
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
-        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.setsockopt(zmq.RCVHWM, 0)   # authenticated peers only: a run's messages are never dropped
+        transport.listen(self.events, keys)
         events_port = self.events.bind_to_random_port(f"tcp://{address}")
         argv = ["srun", "--overlap", f"--nodes={self.num_nodes}", f"--ntasks={self.num_nodes}",
                 "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=0", "--job-name=accel_magics-agents",

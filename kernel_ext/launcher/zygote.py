@@ -32,7 +32,7 @@ from .. import logs, wire  # noqa: F401
 from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
 from ..supervisor import session_supervisor, supervisor  # noqa: F401
 from ..supervisor import spare as spare_supervisor  # noqa: F401
-from ..wire import payload  # noqa: F401
+from ..wire import payload, transport  # noqa: F401
 from ..process_tree import children, kill_orphans, running
 # The ladders' order: see timing.py.
 from ..timing import END_WAIT
@@ -137,6 +137,8 @@ class Zygote:
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
         self.events_addr = init["events_addr"]
+        curve = init.get("events_curve")   # a Slurm node: the kernel's events socket is a CURVE server
+        self.events_keys = transport.CurveKeys.from_client_half(curve) if curve else None
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)
@@ -325,7 +327,7 @@ class Zygote:
                 for fd in {self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w,
                            *self.extra_fds}:
                     os.close(fd)
-                serve_spare(control_r, ranks, self.events_addr)
+                serve_spare(control_r, ranks, self.events_addr, self.events_keys)
             finally:
                 os._exit(70)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -39,6 +39,7 @@ from typing import Optional
 import zmq
 
 from .. import logs, wire
+from ..wire import transport
 from ..environment import LaunchConfig, free_port, host_address
 from ..kernel.launcher import Launcher
 # The ladders' order: see timing.py.
@@ -62,6 +63,8 @@ class Agent:
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, 5 * HEARTBEAT_MS)
+        keys = transport.curve_keys(key)   # the kernel's ports take only peers with the allocation's key
+        transport.dial(self.sock, keys)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self.connected = False
@@ -69,7 +72,7 @@ class Agent:
         # The node's runs report straight to the kernel (``events``), signed with
         # a key derived from the allocation's for each run: this agent only starts,
         # stops and watches them, and is never a hop on their output.
-        self.launcher = Launcher(report_to=events)
+        self.launcher = Launcher(report_to=events, report_keys=keys)
         self.handle = None          # the run in progress on this node
         self.run_id = None
         # This node's part of a session (``%distributed_session start --launcher

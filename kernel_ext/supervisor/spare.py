@@ -21,6 +21,7 @@ import signal
 from typing import NoReturn, Optional
 
 from .. import wire
+from ..wire import transport
 from ..rank import worker
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking
 from .session_supervisor import SessionSupervisor
@@ -39,6 +40,7 @@ class Spare:
         self.wakeup_r = self.wakeup_w = -1
         self.ctx = self.sock = self.session = None
         self.events_addr = ""
+        self.events_keys = None   # CURVE keys of the kernel's events socket (a Slurm node: over TCP)
 
     def install_signals(self) -> None:
         worker.set_parent_death_signal(signal.SIGKILL)
@@ -70,13 +72,12 @@ class Spare:
                 self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
             self.idle.append(rank)
 
-    def connect(self, events_addr: str) -> None:
+    def connect(self, events_addr: str, events_keys=None) -> None:
         import zmq  # only now: the ranks were forked from a single-threaded process
 
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.connect(events_addr)
+        self.events_keys = events_keys
+        self.sock = transport.events_socket(self.ctx, events_addr, events_keys)
         self.events_addr = events_addr
         # The run's key arrives with the spec; until then a throwaway one.
         self.session = wire.signed_session(wire.new_key())
@@ -99,13 +100,13 @@ class Spare:
         self.idle = []
 
 
-def serve_spare(control_fd: int, prefork: int, events_addr: str) -> NoReturn:
+def serve_spare(control_fd: int, prefork: int, events_addr: str, events_keys=None) -> NoReturn:
     """Entry point in a supervisor forked ahead by the zygote. Never returns."""
     spare = Spare(control_fd)
     try:
         spare.install_signals()
         spare.prefork(prefork)
-        spare.connect(events_addr)   # after the last fork: ZMQ starts a thread
+        spare.connect(events_addr, events_keys)   # after the last fork: ZMQ starts a thread
         handed = spare.wait_for_spec()
         if handed is None:           # the zygote is gone or dropped the spare
             spare.abandon()

@@ -29,6 +29,7 @@ from typing import NoReturn, Optional
 
 from . import native_stacks
 from .. import wire
+from ..wire import transport
 from ..wire.messages import failure_summary
 from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
@@ -70,6 +71,7 @@ class Supervisor:
         self._fds: list[int] = spare.fds          # every fd a rank must not inherit
         self.wakeup_r, self.wakeup_w = spare.wakeup_r, spare.wakeup_w
         self.ctx, self.sock, self.session, self.events_addr = spare.ctx, spare.sock, spare.session, spare.events_addr
+        self.events_keys = spare.events_keys
         self._discarded: set[int] = spare.discarded
         self.ranks: list[RankProcess] = []
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
@@ -201,10 +203,11 @@ class Supervisor:
     def _start(self, key: bytes, spec: dict, spec_bytes: bytes) -> None:
         self.spec = spec
         if spec.get("events_addr", self.events_addr) != self.events_addr:
-            # A run the kernel reads on a socket of its own (a session, a background run).
-            self.sock.disconnect(self.events_addr)
+            # A run the kernel reads on a socket of its own (a session, a background run):
+            # a socket of its own here too, whose transport fits that address.
+            self.sock.close(linger=0)   # nothing was sent on it yet
             self.events_addr = spec["events_addr"]
-            self.sock.connect(self.events_addr)
+            self.sock = transport.events_socket(self.ctx, self.events_addr, self.events_keys)
         self.started = time.time()
         self.grace = spec.get("grace", 3.0)
         if spec.get("timeout"):
