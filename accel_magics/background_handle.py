@@ -28,6 +28,7 @@ class BackgroundCell:
         self.label = label
         self._deliver = deliver   # (result) -> value: assigns the --return names, raises for missing ones
         self._where = where       # "in the session" or ""
+        self._handed: list[str] = []   # the --return names wait() assigned (their values are the notebook's now)
 
     # -- the user's API ------------------------------------------------------------
     def done(self) -> bool:
@@ -48,7 +49,15 @@ class BackgroundCell:
             raise TimeoutError(f"{self.label} is still running after {timeout:g}s; .wait() again, or .stop() it.")
         if self._run.error is not None:
             raise self._run.error
-        return self._deliver(self._run.result)
+        result = self._run.result
+        try:
+            return self._deliver(result)
+        finally:
+            # The values are the notebook's now: the handle (kept in Out[N])
+            # must not keep them alive after a `del` (a 1 GB tensor stayed).
+            if result.returns:
+                self._handed = list(result.returns)
+                result.returns.clear()
 
     def stop(self) -> None:
         """Stop the run as the stop button would (stacks, then every rank
@@ -63,9 +72,16 @@ class BackgroundCell:
 
     @property
     def returns(self) -> dict:
-        """The ``--return`` values (empty until the run succeeded)."""
+        """The ``--return`` values, from when the run succeeded until ``wait()``
+        assigns them in the notebook; then the handle keeps none of them
+        (``returned`` names them), so ``del`` in the notebook frees them."""
         result = self._run.result
         return dict(result.returns) if result is not None else {}
+
+    @property
+    def returned(self) -> list:
+        """The ``--return`` names the run brought back."""
+        return self._handed or list(self.returns)
 
     @property
     def result(self):
@@ -108,7 +124,7 @@ class BackgroundCell:
         if status == "done":
             value = self.result
             shown = "" if value is None else f": {_short(repr(value))}"
-            names = f", returned {', '.join(self.returns)}" if self.returns else ""
+            names = f", returned {', '.join(self.returned)}" if self.returned else ""
             return f"<background run {self.label}{where}: done in {took}{names}{shown}; .wait() assigns and returns>"
         error = self._run.error
         summary = str(error).splitlines()[0] if error is not None else ""

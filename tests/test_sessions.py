@@ -303,8 +303,18 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
     assert k.ok("h.done(), h.status").result == "(False, 'running')"
     assert k.ok("h.wait()").result == "'value of rank 0'"
     assert time.monotonic() - started >= 6
-    assert k.ok("total, h.returns, h.status").result == "(2.0, {'total': 2.0}, 'done')"
-    assert "done in" in k.ok("h").result
+    assert k.ok("total, h.returned, h.status").result == "(2.0, ['total'], 'done')"
+    assert "done in" in k.ok("h").result and "returned total" in k.ok("h").result
+
+
+def test_a_background_return_is_freed_by_del_after_wait(clean_kernel):
+    """Issue 24 item 8: a 1.2 GB background --return stayed in the kernel after
+    `del`, because the handle (Out[N]) kept the run's returns."""
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text --return big\nimport torch\nbig = torch.ones(1 << 20)")
+    k.ok("h = _\nh.wait()\nimport gc, weakref\nref = weakref.ref(big)\ndel big\ngc.collect()")
+    assert k.ok("ref() is None").result == "True"
+    assert k.ok("h.returned, h.returns").result == "(['big'], {})"
 
 
 def test_a_timeout_with_a_sigstopped_rank_names_the_rank_not_the_supervisor(session):
