@@ -370,11 +370,14 @@ class Launcher:
         """
         new = [m for m in modules if m not in self._preloaded and m not in self._denied
                and m not in ("__main__", "builtins")]
-        if not new or not self.alive or self._pending_preload:
-            return
-        self._preloaded.update(new)
-        self._send({"op": "preload", "modules": new})
-        self._pending_preload = new
+        # The lock: a background run's thread learns here while the main thread
+        # may be dispatching a run; their frames (and replies) must not interleave.
+        with self._lock:
+            if not new or not self.alive or self._pending_preload:
+                return
+            self._preloaded.update(new)
+            self._send({"op": "preload", "modules": new})
+            self._pending_preload = new
 
     def _settle_preload(self) -> None:
         pending, self._pending_preload = self._pending_preload, []
