@@ -45,6 +45,9 @@ HOST_RETRY = 10.0         # a restart: how long node 0's port may still be held 
 RECALL_WAIT = 3.0         # after SIGINT, how long the ranks get to be back at their prompt
 FORCE_AFTER = 2.0         # ... and when those still out get a second SIGINT
 READY_WAIT = 120.0        # how long a session's ranks get to set up
+NODE_BEAT = 0.5           # several nodes: how often a session's node counts itself in node 0's store
+NODE_LOST_AFTER = 5.0     # ... and how long a node's count may stand still before its part is gone
+NODE_STORE_WAIT = 2.0     # a session's store call (a beat) waits at most this long for node 0
 
 # -- the kernel, over a local run ------------------------------------------------------
 STOP_WAIT = 7.0           # after a stop, how long the supervisor gets to end the run by itself
@@ -99,6 +102,8 @@ def check_order() -> list[str]:
         (max(SESSION_STOP_WAIT + KILL_WAIT, SLURM_STOP_WAIT + SLURM_KILL_WAIT) < BACKGROUND_STOP_WAIT,
          "h.stop() waits long enough for any placement's ladder"),
         (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
+        (NODE_LOST_AFTER >= 5 * NODE_BEAT, "a session's node is lost only after it missed several beats"),
+        (NODE_STORE_WAIT < NODE_LOST_AFTER, "a beat that waits for node 0 ends before node 0 counts as gone"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
         (2 * BEAT_INTERVAL <= STALL_CHECK,
          "a rank whose interpreter runs has beaten at least once between two stall checks"),

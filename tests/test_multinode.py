@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -278,3 +279,44 @@ def test_two_nodes_in_separate_network_namespaces(netns_pair, tmp_path):
             node.shutdown()
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 20,
                "both nodes' kernels, launchers and ranks to exit")
+
+
+def test_a_two_node_session_whose_other_kernel_dies_is_lost_not_living_on():
+    """Issue 24 item 8: with a kernel per node, node 1's kernel killed -9 took
+    its part of the session with it, and node 0's next cell failed in gloo and
+    said "The session lives on", although its world can never be whole again.
+    Each node's part now shows it is there (a count in node 0's store), and a
+    node silent for 5 s loses the session on the others, saying which."""
+    port = _free_port()
+    pair = [Node(), Node()]
+    try:
+        start = "%distributed_session start -n 1 --num_nodes 2 --node_rank {node} --master_addr 127.0.0.1 " \
+                f"--master_port {port} --rendezvous_timeout 60"
+        waiting = [node.start(start.format(node=i)) for i, node in enumerate(pair)]
+        for node, msg_id in zip(pair, waiting):
+            out = node.collect(msg_id, timeout=180)
+            assert out["error"] is None, out
+        cell = ("%%distributed --session --output text\nimport torch, torch.distributed as dist\n"
+                "if not dist.is_initialized():\n    dist.init_process_group('gloo')\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n")
+        ran = [node.start(cell) for node in pair]
+        for node, msg_id in zip(pair, ran):
+            out = node.collect(msg_id)
+            assert out["error"] is None and "sum 2.0" in out["stdout"], out
+        os.kill(pair[1].pid, signal.SIGKILL)          # its launcher and ranks go with it
+        res = pair[0].run(cell, timeout=90)
+        assert res.error is not None, res.stdout
+        text = "\n".join(res.error.get("traceback") or []) + res.error.get("evalue", "")
+        assert "lives on" not in text, text
+        assert res.error["ename"] == "SessionLostError" and "node 1" in text, text
+        # and the kernel stays usable: a fresh session on this node alone
+        pair[0].ok("%distributed_session start -n 2")
+        assert "[rank 1] 1" in pair[0].ok("%%distributed --session --output text\nimport os\n"
+                                          "print(os.environ['RANK'])").stdout
+        pair[0].ok("%distributed_session stop")
+    finally:
+        for node in pair:
+            try:
+                node.shutdown()
+            except Exception:
+                pass

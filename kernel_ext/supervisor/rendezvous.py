@@ -35,6 +35,7 @@ FINISHED = "accel_magics/nodes_finished"
 CHECKED = "accel_magics/nodes_checked"   # restarts may follow: every node has looked for a failure elsewhere
 FAILED = "accel_magics/failure"
 DEPARTED = "accel_magics/departed"   # ranks that finished the cell without joining the world (a count, then each)
+ALIVE = "accel_magics/alive"         # a session: each node's count of its beats (see beat)
 
 
 class RendezvousTimeout(Exception):
@@ -247,6 +248,27 @@ class NodeRendezvous:
         except Exception:
             return seen, []
         return count, [d for d in found if d["node"] != self.node_rank]
+
+    def beat(self) -> Optional[dict]:
+        """A session's node says it is there (its count goes up by one) and
+        reads the other nodes' counts: {node: count}, or None when the store
+        did not answer.  A count that stops moving is a node whose part of the
+        session is gone (its kernel killed, its supervisor dead): torch's
+        store tells nobody when a client goes, so the nodes tell each other."""
+        try:
+            self.store.add(f"{ALIVE}/{self.node_rank}", 1)
+            return {node: int(self.store.add(f"{ALIVE}/{node}", 0))
+                    for node in range(self.num_nodes) if node != self.node_rank}
+        except Exception:
+            return None
+
+    def quick(self, seconds: float) -> None:
+        """Bound every later store call to ``seconds`` (a session's beats must
+        not hold its supervisor's loop while a node's machine is unreachable)."""
+        try:
+            self.store.set_timeout(timedelta(seconds=seconds))
+        except Exception:
+            pass
 
     def finish(self, name: str = FINISHED) -> None:
         """Count this node as done (``FINISHED``), or as having checked (``CHECKED``)."""

@@ -41,7 +41,7 @@ from .rank_process import RankProcess, user_stack, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 # The ladders' order: see timing.py.
-from ..timing import RECALL_WAIT, FORCE_AFTER, READY_WAIT
+from ..timing import FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT
 
 
 
@@ -63,6 +63,12 @@ class SessionSupervisor(Supervisor):
         self.recall_at: Optional[float] = None
         self.force_at: Optional[float] = None
         self.verdict_at: Optional[float] = None
+        # Several nodes: when to count this node in node 0's store next, and
+        # when each other node's count last moved (see _watch_nodes).
+        self.node_check: Optional[float] = None
+        self.node_seen: dict[int, tuple[int, float]] = {}
+        self.store_heard = 0.0
+        self.back_at: Optional[float] = None   # when a failed cell's ranks were all back
         self.cell_sources: dict = {}           # every cell's source by filename (stacks show them)
         self.verifier = wire.signed_session(self.session.key)
         self.cells = self.ctx.socket(zmq.PULL)
@@ -81,6 +87,12 @@ class SessionSupervisor(Supervisor):
             self._wait_ready()
         if self.stopping is not None and self.ending is None:   # the rendezvous failed, a rank died
             self._lose(self.lost or "the session's ranks could not start")
+        # A kernel per node: nothing else tells one node's part that another's is
+        # gone.  (Nodes dispatched together, on Slurm, have the kernel for that.)
+        if self.spec["num_nodes"] > 1 and not self.spec.get("dispatched_together") \
+                and self.rdzv is not None and self.rdzv.store is not None:
+            self.rdzv.quick(NODE_STORE_WAIT)
+            self.store_heard = self.node_check = time.monotonic()
         self._serve_until(lambda: self.ending is not None)
         self._end()
 
@@ -315,13 +327,57 @@ class SessionSupervisor(Supervisor):
             pass
 
     def _deadlines(self) -> list:
-        return super()._deadlines() + [self.recall_at, self.force_at, self.verdict_at]
+        return super()._deadlines() + [self.recall_at, self.force_at, self.verdict_at, self.node_check]
 
     def _on_time(self) -> None:
         self._take_cells()   # its socket's fd is edge-triggered: drained at every turn of the loop
         super()._on_time()
-        if self.cell is not None and self.ending is None and all(r.back for r in self.ranks):
+        if self.node_check is not None and time.monotonic() >= self.node_check and self.ending is None:
+            self._watch_nodes(time.monotonic())
+        if self.cell is not None and self.ending is None and all(r.back for r in self.ranks) \
+                and self._other_nodes_seen_after_failure():
             self._finish_cell()
+
+    def _watch_nodes(self, now: float) -> None:
+        """Several nodes: count this node in node 0's store and look at the
+        others' counts.  A node whose count stood still for NODE_LOST_AFTER (or
+        node 0's store not answering that long) has lost its part of the
+        session: its kernel was shut down or killed, or its supervisor died.
+        The world can never be whole again, so the session is lost here too,
+        saying which node, instead of failing each cell in gloo and claiming
+        that the session lives on."""
+        self.node_check = now + NODE_BEAT
+        counts = self.rdzv.beat()
+        if counts is None:
+            if now - self.store_heard >= NODE_LOST_AFTER:
+                self._lose(f"node 0's part of the session is gone: its store at {self.rdzv.address} has not "
+                           f"answered for {NODE_LOST_AFTER:g}s (its kernel was shut down or died, or its machine "
+                           "is unreachable), and a world that lost a node cannot go on")
+            return
+        self.store_heard = now
+        for node, count in counts.items():
+            seen = self.node_seen.get(node)
+            if seen is None or seen[0] != count:
+                self.node_seen[node] = (count, now)
+            elif now - seen[1] >= NODE_LOST_AFTER:
+                self._lose(f"node {node}'s part of the session is gone: no sign of it for {NODE_LOST_AFTER:g}s "
+                           "(its kernel was shut down or died, or its supervisor ended), and a world that lost "
+                           "a node cannot go on")
+                return
+
+    def _other_nodes_seen_after_failure(self) -> bool:
+        """A failed cell of several nodes ends once every other node has been
+        heard from since (at most NODE_LOST_AFTER later: else it is lost): a
+        gloo error may mean a node is gone, and the cell must not then say the
+        session lives on."""
+        if self.node_check is None or (self.first_failure is None and self.stopping is None):
+            return True
+        if self.back_at is None:
+            self.back_at = time.monotonic()
+            self._watch_nodes(self.back_at)
+        # Strictly after: the look taken at back_at may see a count the node made before it went.
+        return all(self.node_seen.get(node, (0, 0.0))[1] > self.back_at
+                   for node in range(self.spec["num_nodes"]) if node != self.spec["node_rank"])
 
     def _stack_waiters(self) -> list:
         return [r for r in self._out() if r.in_cell]
@@ -407,6 +463,7 @@ class SessionSupervisor(Supervisor):
         self._send({"kind": "finished", "reason": self.stopping, "session": "alive",
                     "elapsed": time.time() - self.started})
         self.cell = None
+        self.back_at = None
         self.spec["run_id"] = self.session_id
         self.spec["payload"] = None
         self.stopping = None
