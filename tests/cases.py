@@ -193,4 +193,42 @@ def run_case(k, kind: str) -> float:
         res = k.run("%%distributed -n 2 --output text\nraise ValueError('e' * 5_000_000)\n", timeout=60)
         assert res.error["ename"] == "DistributedRunError", res.error_text
         return 10
+    if kind == "session":   # a session's life: start, state across cells, a failing cell, stop
+        k.ok("%distributed_session start -n 2")
+        try:
+            k.ok("%%distributed --session --output text\nimport os\nkept = int(os.environ['RANK']) + 40")
+            res = k.run("%%distributed --session --output text\nraise ValueError('soak')", timeout=60)
+            assert res.error is not None and "lives on" in res.error_text, res.error_text
+            assert "[rank 1] 41" in k.ok("%%distributed --session --output text\nprint(kept)").stdout
+        finally:
+            k.ok("%distributed_session stop")
+        return 30
+    if kind == "background":
+        k.ok("%%distributed -n 2 --background --output text --return total\nimport torch, torch.distributed as dist\n"
+             "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()\n"
+             "dist.destroy_process_group()")
+        res = k.ok("_bg = _\n_bg.wait()\nprint(total, _bg.returned)\ndel total, _bg", timeout=60)
+        assert "2.0 ['total']" in res.stdout, res.stdout
+        return 15
+    if kind == "reinit":
+        res = k.run("%%distributed -n 2 --output text --timeout 30\n" + REINIT, timeout=60)
+        assert res.status == "ok" and res.stdout.count("sums [2.0, 4.0, 6.0]") == 2, res.error_text
+        return 15
+    if kind == "quiet":   # a rank that only waits after its peer finished: not a stall
+        res = k.run("%%distributed -n 2 --output text --stall_timeout 1\nimport os, time\n"
+                    "if os.environ['RANK'] == '0':\n    time.sleep(3)\nprint('done')\n", timeout=60)
+        assert res.status == "ok" and "[rank 0] done" in res.stdout, res.error_text
+        assert any("not stuck" in text for text in res.live), res.live
+        return 3 + 10
     raise AssertionError(kind)
+
+
+REINIT = ("import torch, torch.distributed as dist\nsums = []\n"
+          "for round in range(3):\n"
+          "    dist.init_process_group('gloo')\n"
+          "    t = torch.ones(1) * (round + 1)\n"
+          "    dist.all_reduce(t)\n"
+          "    dist.barrier()\n"
+          "    sums.append(float(t))\n"
+          "    dist.destroy_process_group()\n"
+          "print('sums', sums)\n")

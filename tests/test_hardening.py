@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cases import DAEMONS, DDP_TRAIN, STUCK_IN_NATIVE, alive, memfds, stopped_supervisor
+from cases import DAEMONS, DDP_TRAIN, REINIT as REINIT_ROUNDS, STUCK_IN_NATIVE, alive, memfds, stopped_supervisor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -722,18 +722,6 @@ def test_a_session_rank_that_waits_after_its_peers_finished_runs_to_the_end(clea
         assert "[rank 0] 4" in k.ok("%%distributed --session --output text\nprint(waited)").stdout
     finally:
         k.ok("%distributed_session stop")
-
-
-REINIT_ROUNDS = ("import torch, torch.distributed as dist\n"
-                 "sums = []\n"
-                 "for round in range(3):\n"
-                 "    dist.init_process_group('gloo')\n"
-                 "    t = torch.ones(1) * (round + 1)\n"
-                 "    dist.all_reduce(t)\n"
-                 "    dist.barrier()\n"
-                 "    sums.append(float(t))\n"
-                 "    dist.destroy_process_group()\n"
-                 "print('sums', sums)\n")
 
 
 def test_init_process_group_again_after_destroy_never_hangs(clean_kernel):
