@@ -369,21 +369,13 @@ class Supervisor:
         if self.stopping is not None:
             self.stall_check = None
             return
-        finished = [r for r in self.ranks if r.done]
-        running = [r for r in self.ranks if r.status is None and not r.done]
-        if not finished or not running:
+        quiet = self._quiet_ranks(now)
+        if quiet is None:
             return
-        since_finish = min(r.done_time for r in finished)
-        for r in running:
-            cpu = native_stacks.cpu_seconds(r.pid)
-            if cpu is None:
-                return
-            if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
-                r.cpu_seen, r.cpu_since = cpu, now
+        finished, running, seconds = quiet
         limit = self.spec["stall_timeout"]
-        quiet = min(now - max(r.cpu_since, r.last_output, since_finish) for r in running)
         blocked = {r.rank: r.interpreter_runs(now) for r in running}   # read at every check (see its doc)
-        if quiet < limit or now < self.stall_judged + limit:
+        if seconds < limit or now < self.stall_judged + limit:
             return
         self.stall_judged = now
         why = {r.rank: self._stuck(r, blocked[r.rank], limit) for r in running}
@@ -392,16 +384,38 @@ class Supervisor:
                         "finished": [r.rank for r in finished], "why": why})
             self._stop("stalled", stacks=True)
             return
-        waiting = [r for r in running if not why[r.rank] and r.rank not in self.said_quiet]
-        if waiting:
-            self.said_quiet.update(r.rank for r in waiting)
-            where = {r.rank: native_stacks.where(r.native) for r in waiting}
-            log.warning("run %s: rank(s) %s quiet for %.0fs after rank(s) %s finished; not stuck (%s)",
-                        self.spec.get("run_id"), [r.rank for r in waiting], quiet, [r.rank for r in finished], where)
-            self._send({"kind": "quiet", "ranks": [r.rank for r in waiting], "seconds": round(quiet, 1),
-                        "finished": [r.rank for r in finished], "where": where})
+        self._say_waiting([r for r in running if not why[r.rank]], finished, seconds)
         for r in running:
             r.native = ""   # a later verdict looks again; the stop's dump is taken then
+
+    def _quiet_ranks(self, now: float) -> Optional[tuple]:
+        """(finished ranks, ranks still in the cell, how long the least quiet
+        of these has used no CPU and printed nothing since a rank finished),
+        or None while no rank finished, none runs, or one just exited."""
+        finished = [r for r in self.ranks if r.done]
+        running = [r for r in self.ranks if r.status is None and not r.done]
+        if not finished or not running:
+            return None
+        since_finish = min(r.done_time for r in finished)
+        for r in running:
+            cpu = native_stacks.cpu_seconds(r.pid)
+            if cpu is None:
+                return None
+            if r.cpu_seen is None or cpu - r.cpu_seen > STALL_CPU or native_stacks.state(r.pid) == "D":
+                r.cpu_seen, r.cpu_since = cpu, now
+        return finished, running, min(now - max(r.cpu_since, r.last_output, since_finish) for r in running)
+
+    def _say_waiting(self, waiting: list, finished: list, seconds: float) -> None:
+        """Quiet ranks that may move: said once each (the view shows where), never stopped."""
+        waiting = [r for r in waiting if r.rank not in self.said_quiet]
+        if not waiting:
+            return
+        self.said_quiet.update(r.rank for r in waiting)
+        where = {r.rank: native_stacks.where(r.native) for r in waiting}
+        log.warning("run %s: rank(s) %s quiet for %.0fs after rank(s) %s finished; not stuck (%s)",
+                    self.spec.get("run_id"), [r.rank for r in waiting], seconds, [r.rank for r in finished], where)
+        self._send({"kind": "quiet", "ranks": [r.rank for r in waiting], "seconds": round(seconds, 1),
+                    "finished": [r.rank for r in finished], "where": where})
 
     def _stuck(self, r: RankProcess, blocked_for: float, limit: float) -> Optional[str]:
         """Why nothing can move this quiet rank, or None if something may."""
