@@ -60,14 +60,14 @@ def pytest_unconfigure(config):
 class LoadedKernel(KernelSession):
     """A kernel with ``%load_ext accel_magics`` done and its launcher ready."""
 
-    def __init__(self, extra_env: dict | None = None, cwd: str | None = None) -> None:
+    def __init__(self, extra_env: dict | None = None, cwd: str | None = None, ranks: int = 2) -> None:
         # A temp directory of its own: the kernel, launcher and ranks all use it,
         # so "no temp file left" is checked exactly, whatever else runs here.
         self.tmpdir = tempfile.mkdtemp(prefix="accel-test-tmp-")
         super().__init__(extra_env={"PYTHONUNBUFFERED": "1", "TMPDIR": self.tmpdir, **(extra_env or {})}, cwd=cwd)
         self.ok("%load_ext accel_magics")
         # The first run also waits for the launcher to import torch.
-        self.ok("%%distributed -n 2 --output text\npass", timeout=120)
+        self.ok(f"%%distributed -n {ranks} --output text\npass", timeout=120)
         self.wait_quiet()
         self.zygote = self.launcher_pid()
         self.base_ports = listening_ports({self.pid} | descendants(self.pid))
