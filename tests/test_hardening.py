@@ -884,3 +884,4 @@ def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
         assert res.stdout.count("] ran") == 2, res.stdout
     finally:
         k.shutdown()
+

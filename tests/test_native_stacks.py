@@ -50,6 +50,13 @@ IN_A_COLLECTIVE = """Thread 2469 (idle): "MainThread"
 Thread 2470 (idle): "Thread-1 (pin_memory)"
     pthread_cond_wait (libc.so.6)
 """
+ON_THE_STORE = """Thread 3101 (idle): "MainThread"
+    poll (libc.so.6)
+    c10d::detail::SocketImpl::waitForInput (libtorch_cpu.so)
+    c10d::TCPStore::doWait (libtorch_cpu.so)
+    c10d::TCPStore::wait (libtorch_cpu.so)
+    <module> (<%%distributed In[7]>:6)
+"""
 HEARTBEAT = """Thread 2471 (idle): "accel_magics-alive"
     clock_nanosleep (libc.so.6)
     time_sleep (libpython3.11.so.1.0)
@@ -57,7 +64,7 @@ HEARTBEAT = """Thread 2471 (idle): "accel_magics-alive"
 """
 
 
-@pytest.mark.parametrize("dump", [SLEEPING, IN_SUBPROCESS, ON_A_SOCKET])
+@pytest.mark.parametrize("dump", [SLEEPING, IN_SUBPROCESS, ON_A_SOCKET, ON_THE_STORE])
 def test_a_wait_that_can_end_is_not_stuck(dump):
     assert native_stacks.stuck_in(dump) is None
 

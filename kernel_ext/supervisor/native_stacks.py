@@ -155,7 +155,10 @@ def _stat_cpu(pid: int, children_too: bool = False) -> Optional[float]:
 # Native frames of a wait that only other ranks can end: torch.distributed's
 # collectives and stores (c10d::Work::wait, gloo's pairs, NCCL).  A rank in one
 # after a peer finished the cell waits for a rank that will never come.
-_COLLECTIVE = re.compile(r"\bc10d::|\bgloo::|nccl", re.IGNORECASE)
+_COLLECTIVE = re.compile(r"\bc10d::Work::wait|ProcessGroup(Gloo|NCCL)|\bgloo::|nccl", re.IGNORECASE)
+# A wait on the store (TCPStore get/wait) is not a collective: another rank or
+# a thread of this one may set the key (a Timer, a late peer), so it can end.
+_STORE_WAIT = re.compile(r"TCPStore|SocketImpl::waitForInput|c10d::Store|PrefixStore")
 _PY_FRAME = re.compile(r"\(.*:\d+\)$")
 
 
@@ -164,6 +167,8 @@ def stuck_in(text: str) -> Optional[str]:
     or None when it may be waiting for something that ends (a sleep, a
     subprocess, a socket, a lock another of its threads holds).  A plain
     function of the text, so each verdict is unit-tested on recorded dumps."""
+    if _STORE_WAIT.search(text):
+        return None
     for line in text.splitlines():
         if line.startswith("Thread "):
             continue
