@@ -153,8 +153,8 @@ def _stat_cpu(pid: int, children_too: bool = False) -> Optional[float]:
 
 
 # Native frames of a wait that only other ranks can end: torch.distributed's
-# collectives and stores (c10d::Work::wait, gloo's pairs, NCCL).  A rank in one
-# after a peer finished the cell waits for a rank that will never come.
+# collectives (c10d::Work::wait, gloo's pairs, NCCL).  A rank in one after a
+# peer finished the cell waits for a rank that will never come.
 _COLLECTIVE = re.compile(r"\bc10d::Work::wait|ProcessGroup(Gloo|NCCL)|\bgloo::|nccl", re.IGNORECASE)
 # A wait on the store (TCPStore get/wait) is not a collective: another rank or
 # a thread of this one may set the key (a Timer, a late peer), so it can end.

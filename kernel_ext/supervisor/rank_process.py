@@ -68,7 +68,7 @@ class RankProcess:
         after it was asked to stop: that death is its own, and a failure."""
         return self.signalled and not self.failed and (sig is None or sig in self.sent)
 
-    def interpreter_runs(self, now: float) -> float:
+    def python_silent_for(self, now: float) -> float:
         """Seconds since its interpreter last ran Python (0.0: just now); call
         it at every stall check, which is when the count is compared."""
         if self.beat is None:

@@ -374,11 +374,13 @@ class Supervisor:
             return
         finished, running, seconds = quiet
         limit = self.spec["stall_timeout"]
-        blocked = {r.rank: r.interpreter_runs(now) for r in running}   # read at every check (see its doc)
+        blocked = {r.rank: r.python_silent_for(now) for r in running}   # read at every check (see its doc)
         if seconds < limit or now < self.stall_judged + limit:
             return
         self.stall_judged = now
-        why = {r.rank: self._stuck(r, blocked[r.rank], limit) for r in running}
+        # One dump for every rank whose interpreter still runs (py-spy runs them side by side).
+        native = native_stacks.dump([r.pid for r in running if blocked[r.rank] < limit], NATIVE_WAIT)
+        why = {r.rank: self._stuck(r, blocked[r.rank], limit, native) for r in running}
         if all(why.values()):
             self._send({"kind": "stalled", "ranks": [r.rank for r in running], "seconds": limit,
                         "finished": [r.rank for r in finished], "why": why})
@@ -417,12 +419,13 @@ class Supervisor:
         self._send({"kind": "quiet", "ranks": [r.rank for r in waiting], "seconds": round(seconds, 1),
                     "finished": [r.rank for r in finished], "where": where})
 
-    def _stuck(self, r: RankProcess, blocked_for: float, limit: float) -> Optional[str]:
-        """Why nothing can move this quiet rank, or None if something may."""
+    def _stuck(self, r: RankProcess, blocked_for: float, limit: float, native: dict) -> Optional[str]:
+        """Why nothing can move this quiet rank, or None if something may
+        (``native``: the native stacks taken for this verdict, by pid)."""
         if blocked_for >= limit:
             return (f"its interpreter has not run Python for {blocked_for:.0f}s: a thread holds the GIL "
                     "in native code and does not return (a deadlock)")
-        r.native = native_stacks.dump([r.pid], NATIVE_WAIT).get(r.pid, "")
+        r.native = native.get(r.pid, "")
         return native_stacks.stuck_in(r.native)
 
     def _check_remote(self) -> None:
