@@ -247,6 +247,36 @@ def test_a_rank_that_finished_strands_no_one_unless_they_wait_for_it_in_init(cas
         assert not fold.must_stop(), (rank, event)
 
 
+def test_a_rank_that_did_fewer_rounds_of_init_strands_a_rank_in_a_later_round():
+    """Hostile pass: rank 1 skipped one of three init/destroy rounds and
+    finished; rank 0 waited in its third init_process_group for good (rank 1
+    had joined earlier rounds, so "it was in the world" hid it).  Each join
+    says its round: a rank that finished after fewer rounds never comes."""
+    fold = RunFold("r1", [0, 1], num_nodes=1)
+    seq = [(r, {"kind": k, "round": n}) for n in (1, 2) for r in (0, 1) for k in ("joining", "joined")]
+    seq += [(1, {"kind": "result", "in_world": False, "rounds": 2, "timestamp": 3.0}),
+            (0, {"kind": "joining", "round": 3})]
+    stops = []
+    for rank, event in seq:
+        fold.feed({"kind": "rank_event", "rank": rank, "event": event})
+        stops.append(fold.must_stop())
+    assert stops == [False] * (len(seq) - 1) + [True]
+    assert fold.stranded["ranks"] == [0] and fold.stranded["finished"] == [1]
+
+
+def test_a_later_round_waits_for_no_one_while_every_peer_did_as_many_rounds():
+    """The same rounds with rank 1 finishing last: its result (3 rounds) comes
+    before rank 0's last "joined" (events of two ranks are not ordered)."""
+    fold = RunFold("r1", [0, 1], num_nodes=1)
+    seq = [(r, {"kind": k, "round": n}) for n in (1, 2) for r in (0, 1) for k in ("joining", "joined")]
+    seq += [(0, {"kind": "joining", "round": 3}), (1, {"kind": "joining", "round": 3}),
+            (1, {"kind": "joined", "round": 3}),
+            (1, {"kind": "result", "in_world": False, "rounds": 3, "timestamp": 3.0})]
+    for rank, event in seq:
+        fold.feed({"kind": "rank_event", "rank": rank, "event": event})
+        assert not fold.must_stop(), (rank, event)
+
+
 def test_an_exit_with_code_0_mid_cell_is_the_root_cause_of_the_lost_connections_it_caused():
     _, outcome = replay(rec.SLURM_EXIT_0_AFTER_INIT, ranks=range(4), num_nodes=2)
     cause = outcome.finished.root_cause

@@ -738,6 +738,29 @@ def test_init_process_group_again_after_destroy_never_hangs(clean_kernel):
         assert time.monotonic() - started < 20, f"cell {cell} took {time.monotonic() - started:.1f}s"
 
 
+def test_a_rank_that_skips_a_round_of_init_ends_the_cell_naming_both(clean_kernel):
+    """Hostile pass: rank 1 skips one of three init/destroy rounds and
+    finishes; rank 0 waited in its third init_process_group for good (no
+    --timeout: the cell never ended; torchrun waits 30 minutes too).  The
+    round it waits in is one rank 1 never joins: stopped within seconds."""
+    started = time.monotonic()
+    res = clean_kernel.run(
+        "%%distributed -n 2 --output text\n"
+        "import os, torch, torch.distributed as dist\n"
+        "for i in range(3):\n"
+        "    if os.environ['RANK'] == '1' and i == 1:\n"
+        "        continue\n"
+        "    dist.init_process_group('gloo')\n"
+        "    t = torch.ones(1)\n"
+        "    dist.all_reduce(t)\n"
+        "    dist.destroy_process_group()\n"
+        "print('done')\n", timeout=90)
+    assert res.error is not None and res.error["ename"] == "DistributedStallError", res.error_text
+    assert "rank(s) 0 wait in init_process_group for rank 1" in res.error_text, res.error_text
+    assert "[rank 1] done" in res.stdout
+    assert time.monotonic() - started < 30, f"took {time.monotonic() - started:.1f}s"
+
+
 def test_init_process_group_again_in_later_session_cells(clean_kernel):
     """Item 6 in a session: each cell makes and destroys its own group."""
     k = clean_kernel

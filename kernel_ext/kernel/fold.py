@@ -87,8 +87,9 @@ class RunFold:
         self.stacks: dict[int, str] = {}
         self.others: dict[int, str] = {}
         self.departed: dict[int, tuple[str, float]] = {}
-        self.joining: set[int] = set()     # in init_process_group for the run's world now
+        self.joining: dict[int, int] = {}  # rank -> the round of init_process_group it waits in now
         self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
+        self.rounds: dict[int, int] = {}   # rank -> how many rounds of the world's init it got through
         self.mid_cell: dict[int, float] = {}   # rank -> when it exited with code 0 without its result
         self.stranded: Optional[dict] = None    # ranks waiting in init_process_group for one that left
         self.unfinished: list[int] = []
@@ -168,32 +169,48 @@ class RunFold:
                                event.get("timestamp", self.clock()))
         if event.get("in_world"):
             self.in_world.add(rank)
+        self._count_rounds(rank, event.get("rounds", 1 if event.get("in_world") else 0))
         # Each node's local rank 0 reports values; the run's are global rank 0's.
         if ("value" in event or "returns" in event) and rank == self.ranks[0]:
             self.result = event
 
     def _rank_joining(self, rank: int, event: dict) -> None:
-        self.joining.add(rank)
+        self.joining[rank] = event.get("round", 1)
         if self.stranded is not None:   # another one reaches it as the run is stopped
             self.stranded["ranks"] = sorted(set(self.stranded["ranks"]) | {rank})
 
     def _rank_joined(self, rank: int, event: dict) -> None:
-        self.joining.discard(rank)
+        self.joining.pop(rank, None)
         self.in_world.add(rank)
+        self._count_rounds(rank, event.get("round", 1))
+
+    def _count_rounds(self, rank: int, rounds: int) -> None:
+        self.rounds[rank] = max(self.rounds.get(rank, 0), rounds)
 
     def must_stop(self) -> bool:
         """True once, when the attempt can no longer end by itself: a rank waits
         in ``init_process_group`` for the run's world while another rank of
-        that world finished the cell without ever joining it (the world is
-        fixed, so the wait would last until torch's timeout, 30 minutes).  The
-        caller stops the attempt; the outcome says who waited for whom."""
+        that world finished the cell without ever joining that round of it
+        (the world is fixed, so the wait would last until torch's timeout, 30
+        minutes).  Rounds count: after ``destroy_process_group`` a rank may
+        init again, and a peer that finished after fewer rounds never joins
+        this one, although it was in the world before.  A peer that got
+        through as many rounds may have met the waiting rank (the two ranks'
+        events are not ordered), so it strands no one.  The caller stops the
+        attempt; the outcome says who waited for whom."""
         if self.stranded is not None or not self.joining:
             return False
-        gone = {rank: how for rank, (how, _) in self.departed.items() if rank not in self.in_world}
-        gone.update({rank: "exited with code 0" for rank in self.mid_cell if rank not in self.in_world})
-        waiting = sorted(self.joining - self.exited - set(gone))
-        if not gone or not waiting:
+        left = {rank: how for rank, (how, _) in self.departed.items()}
+        left.update({rank: "exited with code 0" for rank in self.mid_cell if rank not in left})
+        waiting, gone = [], {}
+        for rank, round_ in self.joining.items():
+            short = {peer: how for peer, how in left.items() if self.rounds.get(peer, 0) < round_}
+            if short and rank not in self.exited and rank not in left:
+                waiting.append(rank)
+                gone.update(short)
+        if not waiting:
             return False
+        waiting.sort()
         self.stranded = {"ranks": waiting, "finished": sorted(gone), "seconds": 0,
                          "left": {rank: (how, self.node_of.get(rank)) for rank, how in gone.items()}}
         log.info("run %s: rank(s) %s wait in init_process_group for rank(s) %s, which finished the cell",
@@ -254,6 +271,7 @@ class RunFold:
         """A kernel per node: another node's rank finished the cell without
         joining the world (this node's ranks may wait for it: must_stop)."""
         self.departed[msg["rank"]] = (msg["how"], self.clock())
+        self._count_rounds(msg["rank"], msg.get("rounds", 0))
         self.node_of.setdefault(msg["rank"], str(msg["node"]))
 
     def _supervisor_error(self, msg: dict) -> None:

@@ -132,10 +132,16 @@ def _joins_the_world(args, kwargs) -> bool:
     return size in (-1, None) or str(size) == os.environ.get("WORLD_SIZE")
 
 
+def rounds() -> int:
+    """How many rounds of the world's ``init_process_group`` this rank began
+    (its result says so: a peer waiting in a later round waits for nothing)."""
+    return _rounds
+
+
 def _say(kind: str) -> None:
     if announce is not None:
         try:
-            announce({"kind": kind})
+            announce({"kind": kind, "round": _rounds})
         except Exception:   # never the cause of an init_process_group failure
             pass
 

@@ -482,6 +482,7 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
             event.update(_values(value, ns, payload.return_names))
     if event["kind"] == "result":
         event["in_world"] = _in_world()   # a session's rank may have joined in an earlier cell
+        event["rounds"] = pg_guard.rounds()   # of the world's init, this cell and earlier ones (fold.must_stop)
     if reports_values:
         event["new_modules"] = _new_modules(before)
     if ids is not None:

@@ -34,7 +34,7 @@ JOINED = "accel_magics/nodes_joined"
 FINISHED = "accel_magics/nodes_finished"
 CHECKED = "accel_magics/nodes_checked"   # restarts may follow: every node has looked for a failure elsewhere
 FAILED = "accel_magics/failure"
-DEPARTED = "accel_magics/departed"   # ranks that finished the cell without joining the world (a count, then each)
+DEPARTED = "accel_magics/departed"   # ranks that finished the cell, with their rounds of init (a count, then each)
 ALIVE = "accel_magics/alive"         # a session: each node's count of its beats (see beat)
 
 
@@ -230,12 +230,14 @@ class NodeRendezvous:
             pass
         return None
 
-    def report_departed(self, node_rank: int, rank: int, how: str) -> None:
-        """A rank of this node finished the cell without joining the world: the
-        other nodes' ranks that wait for it in init_process_group never will."""
+    def report_departed(self, node_rank: int, rank: int, how: str, rounds: int) -> None:
+        """A rank of this node finished the cell after ``rounds`` rounds of the
+        world's init_process_group: the other nodes' ranks that wait for it in
+        a later round never see it come."""
         try:
             index = int(self.store.add(DEPARTED, 1)) - 1
-            self.store.set(f"{DEPARTED}/{index}", json.dumps({"node": node_rank, "rank": rank, "how": how}))
+            self.store.set(f"{DEPARTED}/{index}", json.dumps({"node": node_rank, "rank": rank, "how": how,
+                                                               "rounds": rounds}))
         except Exception:
             pass
 

@@ -704,9 +704,10 @@ class Supervisor:
             summary = bound_text(summary, head=20, tail=20)
             self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank, summary)
         if event.get("kind") == "result":
-            if self.remote_check is not None and not event.get("in_world"):   # a kernel per node
+            if self.remote_check is not None:   # a kernel per node: the others' folds judge (must_stop)
                 self.rdzv.report_departed(self.spec["node_rank"], r.rank,
-                                          "sys.exit(0)" if event.get("exited") else "returned")
+                                          "sys.exit(0)" if event.get("exited") else "returned",
+                                          event.get("rounds", 1 if event.get("in_world") else 0))
             r.done_time = time.monotonic()
             # The rank's last event: stop reading its event and stack pipes
             # now, a process the cell started may hold them open for long.

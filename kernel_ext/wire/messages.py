@@ -24,8 +24,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
 ``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause
-``remote_departed``    ``rank``, ``node``, ``how``: a rank of another node finished the cell without
-                       joining the world (a kernel per node)
+``remote_departed``    ``rank``, ``node``, ``how``, ``rounds``: a rank of another node finished the
+                       cell after ``rounds`` rounds of the world's init (a kernel per node)
 ``supervisor_error``   ``traceback``, ``message``
 ``session_lost``       ``lost``: why the session's ranks are gone
 ``finished``           ``reason`` (a :class:`StopReason` or None), ``elapsed``; ``session``
@@ -77,13 +77,13 @@ class Kind(_Text):
 class RankEvent(_Text):
     """What a rank reports about itself (inside a ``rank_event`` message)."""
     FAILED = "failed"          # exc_type, message, traceback, timestamp, secondary
-    RESULT = "result"          # value, returns, missing, new_modules, exited, in_world, timestamp
+    RESULT = "result"          # value, returns, missing, new_modules, exited, in_world, rounds, timestamp
     PROGRESS = "progress"      # n, total, desc
     BAR = "bar"                # id, pos, desc, n, total, stats, leave, closed
     NAMES = "names"            # assigned, deleted (a session cell)
     SESSION_READY = "session_ready"
-    JOINING = "joining"        # entered init_process_group for the run's world
-    JOINED = "joined"          # left it (joined, or it raised)
+    JOINING = "joining"        # round: entered the round-th init_process_group for the run's world
+    JOINED = "joined"          # round: left it (joined, or it raised)
 
 
 def failure_summary(event: dict) -> str:
