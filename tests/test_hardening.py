@@ -774,6 +774,19 @@ def test_init_process_group_again_in_later_session_cells(clean_kernel):
         k.ok("%distributed_session stop")
 
 
+def test_code_that_joins_every_thread_but_its_own_ends(clean_kernel):
+    """Hostile pass: the rank's heartbeat thread was in threading.enumerate(),
+    so a cell that joins every other thread (a common clean-up) hung."""
+    res = clean_kernel.ok("%%distributed -n 2 --output text --timeout 30\n"
+                          "import threading\n"
+                          "names = sorted(t.name for t in threading.enumerate())\n"
+                          "for t in threading.enumerate():\n"
+                          "    if t is not threading.current_thread():\n"
+                          "        t.join()\n"
+                          "print('threads', names)\n", timeout=60)
+    assert res.stdout.count("threads ['MainThread']") == 2, res.stdout
+
+
 def test_a_busy_rank_after_its_peers_finished_is_not_a_stall(clean_kernel):
     res = clean_kernel.ok("%%distributed -n 2 --output text --stall_timeout 1\n"
                           "import os, time\n"

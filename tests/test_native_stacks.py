@@ -62,6 +62,12 @@ HEARTBEAT = """Thread 2471 (idle): "accel_magics-alive"
     time_sleep (libpython3.11.so.1.0)
     beat (liveness.py:45)
 """
+# The heartbeat started with _thread (not in threading's registry): py-spy knows no name.
+HEARTBEAT_UNNAMED = """Thread 2472 (idle)
+    clock_nanosleep (libc.so.6)
+    time_sleep (libpython3.11.so.1.0)
+    _beat (kernel_ext/rank/liveness.py:52)
+"""
 
 
 @pytest.mark.parametrize("dump", [SLEEPING, IN_SUBPROCESS, ON_A_SOCKET, ON_THE_STORE])
@@ -92,6 +98,62 @@ def test_the_heartbeat_thread_is_left_out_of_what_the_user_reads():
                     '  File "<%%distributed In[3]>", line 4 in <module>\n')
     shown = user_stack(faulthandler)
     assert "In[3]" in shown and "other thread" not in shown and "threading.py" not in shown
+
+
+def test_a_heartbeat_thread_without_a_name_is_left_out_too():
+    trimmed = native_stacks.trim("Process 1: python\nPython v3.11.7\n\n" + HEARTBEAT_UNNAMED + SLEEPING)
+    assert "clock_nanosleep" in trimmed and "MainThread" in trimmed
+    assert "beat (" not in trimmed and "Thread 2472" not in trimmed
+
+
+_PKG = os.path.dirname(os.path.dirname(liveness.__file__))   # kernel_ext/
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _frame(path: str, line: int, func: str) -> str:
+    return f'  File "{path}", line {line} in {func}\n'
+
+
+# Hostile pass, recorded: a stop 20-30 ms into a warm cell lands while the
+# rank starts its heartbeat (liveness.start, inside threading.Thread.__init__),
+# below it only the launcher's frames.  The whole dump was shown, launcher
+# frames and all, because a frame in liveness.py marked the *main* thread as
+# the heartbeat's.
+STOP_IN_LIVENESS_START = (
+    "Current thread 0x00007f4fb3264b80 (most recent call first):\n"
+    + _frame(f"{_STDLIB}/threading.py", 248, "__init__")
+    + _frame(f"{_STDLIB}/threading.py", 905, "__init__")
+    + _frame(f"{_PKG}/rank/liveness.py", 50, "start")
+    + _frame(f"{_PKG}/rank/worker.py", 257, "wait_and_run")
+    + _frame(f"{_PKG}/supervisor/spare.py", 68, "prefork")
+    + _frame(f"{_PKG}/launcher/zygote.py", 402, "main")
+    + _frame("<frozen runpy>", 88, "_run_code"))
+# The signal was taken by the heartbeat thread as it began (no Python frame
+# yet): faulthandler calls it current; the cell runs in the main thread,
+# listed last.
+STOP_AS_THE_HEARTBEAT_BEGINS = (
+    "Current thread 0x00007f0000000002 (most recent call first):\n  <no Python frame>\n\n"
+    "Thread 0x00007f0000000001 (most recent call first):\n"
+    + _frame("<%%distributed In[4]>", 3, "<module>")
+    + _frame(f"{_PKG}/rank/worker.py", 470, "_run_cell"))
+STOP_BEFORE_THE_CELL_BEGAN = (
+    "Current thread 0x00007f0000000002 (most recent call first):\n  <no Python frame>\n\n"
+    "Thread 0x00007f0000000001 (most recent call first):\n"
+    + _frame(f"{_PKG}/rank/worker.py", 257, "wait_and_run")
+    + _frame(f"{_PKG}/launcher/zygote.py", 402, "main"))
+
+
+@pytest.mark.parametrize("dump, cell", [(STOP_IN_LIVENESS_START, False), (STOP_AS_THE_HEARTBEAT_BEGINS, True),
+                                        (STOP_BEFORE_THE_CELL_BEGAN, False)])
+def test_a_stop_as_a_rank_begins_shows_the_cell_or_says_it_had_not_begun(dump, cell):
+    shown = user_stack(dump, {"<%%distributed In[4]>": "import time\nx = 1\ntime.sleep(5)\n"})
+    for internal in ("zygote", "spare", "worker.py", "liveness", "runpy", "0x", "no Python frame",
+                     "threading.py", "Current thread"):
+        assert internal not in shown, (internal, shown)
+    if cell:
+        assert shown.startswith("the cell's thread:\n") and "time.sleep(5)" in shown, shown
+    else:
+        assert shown == "the cell's thread: (its code had not started)\n", shown
 
 
 def _child_with_heartbeat(body) -> tuple[int, object]:

@@ -11,15 +11,14 @@ rank no system call.
 """
 from __future__ import annotations
 
+import _thread
 import mmap
 import struct
-import threading
 import time
 
 from ..timing import BEAT_INTERVAL
 
 _FORMAT = "<Q"
-THREAD_NAME = "accel_magics-alive"
 
 
 def new_counter() -> mmap.mmap:
@@ -34,17 +33,20 @@ def read(counter: mmap.mmap) -> int:
 
 def start(counter) -> None:
     """In the rank, once its run is known: count while the interpreter runs.
-    A daemon thread: it never keeps the rank from exiting, and a process the
-    rank forks (a DataLoader worker) has no copy of it."""
+    A thread of ``_thread``'s, not ``threading``'s: it is not the user's, so
+    it is not in ``threading.enumerate()`` (code that joins every thread but
+    its own would wait for it for ever); it never keeps the rank from
+    exiting, and a process the rank forks (a DataLoader worker) has no copy
+    of it.  The stacks the user reads leave it out by its frame (``_beat``)."""
     if counter is None:
         return
-
-    def beat() -> None:
-        n = 1
-        while True:
-            time.sleep(BEAT_INTERVAL)
-            n += 1
-            struct.pack_into(_FORMAT, counter, 0, n)
-
     struct.pack_into(_FORMAT, counter, 0, 1)   # the first beat before the thread runs: 0 means "not started"
-    threading.Thread(target=beat, name=THREAD_NAME, daemon=True).start()
+    _thread.start_new_thread(_beat, (counter,))
+
+
+def _beat(counter) -> None:
+    n = 1
+    while True:
+        time.sleep(BEAT_INTERVAL)
+        n += 1
+        struct.pack_into(_FORMAT, counter, 0, n)

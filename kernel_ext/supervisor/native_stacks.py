@@ -82,7 +82,9 @@ def dump(pids: list[int], timeout: float = 2.5) -> dict[int, str]:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_HEARTBEAT_THREAD = '"accel_magics-alive"'   # rank/liveness.py's thread name, as py-spy quotes it
+#: The rank's heartbeat thread (rank/liveness.py, started with _thread: py-spy
+#: knows no name for it) is known by its loop's frame.
+_HEARTBEAT_FRAME = re.compile(r"^\s*(?:[\w.<>]+\.)?_?beat \((?:.*/)?liveness\.py:\d+\)$")
 _SYMBOL_CHARS = 160
 
 
@@ -90,17 +92,20 @@ def trim(text: str) -> str:
     """py-spy's dump without its header, colours, accel_magics' own frames and
     the rank's heartbeat thread, with C++ template arguments folded (a
     pybind11 frame is kilobytes long)."""
-    lines = []
-    ours = False
+    blocks: list[list[str]] = [[]]   # one per thread (py-spy starts each with "Thread ")
     for line in _ANSI.sub("", text).splitlines():
-        stripped = line.strip()
         if line.startswith("Thread "):
-            ours = _HEARTBEAT_THREAD in line
-        if ours or line.startswith(("Process ", "Python v")) or not stripped:
+            blocks.append([])
+        blocks[-1].append(line)
+    lines = []
+    for block in blocks:
+        if any(_HEARTBEAT_FRAME.match(line) for line in block):
             continue
-        if any(own in stripped for own in _OWN):
-            continue
-        lines.append(_fold_templates(line))
+        for line in block:
+            stripped = line.strip()
+            if line.startswith(("Process ", "Python v")) or not stripped or any(own in stripped for own in _OWN):
+                continue
+            lines.append(_fold_templates(line))
     return "\n".join(lines) + "\n"
 
 

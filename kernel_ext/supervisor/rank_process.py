@@ -173,7 +173,9 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
                f'File "{os.path.join(os.path.dirname(os.__file__), "runpy.py")}"')
 
 
-_HEARTBEAT_FILE = os.sep + os.path.join("rank", "liveness.py")
+#: The rank's heartbeat thread (rank/liveness.py) is known by its loop's frame.
+_HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os.sep + os.path.join("rank", "liveness.py")))
+_NO_FRAME = "<no Python frame>"
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
                    ("stdlib", "platstdlib", "purelib", "platlib")) if p})
@@ -183,15 +185,18 @@ def _is_library(filename: str) -> bool:
     return filename.startswith(_INSTALLED) or "site-packages" in filename or filename.startswith("<frozen")
 
 
-def user_stack(text: str, sources: Optional[dict] = None) -> str:
-    """A faulthandler dump as a person reads it: the thread that ran the cell
-    first, with the source line of each frame (the cells' own text included),
-    without the launcher's frames below the cell; threads that are only
-    library code (tqdm's monitor, a DataLoader's pin thread) counted in one
-    line instead of five frames each."""
-    sources = sources or {}
+def _threads(text: str) -> list[tuple[str, list]]:
+    """A faulthandler dump as [(title, frames)], the cell's thread last.
+
+    The cell runs in the rank's main thread, the oldest, which faulthandler
+    lists last (newest first).  Its "Current thread" is whichever thread the
+    signal landed on (any thread that does not block it), so it says nothing
+    about the cell.  Left out: the heartbeat thread, threads with no Python
+    frame (one just starting, or native), accel_magics' own frames, and in
+    the main thread whatever our code called outside the cell (a stop as
+    the rank begins: the launcher's frames and the stdlib they called)."""
     threads: list[tuple[str, list]] = []
-    ours: set[int] = set()   # the rank's heartbeat thread (rank/liveness.py): not the user's
+    heartbeat: set[int] = set()
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
@@ -201,15 +206,35 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
             continue
         if not threads:
             threads.append(("", []))
-        if stripped.startswith(_OWN_FRAMES):
-            if _HEARTBEAT_FILE in stripped:
-                ours.add(len(threads) - 1)
+        if _HEARTBEAT_FRAME.search(stripped):
+            heartbeat.add(len(threads) - 1)
+        if stripped == _NO_FRAME:
             continue
         m = _FRAME.match(line)
-        threads[-1][1].append(m.groupdict() if m else {"raw": stripped})
-    threads = [t for i, t in enumerate(threads) if i not in ours]
+        frame = m.groupdict() if m else {"raw": stripped}
+        frame["own"] = stripped.startswith(_OWN_FRAMES)
+        threads[-1][1].append(frame)
+    named = [t for i, t in enumerate(threads) if i not in heartbeat]
+    if not named:
+        return []
+    title, frames = named[-1]
+    users = [i for i, f in enumerate(frames) if not f["own"] and ("raw" in f or not _is_library(f["file"]))]
+    if any(f["own"] for f in frames):   # a rank: the cell's frames end at its outermost one
+        frames = frames[:users[-1] + 1] if users else []
+    others = [(t, [f for f in fs if not f["own"]]) for t, fs in named[:-1]]
+    return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])]
+
+
+def user_stack(text: str, sources: Optional[dict] = None) -> str:
+    """A faulthandler dump as a person reads it: the thread that ran the cell
+    first, with the source line of each frame (the cells' own text included),
+    without the launcher's frames below the cell; threads that are only
+    library code (tqdm's monitor, a DataLoader's pin thread) counted in one
+    line instead of five frames each."""
+    sources = sources or {}
+    threads = _threads(text)
     if not threads:
-        return text
+        return "the cell's thread: (no Python frame)\n"
 
     def source_line(frame: dict) -> str:
         if frame["file"] in sources:
@@ -230,10 +255,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
                 out.append(f"    {code}")
         return out
 
-    # faulthandler lists threads newest first: without "Current thread" (the
-    # signal landed on a native thread), the main thread is the last one.
-    main = [t for t in threads if t[0].startswith("Current thread")] or threads[-1:]
-    others = [t for t in threads if t not in main]
+    main, others = threads[-1:], threads[:-1]
     busy = [t for t in others if any("raw" in f or not _is_library(f["file"]) for f in t[1])]
     idle = [t for t in others if t not in busy]
     out = []
@@ -261,20 +283,8 @@ def where_blocked(text: str) -> str:
     """Where a faulthandler dump says the cell's thread is, in a few words:
     ``all_reduce (In[5] line 3)``: the innermost function that is not a
     decorator's wrapper, and the innermost line of the cell's own code."""
-    threads: list[tuple[str, list]] = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.endswith("(most recent call first):"):
-            threads.append((stripped, []))
-            continue
-        m = _FRAME.match(line)
-        if m and not stripped.startswith(_OWN_FRAMES):
-            if not threads:
-                threads.append(("", []))
-            threads[-1][1].append(m.groupdict())
-    # As in user_stack: the signalled thread, else the main one (listed last).
-    main = [t for t in threads if t[0].startswith("Current thread")] or threads[-1:]
-    frames = main[0][1] if main else []
+    threads = _threads(text)
+    frames = [f for f in threads[-1][1] if "raw" not in f] if threads else []
     if not frames:
         return "a place it gave no stack for"
     named = next((f for f in frames if f["func"] not in _DECORATOR_FRAMES), frames[0])
