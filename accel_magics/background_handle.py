@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import Callable, Optional
 
 from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
-                                            RunInterrupted, SessionLostError)
+                                                   RunInterrupted, RunStopped, SessionLostError)
 # The ladders' order: see timing.py.
 from accel_magics.kernel_ext.timing import BACKGROUND_STOP_WAIT as STOP_WAIT
 
@@ -29,6 +30,7 @@ class BackgroundCell:
         self._deliver = deliver   # (result) -> value: assigns the --return names, raises for missing ones
         self._where = where       # "in the session" or ""
         self._handed: list[str] = []   # the --return names wait() assigned (their values are the notebook's now)
+        self._value_ref: Optional[weakref.ref] = None   # the value, once it is one of those (see wait)
 
     # -- the user's API ------------------------------------------------------------
     def done(self) -> bool:
@@ -47,8 +49,11 @@ class BackgroundCell:
             raise
         if not finished:
             raise TimeoutError(f"{self.label} is still running after {timeout:g}s; .wait() again, or .stop() it.")
-        if self._run.error is not None:
-            raise self._run.error
+        error = self._run.error
+        if isinstance(error, RunInterrupted):   # stopped on request: an Exception where it is raised
+            raise RunStopped(error, self.label) from None
+        if error is not None:
+            raise error
         result = self._run.result
         try:
             return self._deliver(result)
@@ -57,6 +62,11 @@ class BackgroundCell:
             # must not keep them alive after a `del` (a 1 GB tensor stayed).
             if result.returns:
                 self._handed = list(result.returns)
+                if result.has_value and any(result.value is v for v in result.returns.values()):
+                    try:   # the last expression was a --return name: the notebook's, as that name
+                        self._value_ref, result.value = weakref.ref(result.value), None
+                    except TypeError:   # no weak reference to it (a list): kept, as any value
+                        pass
                 result.returns.clear()
 
     def stop(self) -> None:
@@ -85,13 +95,16 @@ class BackgroundCell:
 
     @property
     def result(self):
-        """Rank 0's last expression, None until the run succeeded."""
+        """Rank 0's last expression, None until the run succeeded (and once a
+        --return name that was also the last expression is freed in the notebook)."""
+        if self._value_ref is not None:
+            return self._value_ref()
         result = self._run.result
         return result.value if result is not None and result.has_value else None
 
     @property
     def status(self) -> str:
-        """running, done, failed, interrupted, timeout, stalled or lost."""
+        """running, done, failed, stopped, timeout, stalled or lost."""
         if not self._run.done():
             return "running"
         error = self._run.error
@@ -100,7 +113,7 @@ class BackgroundCell:
         if isinstance(error, SessionLostError):
             return "lost"
         if isinstance(error, RunInterrupted):
-            return "interrupted"
+            return "stopped"
         if isinstance(error, DistributedStallError):
             return "stalled"
         if isinstance(error, DistributedTimeoutError):

@@ -166,6 +166,27 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         return f"KeyboardInterrupt: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
+class RunStopped(ReportedError, RuntimeError):
+    """What ``h.wait()`` raises for a background run that was stopped on
+    request (``h.stop()``, ``%distributed_session stop`` or ``restart``).
+
+    An ``Exception``, not the ``KeyboardInterrupt`` a foreground cell raises:
+    nothing interrupts the cell that waits, the stop was asked for earlier,
+    and ``except Exception`` around ``h.wait()`` must see it (as
+    ``concurrent.futures``' ``CancelledError``)."""
+
+    def __init__(self, interrupted: RunInterrupted, label: str) -> None:
+        self.stacks = interrupted.stacks
+        self.unfinished = interrupted.unfinished
+        self.note = interrupted.note
+        stopped = (f"{ranks_text(self.unfinished, '')} were stopped" if self.unfinished
+                   else "no rank was still running")
+        super().__init__(f"{label} was stopped: {stopped}")
+
+    def report(self) -> str:
+        return f"RunStopped: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
+
+
 class RunTerminated(ReportedError, RuntimeError):
     """The run's supervisor got SIGTERM from outside accel_magics; every rank was stopped."""
 

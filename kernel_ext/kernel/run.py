@@ -202,16 +202,17 @@ def _result(outcome: Outcome, attempt: int, started: float) -> RunResult:
     finished = outcome.finished
     res = RunResult(attempts=attempt + 1, elapsed=time.time() - started, finished=finished)
     event = outcome.result or {}
-    packed = event.get("value")
-    if packed is not None:
-        res.has_value = True
-        res.value = _unpack(packed)
     for name, packed_value in event.get("returns", {}).items():
         value = _unpack(packed_value)
         if isinstance(value, RemoteRepr):   # never a silent stand-in: the caller says so
             res.unloadable[name] = value
         else:
             res.returns[name] = value
+    packed = event.get("value")
+    if packed is not None:
+        res.has_value = True
+        same = packed.get("same_as")   # the value is that --return name's object (sent once)
+        res.value = _unpack(packed) if same is None else res.returns.get(same, res.unloadable.get(same))
     res.missing = list(event.get("missing", []))
     res.new_modules = list(event.get("new_modules", []))
     return res

@@ -512,7 +512,10 @@ def _values(value, ns: dict, return_names) -> dict:
             returns[name] = _pack_value(ns[name])
         else:
             missing.append(name)
-    return {"value": _pack_value(value) if value is not None else None, "returns": returns, "missing": missing}
+    # The last expression is often a --return name (`losses` at the end): sent once, as that name.
+    same = next((name for name in returns if ns[name] is value and "blob" in returns[name]), None)
+    packed = None if value is None else {"same_as": same} if same is not None else _pack_value(value)
+    return {"value": packed, "returns": returns, "missing": missing}
 
 
 def _execute(spec: dict, local_rank: int) -> int:
