@@ -259,9 +259,13 @@ class DistributedMagics(Magics):
         # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
         # since they save the state of every widget ever opened, closed or not.
         interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
-        return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
-                         launcher_ready=bool(self.launcher.info), interactive=interactive,
-                         background=background, note=note)
+        try:
+            return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
+                             launcher_ready=bool(self.launcher.info), interactive=interactive,
+                             background=background, note=note)
+        except KeyboardInterrupt:   # the first widget cell of a kernel imports ipywidgets
+            raise RunInterrupted.before_start("the live view was still loading (ipywidgets, once per "
+                                              "kernel)") from None
 
     def _execute_background(self, cfg, payload, presenter, control):
         """In a background run's thread: the run, on a socket of its own."""
@@ -386,8 +390,8 @@ class DistributedMagics(Magics):
         try:
             self.launcher.ensure_running()
         except KeyboardInterrupt:
-            raise RunInterrupted({}, [], note=" (the launcher was still starting: it imports torch, once per "
-                                 "kernel; nothing ran. Run the cell again)") from None
+            raise RunInterrupted.before_start("the launcher was still starting (it imports torch, "
+                                              "once per kernel)") from None
         except Exception:  # reported by the next run; the form still works
             pass
 

@@ -184,9 +184,8 @@ def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
     try:
         agents.start()
     except KeyboardInterrupt:   # the stop button: start() already stopped srun and every agent
-        raise RunInterrupted({}, [], note=" (the node agents were still starting: srun, then torch "
-                             "on each node; nothing ran, and nothing is left on any node. Run the cell "
-                             "again to start them)") from None
+        raise RunInterrupted.before_start("the node agents were still starting (srun, then torch on "
+                                          "each node); nothing is left on any node") from None
     magics.slurm_agents = agents
     return agents
 

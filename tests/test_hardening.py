@@ -878,6 +878,50 @@ def test_the_kernels_run_log_goes_only_into_a_run_directory_a_supervisor_made(tm
     assert log.save() is None
 
 
+def test_a_stop_while_the_live_view_loads_says_nothing_ran(tmp_path):
+    """Hostile pass: the stop button during the first widget cell of a kernel,
+    while the view imported ipywidgets (a second on a busy machine), showed
+    a raw KeyboardInterrupt through presenter.py.  The import is made slow
+    (a sitecustomize finder, armed by a file, in the kernel only), so the
+    stop lands in it whatever the machine's speed."""
+    import os
+
+    from conftest import LoadedKernel
+    from kernel_harness import wait_until
+
+    arm, began = tmp_path / "arm", tmp_path / "began"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys, time\n"
+        "class _Slow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == 'ipywidgets' and os.path.exists({str(arm)!r}):\n"
+        f"            open({str(began)!r}, 'w').close()\n"
+        "            time.sleep(8)\n"
+        "        return None\n"
+        "if not os.environ.get('ACCEL_MAGICS_LAUNCHER'):\n"
+        "    sys.meta_path.insert(0, _Slow())\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    k = LoadedKernel(extra_env={"PYTHONPATH": path})
+    try:
+        arm.touch()
+        msg_id = k.kc.execute("%%distributed -n 2 --output widget\nprint('ran')\n")
+        wait_until(began.exists, 30, "the view to import ipywidgets")
+        k.interrupt()
+        reply = k.reply_to(msg_id, time.monotonic() + 60)["content"]
+        text = "\n".join(reply.get("traceback") or [])
+        assert reply["status"] == "error" and reply["ename"] == "RunInterrupted", text
+        assert "nothing ran" in text and "the live view was still loading" in text, text
+        assert len([line for line in text.splitlines() if line.strip()]) <= 3, text   # a line, not a traceback
+        for internal in ("presenter.py", "magics.py", "progress_view", "sitecustomize"):
+            assert internal not in text, text
+        arm.unlink()
+        res = k.ok("%%distributed -n 2 --output widget\nprint('ran')\n", timeout=120)
+        assert "ran" in "".join(res.live) + res.stdout
+        wait_until(k.idle_tree, 30, "the run's processes to be gone")
+    finally:
+        k.shutdown()
+
+
 def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
     """Issue 24 item 7: the stop button while the first cell of a kernel waited
     for the launcher ("starting the launcher": it imports torch) showed a

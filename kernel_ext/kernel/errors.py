@@ -153,14 +153,21 @@ class DistributedStallError(ReportedError, TimeoutError):
 class RunInterrupted(ReportedError, KeyboardInterrupt):
     """The run was stopped by the kernel's interrupt; every rank was stopped."""
 
-    def __init__(self, stacks: dict[int, str], unfinished: list[int], note: str = "") -> None:
+    def __init__(self, stacks: dict[int, str], unfinished: list[int], note: str = "",
+                 message: Optional[str] = None) -> None:
         self.stacks = stacks
         self.unfinished = unfinished
         self.note = note
-        super().__init__(
+        super().__init__(message or (
             f"interrupted: {ranks_text(unfinished, 'no rank was still running')}"
             + (" were stopped" if unfinished else "")
-        )
+        ))
+
+    @classmethod
+    def before_start(cls, why: str) -> "RunInterrupted":
+        """Stopped before any rank of the run existed: one line that says so
+        and why the cell was still waiting (never a traceback of ours)."""
+        return cls({}, [], message=f"interrupted: nothing ran; {why}. Run the cell again")
 
     def report(self) -> str:
         return f"KeyboardInterrupt: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")

@@ -126,11 +126,13 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
         if control is not None and control.stop_requested:
-            raise RunInterrupted({}, [], "\n(stopped before this attempt started)")
+            raise RunInterrupted({}, [], message=f"interrupted before attempt {attempt + 1} started" if attempt
+                                 else "interrupted: nothing ran (stopped before the run started)")
         try:
             handle = placement.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt, events=events)
         except KeyboardInterrupt:
-            raise RunInterrupted({}, []) from None
+            raise RunInterrupted({}, [], message="interrupted while the run was starting; no rank was "
+                                 "still running") from None
         if control is not None:
             control.attach(handle)
         try:
