@@ -170,6 +170,28 @@ def test_a_session_cell_whose_rank_died_loses_the_session_and_names_the_rank():
     assert outcome.finished.root_cause.rank == 1 and outcome.finished.root_cause.summary == "killed by SIGKILL"
 
 
+def test_a_session_timeout_names_the_rank_that_never_came_back():
+    """Hostile pass: a session cell with --timeout, rank 1 finished and rank 0
+    in a barrier: the error said "its ranks were stopped" and named no rank
+    (rank 0 did not come back to its prompt, so no "stopped" exit of it was
+    counted).  A rank whose stacks were taken had not finished."""
+    seq = [{"kind": "rank_event", "rank": 1, "event": {"kind": "result", "timestamp": 5.0, "in_world": True,
+                                                         "rounds": 1}},
+           {"kind": "stacks", "rank": 0, "native": True, "text": "barrier (torch/distributed/distributed_c10d.py)"},
+           {"kind": "exit", "rank": 0, "exitcode": None, "signal": "SIGKILL", "stopped": True, "timestamp": 9.0,
+            "prompt": False},
+           {"kind": "finished", "reason": "timeout", "session": "lost",
+            "lost": "rank 0 was in barrier and did not come back from the --timeout stop"}]
+    _, outcome = replay(seq, session_cell=True)
+    assert outcome.unfinished == [0]
+    with pytest.raises(DistributedTimeoutError) as info:
+        conclude(outcome, LaunchConfig(num_processes=2, timeout=8), attempt=0, started=0.0)
+    assert str(info.value).endswith("rank(s) 0 had not finished and were stopped"), str(info.value)
+    seq_no_exit = [m for m in seq if m["kind"] != "exit"]   # its exit not seen before the verdict
+    _, outcome = replay(seq_no_exit, session_cell=True)
+    assert outcome.unfinished == [0]
+
+
 def test_a_session_cell_the_kernel_had_to_end_is_a_lost_session():
     seq = [{"kind": "finished", "reason": "interrupt", "forced": "it did not answer the stop"}]
     _, outcome = replay(seq, session_cell=True)

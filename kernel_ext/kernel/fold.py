@@ -288,7 +288,10 @@ class RunFold:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
         reason = (StopReason.INTERRUPT if self.interrupted else
                   StopReason.STALLED if self.stranded is not None else self.reason)
-        unfinished = self.unfinished
+        # A rank whose stacks were taken was still in the cell, also when its
+        # exit is not here (a session rank that did not come back is killed
+        # after the verdict).
+        unfinished = sorted(set(self.unfinished) | (set(self.stacks) - set(self.departed)))
         if self.forced:
             unfinished = sorted(set(unfinished) | (set(self.ranks) - self.exited))
         failures = dict(self.failures)

@@ -110,19 +110,26 @@ def trim(text: str) -> str:
 
 
 def _fold_templates(line: str) -> str:
-    """``f<a<b>, c>::g`` -> ``f<...>::g``; long lines cut."""
-    if "<" in line and len(line) > _SYMBOL_CHARS:
-        out, depth = [], 0
-        for ch in line:
-            if ch == "<":
-                if depth == 0:
-                    out.append("<...>")
-                depth += 1
-            elif ch == ">" and depth:
-                depth -= 1
-            elif depth == 0:
-                out.append(ch)
-        line = "".join(out)
+    """``f<a<b>, c>::g(x, y) (lib.so)`` -> ``f<...>::g(...) (lib.so)``: a
+    long C++ symbol's template and parameter lists folded (a pybind11 frame is
+    kilobytes long); what is left cut if still long."""
+    if len(line) > _SYMBOL_CHARS:
+        symbol, sep, module = line.rpartition(" (")   # py-spy: "symbol (module)"
+        if not sep:
+            symbol, module = line, ""
+        for open_, close in (("<", ">"), ("(", ")")):
+            out, depth = [], 0
+            for ch in symbol:
+                if ch == open_:
+                    if depth == 0:
+                        out.append(open_ + "..." + close)
+                    depth += 1
+                elif ch == close and depth:
+                    depth -= 1
+                elif depth == 0:
+                    out.append(ch)
+            symbol = "".join(out)
+        line = symbol + (sep + module if sep else "")
     return line if len(line) <= _SYMBOL_CHARS * 2 else line[:_SYMBOL_CHARS * 2] + "..."
 
 
