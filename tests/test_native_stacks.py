@@ -193,12 +193,15 @@ def test_the_heartbeat_stops_only_while_a_thread_holds_the_gil_in_native_code(ho
         os.waitpid(pid, 0)
 
 
-def test_a_pybind11_frame_is_folded_to_a_line_a_person_reads():
-    """Hostile pass: the template lists were folded, the parameter lists not:
-    a 320-character line with a lambda's signature in every collective's stack."""
-    frame = ("    pybind11::cpp_function::initialize<pybind11::cpp_function::cpp_function<bool, c10d::Work> >"
-             "(bool (c10d::Work::*)(std::chrono::duration<long, std::ratio<1l, 1000l> >), pybind11::name const&, "
-             "pybind11::is_method const&, char const (&) [654])::{lambda(c10d::Work*)#1}, bool>::_FUN "
-             "(libtorch_python.so)")
-    assert native_stacks.trim(f'Thread 1 (idle): "MainThread"\n{frame}\n') == (
-        'Thread 1 (idle): "MainThread"\n    pybind11::cpp_function::initialize<...>::_FUN (libtorch_python.so)\n')
+def test_a_long_cpp_frame_is_folded_to_a_line_a_person_reads():
+    """Hostile pass: template lists were folded, parameter lists not: lines of
+    320 characters with a lambda's signature in every collective's stack."""
+    pybind = ("    pybind11::cpp_function::initialize<pybind11::cpp_function::cpp_function<bool, c10d::Work>"
+              "(bool (c10d::Work::*)(std::chrono::duration<long, std::ratio<1l, 1000l> >), pybind11::name const&, "
+              "char const (&) [654])::{lambda(c10d::Work*)#1}, bool>::_FUN (libtorch_python.so)")
+    loop = ("    c10d::ProcessGroupGloo::runLoop(unsigned long, std::vector<std::shared_ptr<c10d::Work>, "
+            "std::allocator<std::shared_ptr<c10d::Work> > > const&, std::chrono::duration<long, std::ratio<1l, "
+            "1000l> >, bool, int, int, int) (libtorch_cpu.so)")
+    assert native_stacks.trim(f'Thread 1 (idle): "MainThread"\n{pybind}\n{loop}\n') == (
+        'Thread 1 (idle): "MainThread"\n    pybind11::cpp_function::initialize<...>::_FUN (libtorch_python.so)\n'
+        '    c10d::ProcessGroupGloo::runLoop(...) (libtorch_cpu.so)\n')
