@@ -84,12 +84,17 @@ def test_where_names_the_innermost_native_and_python_frame():
     assert native_stacks.where(SLEEPING) == "clock_nanosleep in <module> (<%%distributed In[3]>:4)"
     assert native_stacks.where(IN_SUBPROCESS) == "wait4 in Popen._try_wait (subprocess.py:2004)"
     assert native_stacks.where("") == "an unknown place (no native stack)"
+    # Recorded: a rank in a barrier, its innermost frame an unnamed address.
+    barrier = ('Thread 6295 (idle): "MainThread"\n    0x7fe55f0a3f16 (libc.so.6)\n    pthread_cond_wait (libc.so.6)\n'
+               "    barrier (torch/distributed/distributed_c10d.py:5356)\n    <module> (<%%distributed In[4]>:6)\n")
+    assert native_stacks.where(barrier) == "pthread_cond_wait in barrier (torch/distributed/distributed_c10d.py:5356)"
 
 
 def test_the_heartbeat_thread_is_left_out_of_what_the_user_reads():
     raw = "Process 1: python\nPython v3.11.7\n\n" + SLEEPING + HEARTBEAT
     trimmed = native_stacks.trim(raw)
     assert "MainThread" in trimmed and "clock_nanosleep" in trimmed
+    assert "0x7f8b06c4524a" not in trimmed   # an unnamed address: noise
     assert "accel_magics-alive" not in trimmed and "beat (" not in trimmed
     faulthandler = ("Thread 0x00007f0000000002 (most recent call first):\n"
                     f'  File "{os.path.dirname(liveness.__file__)}/liveness.py", line 46 in beat\n'

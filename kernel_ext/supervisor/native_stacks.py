@@ -86,6 +86,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: knows no name for it) is known by its loop's frame.
 _HEARTBEAT_FRAME = re.compile(r"^\s*(?:[\w.<>]+\.)?_?beat \((?:.*/)?liveness\.py:\d+\)$")
 _SYMBOL_CHARS = 160
+_ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
 
 
 def trim(text: str) -> str:
@@ -104,6 +105,8 @@ def trim(text: str) -> str:
         for line in block:
             stripped = line.strip()
             if line.startswith(("Process ", "Python v")) or not stripped or any(own in stripped for own in _OWN):
+                continue
+            if _ADDRESS.match(stripped.split(" (")[0]):   # an unnamed address (0x7f55...): noise to a person
                 continue
             lines.append(_fold_templates(line))
     return "\n".join(lines) + "\n"
@@ -204,5 +207,7 @@ def where(text: str) -> str:
         if _PY_FRAME.search(frame):
             python = python or frame
             break
-        native = native or frame.split(" (")[0]
+        symbol = frame.split(" (")[0]
+        if not _ADDRESS.match(symbol):   # an unnamed address (0x7f55...) says nothing to a person
+            native = native or symbol
     return " in ".join(part for part in (native, python) if part) or "an unknown place (no native stack)"
