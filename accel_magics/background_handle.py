@@ -7,14 +7,13 @@ stacks) raised in the cell that waits.
 """
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from typing import Callable, Optional
 
 from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
-                                                   RunInterrupted, RunStopped, SessionLostError)
+                                                   RunInterrupted, RunStopped, SessionLostError, WaitStopped)
 # The ladders' order: see timing.py.
 from accel_magics.kernel_ext.timing import BACKGROUND_STOP_WAIT as STOP_WAIT
 
@@ -44,9 +43,8 @@ class BackgroundCell:
         try:
             finished = self._run.wait(timeout)
         except KeyboardInterrupt:
-            print(f"accel_magics: stopped waiting; {self.label} goes on in the background "
-                  "(its handle's .stop() stops it).", file=sys.stderr)
-            raise
+            raise WaitStopped(f"stopped waiting; {self.label} goes on in the background (its handle's "
+                              ".stop() stops it)") from None
         if not finished:
             raise TimeoutError(f"{self.label} is still running after {timeout:g}s; .wait() again, or .stop() it.")
         error = self._run.error

@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext import options
-from accel_magics.kernel_ext.kernel.errors import ReportedError
+from accel_magics.kernel_ext.kernel.errors import WaitStopped
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
@@ -28,10 +28,6 @@ from .slurm_magic import check_agents_free, start_session
 SESSION_FIXED = options.SESSION_FIXED
 NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
               "options of %%distributed), then run this cell again. Nothing was launched.")
-
-
-class WaitStopped(ReportedError, KeyboardInterrupt):
-    """The stop button while a session cell waited for its turn: it never ran."""
 
 
 def _fmt_bytes(n) -> str:

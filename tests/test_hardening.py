@@ -774,6 +774,21 @@ def test_init_process_group_again_in_later_session_cells(clean_kernel):
         k.ok("%distributed_session stop")
 
 
+@pytest.mark.parametrize("code, shown", [
+    ("import torch.distributed as dist\ndist.init_process_group('no_such_backend')\n", "init_process_group"),
+    ("answer = input('n? ')\n", "a rank has no standard input")])
+def test_a_rank_traceback_has_no_frames_of_ours_between_the_users(clean_kernel, code, shown):
+    """Hostile pass: tracebacks showed accel_magics' frames in the middle of
+    the user's (rank/pg_guard.py around init_process_group, rank/worker.py
+    for stdin)."""
+    res = clean_kernel.run("%%distributed -n 2 --output text\n" + code, timeout=60)
+    assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
+    text = res.error_text
+    assert shown in text and "<%%distributed In[" in text, text
+    for internal in ("pg_guard.py", "worker.py", "kernel_ext"):
+        assert internal not in text, text
+
+
 def test_code_that_joins_every_thread_but_its_own_ends(clean_kernel):
     """Hostile pass: the rank's heartbeat thread was in threading.enumerate(),
     so a cell that joins every other thread (a common clean-up) hung."""

@@ -402,6 +402,33 @@ def test_stop_ends_a_background_run(clean_kernel, tmp_path):
     assert caught.stdout == "caught RunStopped\n"
 
 
+def test_the_stop_button_in_h_wait_stops_the_waiting_in_one_line(clean_kernel):
+    """Hostile pass: it showed a KeyboardInterrupt traceback through
+    background_handle.py and background.py; the run goes on."""
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text\nimport time\ntime.sleep(600)")
+    k.ok("h = _")
+
+    def waits() -> bool:
+        """The kernel's main thread blocks in a futex: h.wait() (an idle kernel waits in epoll)."""
+        try:
+            with open(f"/proc/{k.pid}/wchan") as f:
+                return "futex" in f.read()
+        except OSError:
+            return False
+
+    msg_id = k.kc.execute("h.wait()")
+    wait_until(waits, 30, "the kernel to wait in h.wait()")
+    k.interrupt()
+    reply = k.reply_to(msg_id, time.monotonic() + 30)["content"]
+    text = "\n".join(reply["traceback"])
+    assert reply["ename"] == "WaitStopped" and "goes on in the background" in text, text
+    assert len([line for line in text.splitlines() if line.strip()]) <= 2, text
+    assert "background_handle.py" not in text and "background.py" not in text, text
+    assert k.ok("h.status").result == "'running'"
+    k.ok("h.stop()", timeout=60)
+
+
 def test_a_session_cell_sent_while_a_background_one_runs_waits_its_turn(session):
     k = session
     k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(2)\norder = ['first']")

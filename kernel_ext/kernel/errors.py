@@ -194,6 +194,11 @@ class RunStopped(ReportedError, RuntimeError):
         return f"RunStopped: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
+class WaitStopped(ReportedError, KeyboardInterrupt):
+    """The stop button while a cell waited, not ran: for a session's turn, or
+    in ``h.wait()`` for a background run (which goes on)."""
+
+
 class RunTerminated(ReportedError, RuntimeError):
     """The run's supervisor got SIGTERM from outside accel_magics; every rank was stopped."""
 

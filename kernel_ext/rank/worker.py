@@ -30,7 +30,7 @@ import cloudpickle
 
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
-from .. import process_tree
+from .. import PACKAGE_DIR, process_tree
 from . import rank_bars
 from .. import wire
 from .rank_stdio import RankStderr, RankStdout
@@ -336,9 +336,10 @@ def _safe_str(prefix: str, exc: BaseException) -> str:
 def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
     exc_type = type(exc).__name__
     message = _safe_str("", exc)
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
     if harness:
-        text = "accel_magics could not start the rank:\n" + text
+        text = "accel_magics could not start the rank:\n" + "".join(traceback.format_exception(type(exc), exc, tb))
+    else:
+        text = "".join(_without_own_frames(traceback.TracebackException(type(exc), exc, tb)).format())
     return {
         "kind": "failed",
         "exc_type": exc_type,
@@ -347,6 +348,25 @@ def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
         "timestamp": time.time(),
         "secondary": is_secondary(exc_type, message),
     }
+
+
+def _without_own_frames(te: traceback.TracebackException) -> traceback.TracebackException:
+    """The user's traceback without accel_magics' frames between theirs (the
+    guard around ``init_process_group``, a rank's stdin): the cell calls torch
+    or reads input, it never called us.  Chained exceptions too."""
+    own = os.path.join(PACKAGE_DIR, "")
+    seen: set[int] = set()
+    stack = [te]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        kept = [f for f in t.stack if not f.filename.startswith(own)]
+        if kept and len(kept) != len(t.stack):
+            t.stack = traceback.StackSummary.from_list(kept)
+        stack.extend(x for x in (t.__cause__, t.__context__) if x is not None)
+    return te
 
 
 def _installed_roots() -> tuple[str, ...]:
