@@ -83,6 +83,8 @@ class RunRecord:
                 kept.pop(event.id, None)
             else:
                 kept[event.id] = event     # open: its latest state, shown below the lines
+        elif isinstance(event, ev.Quiet):   # a colleague reading the record learns it too
+            self.notes.append(f"[accel_magics] {event.text()}")
         elif isinstance(event, ev.RankExited) and event.failure is not None:
             if event.failure.kind in ("signal", "exit"):
                 self.logs.setdefault(event.rank, _RankLog()).add(event.failure.summary)

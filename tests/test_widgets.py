@@ -172,3 +172,20 @@ def test_config_form_validates_each_field_on_its_own_and_changes_the_next_run(cl
     res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
     assert "[rank 2] world 3" in res.stdout
     k.ok("%distributed_config --reset")
+
+
+def test_a_quiet_note_stays_in_both_records():
+    """Hostile pass: "rank 0 quiet for 30s, not stuck" was said only while the
+    run went on; the saved record (text and HTML) lost it."""
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.record import RunRecord
+    from accel_magics.widgets.progress_view import RunView
+
+    quiet = ev.Quiet([0], 30.0, [1], {0: "clock_nanosleep in <module> (<%%distributed In[3]>:4)"})
+    record, view = RunRecord(), RunView()
+    for sink in (record, view):
+        sink(ev.Output(0, "started", 1))
+        sink(quiet)
+    assert "[accel_magics] rank(s) 0 have used no CPU and printed nothing for 30s" in record.render()
+    assert "rank(s) 0 have used no CPU" in view.summary_html()
+    view.close()

@@ -155,7 +155,7 @@ class RunView:
         self.elapsed = 0.0
         self.error = ""
         self.world_note = ""
-        self.quiet_note = ""   # ranks quiet but not stuck (ev.Quiet): said under the header while running
+        self.quiet_note = ""   # ranks quiet but not stuck (ev.Quiet): said under the header
         self._last_refresh = 0.0
         self._dirty = True
         self._bar_order = 0
@@ -293,7 +293,7 @@ class RunView:
         if self.attempt:
             parts.append(html.escape(self.attempt))
         text = " &middot; ".join(parts)
-        if self.quiet_note and not final:
+        if self.quiet_note:   # kept in the record: a long quiet wait is part of the run's story
             text += f"<br><span style='color:{_MUTED}'>{html.escape(self.quiet_note)}</span>"
         if self.error:
             text += f"<br><span style='color:#d62728'>{html.escape(self.error)}</span>"
