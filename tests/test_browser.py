@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -87,7 +88,8 @@ def _get(port: int, token: str, path: str):
 class Lab:
     """A hermetic JupyterLab server on loopback, stopped with everything it started."""
 
-    def __init__(self) -> None:
+    def __init__(self, app: str = "jupyterlab") -> None:
+        self.app = app   # "jupyterlab", or "notebook" (Notebook 7)
         self.tmp = Path(tempfile.mkdtemp(prefix="accel-lab-"))
         self.root, state = self.tmp / "root", self.tmp / "state"
         self.root.mkdir()
@@ -107,7 +109,7 @@ class Lab:
         self.port, self.token = _free_port(), secrets.token_hex(16)
         self.log = open(state / "lab.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+            [sys.executable, "-m", app, "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -123,7 +125,8 @@ class Lab:
                 time.sleep(0.25)
 
     def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{name}?token={self.token}"
+        where = "lab/tree" if self.app == "jupyterlab" else "notebooks"
+        return f"http://127.0.0.1:{self.port}/{where}/{name}?token={self.token}"
 
     def kernel_idle(self) -> bool:
         kernels = _get(self.port, self.token, "/api/kernels")
@@ -413,3 +416,96 @@ def test_a_background_session_cell_keeps_its_view_live_while_other_cells_run():
         bg.screenshot(path=str(ARTIFACTS / "12-background-record.png"))
         _run_cell(page, 5)
         _wait_done(page, 5)
+
+
+RECORD_CELL = (
+    "%%distributed -n 2 --output widget\n"
+    "import os\n"
+    "from tqdm.auto import tqdm\n"
+    "for epoch in tqdm(range(3), desc='epoch'):\n"
+    "    for step in tqdm(range(5), desc='step', leave=False):\n"
+    "        pass\n"
+    "    print(f\"rank {os.environ['RANK']} epoch {epoch} loss 0.{3 - epoch}\")\n"
+    "partial = tqdm(total=4, desc='eval', mininterval=0)\n"
+    "partial.update(3)\n"
+    "partial.refresh()\n"
+)
+# Proof that the reopened notebook is untrusted: the sanitizer drops this <style>.
+SENTINEL = "<style>.accel-sentinel{color:red}</style><div class='accel-sentinel'>sentinel</div>"
+RECORD_JS = """c => {
+    const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; };
+    const s = c.querySelector('.accel-magics-summary');
+    if (!s) return null;
+    return {rows: [...s.querySelectorAll('.accel-magics-row')].map(r => ({
+                row: box(r), parts: [...r.children].map(box),
+                fills: [...r.querySelectorAll('.accel-magics-track')].map(t => {
+                    const f = t.querySelector('.accel-magics-fill');
+                    return [box(t)[2], f ? box(f)[2] : -1, f ? box(f)[3] : -1]; })})),
+            pre: getComputedStyle(s.querySelector('pre')).fontFamily,
+            track: getComputedStyle(s.querySelector('.accel-magics-track')).backgroundColor};
+}"""
+
+
+def _record_notebook(path: Path) -> None:
+    """A notebook with a real run's record (a real kernel, real ranks), saved
+    unsigned: a fresh server opens it untrusted, as a colleague's would."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in (
+        "%load_ext accel_magics", RECORD_CELL, f"from IPython.display import HTML\nHTML({SENTINEL!r})")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    html = [o["data"]["text/html"] for o in nb.cells[1].outputs if "text/html" in o.get("data", {})]
+    assert html and "accel-magics-summary" in html[-1], nb.cells[1].outputs
+    nbformat.write(nb, path)
+    # The nbconvert HTML export: each rank's lines monospace and unspaced there too.
+    from nbconvert import HTMLExporter
+    exported, _ = HTMLExporter().from_notebook_node(nb)
+    pres = re.findall(r"<pre class='accel-magics-pre' style='([^']*)'>rank 0 epoch 0", exported)
+    assert pres and "font-family:monospace" in pres[0] and "margin:0" in pres[0], pres
+
+
+def _check_record(cell, what: str) -> dict:
+    seen = cell.evaluate(RECORD_JS)
+    assert seen and len(seen["rows"]) == 2, (what, seen)
+    for row in seen["rows"]:
+        top, height = row["row"][1], row["row"][3]
+        assert height < 40, (what, "a row in more than one line", row)
+        assert all(abs(p[1] - top) < 20 for p in row["parts"]), (what, "a row's parts stacked", row)
+        widths = sorted(round(fill / track, 2) for track, fill, fill_h in row["fills"])
+        assert widths == [0.75, 1.0], (what, "bar fills", row["fills"])
+        assert all(fill_h >= 5 for _, _, fill_h in row["fills"]), (what, "zero-height bars", row["fills"])
+    assert "monospace" in seen["pre"].lower(), (what, seen["pre"])
+    return seen
+
+
+@pytest.mark.parametrize("app", ["jupyterlab", "notebook"])
+def test_a_saved_record_reads_right_untrusted_in_a_fresh_server(app, tmp_path):
+    """Issue 25 item 1: opened by anyone else (untrusted), the record lost its
+    <style>: every bar fill a zero-height div, each row's parts stacked.
+    Now it is styled inline with what the sanitizer keeps; light and dark."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(app)
+    _record_notebook(lab.root / "record.ipynb")
+    name = "lab" if app == "jupyterlab" else "nb7"
+    with _lab_page(lab, {"width": 1200, "height": 900}, f"failure-untrusted-{name}.png") as page:
+        page.goto(lab.url("record.ipynb"))
+        cells = page.locator(".jp-Cell.jp-CodeCell")
+        cells.nth(2).locator(".jp-OutputArea-output").first.wait_for()
+        assert cells.nth(2).evaluate("c => c.querySelectorAll('style').length") == 0, "the notebook is trusted"
+        record = cells.nth(1)
+        record.locator(".accel-magics-summary").wait_for()
+        light = _check_record(record, f"{app} light")
+        record.screenshot(path=str(ARTIFACTS / f"11-untrusted-record-{name}-light.png"))
+        if app == "jupyterlab":
+            page.keyboard.press("Control+Shift+C")
+            page.keyboard.type("JupyterLab Dark")
+            page.keyboard.press("Enter")
+        else:
+            page.locator("text=Settings").first.click()
+            page.locator("text=Theme").first.hover()
+            page.locator("text=JupyterLab Dark").first.click()
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+        dark = _check_record(record, f"{app} dark")
+        assert dark["track"] == light["track"] and "0.3" in dark["track"], (light["track"], dark["track"])
+        record.screenshot(path=str(ARTIFACTS / f"12-untrusted-record-{name}-dark.png"))

@@ -46,7 +46,8 @@ def test_nested_bars_leave_exactly_the_prints_and_the_final_outer_bar(clean_kern
         # (the outer bar's final state is the rank's last line, as a terminal keeps it)
         assert page.count("<details open>") == 2 and "rank 0 output (4 lines)" in page
         assert "epoch: 100% 3/3" in page and "width:100%" in page
-        assert "#eee" not in page and "var(--jp-layout-color3" in page
+        # Theme-aware without CSS variables (an untrusted notebook drops them): a translucent track.
+        assert "#eee" not in page and "var(" not in page and "background-color:rgba(128,128,128,0.3)" in page
 
 
 @pytest.mark.parametrize("mode", ["text", "widget"])
@@ -63,7 +64,8 @@ def test_a_print_inside_a_bar_loop_is_a_line_of_its_own(clean_kernel, mode):
     assert re.fullmatch(r"\[rank 1\] train: 100% 300/300 \[.*\]", lines[3]), lines
     if mode == "widget":
         # The row's latest line is the latest *print*, not the bar text.
-        assert "<code class='accel-magics-latest' title='rank 1 step 200 loss 0.0196'>" in page
+        assert re.search(r"<code class='accel-magics-latest' style='[^']*' title='rank 1 step 200 loss 0.0196'>",
+                         page), page
 
 
 def test_an_n_of_m_in_a_print_is_not_progress(clean_kernel):

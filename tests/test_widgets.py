@@ -48,7 +48,7 @@ def test_widget_view_shows_tqdm_progress_then_leaves_a_record(clean_kernel):
     assert "width:100%" in values[-1] and values[-1].count("accel-magics-bar'") == 2   # both reached 100%
     # And advanced: some update showed a bar part way (which fraction depends on
     # when the 0.2 s refreshes fell; CI once saw none at 40-50%).
-    widths = [int(w) for v in values for w in re.findall(r"accel-magics-fill' style='width:(\d+)%", v)]
+    widths = [int(w) for v in values for w in re.findall(r"accel-magics-fill' style='[^']*?width:(\d+)%", v)]
     assert any(0 < w < 100 for w in widths), widths
     assert len(values) < 80                                                            # throttled, not 400
     tabs = [s for s in models.values() if s.get("_model_name") == "TabModel"]
@@ -189,3 +189,49 @@ def test_a_quiet_note_stays_in_both_records():
     assert "[accel_magics] rank(s) 0 have used no CPU and printed nothing for 30s" in record.render()
     assert "rank(s) 0 have used no CPU" in view.summary_html()
     view.close()
+
+
+def _record_of(lines_per_rank: dict, bars: bool = True) -> str:
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView(log_dir="/logs/run-1")
+    for rank, n in lines_per_rank.items():
+        for start in range(0, n, 37):   # in blocks, as the supervisor batches them
+            view(ev.Output(rank, "\n".join(f"line {i}" for i in range(start, min(n, start + 37)))))
+        if bars:
+            view(ev.Bar(rank, 1, 0, "epoch", 3, 4, "3/4 [00:01<00:00]", True, False))
+    html = view.summary_html()
+    view.close()
+    return html
+
+
+def test_the_record_is_styled_inline_only_so_an_untrusted_notebook_keeps_it():
+    """Issue 25 item 1: JupyterLab and Notebook 7 strip <style> from an
+    untrusted notebook's HTML (and CSS variables from styles): bars became
+    zero-height divs and each row's parts stacked."""
+    html = _record_of({0: 3, 1: 3})
+    assert "<style" not in html and "var(" not in html, html
+    for tag in re.findall(r"<[a-z]+ class='accel-magics-(?:row|label|bars|bar|track|fill|bartext|latest|pre)'[^>]*>",
+                          html):
+        assert " style='" in tag, tag
+    fills = re.findall(r"class='accel-magics-fill' style='([^']*)'", html)
+    assert len(fills) == 2 and all("height:100%" in f and "width:75%" in f for f in fills), fills
+    assert "display:flex" in re.search(r"class='accel-magics-row' style='([^']*)'", html).group(1)
+    assert "font-family:monospace" in re.search(r"<pre class='accel-magics-pre' style='([^']*)'", html).group(1)
+
+
+@pytest.mark.parametrize("n, first, gap", [(5000, 50, 4850), (120, None, 0), (80, None, 0)])
+def test_the_html_record_keeps_the_head_and_the_tail(n, first, gap):
+    """Issue 25 item 3: a long run's HTML record kept only its last 100 lines,
+    so the first (the config, the first epoch, a warning) were lost."""
+    html = _record_of({0: n}, bars=False)
+    text = re.sub(r"<[^>]+>", "\n", html)
+    shown = [line for line in text.split("rank 0 output", 1)[1].split("\n") if line.startswith("line ")]
+    if gap:
+        assert f"rank 0 output ({n} lines, the first {first} and the last 100 shown)" in text, text[:500]
+        assert f"... {gap} lines left out; the full log is in /logs/run-1 ..." in text
+        assert shown == [f"line {i}" for i in list(range(first)) + list(range(n - 100, n))]
+    else:
+        assert f"rank 0 output ({n} lines)" in text and "left out" not in text
+        assert shown == [f"line {i}" for i in range(n)]   # each once, in order

@@ -33,28 +33,35 @@ STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "fa
 PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
 OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many lines, collapsed beyond
 
-# Theme-aware (JupyterLab's CSS variables, with light fallbacks for Notebook 7
-# and static HTML viewers) and flexible: nothing has a fixed width, rows wrap.
-_TRACK = "var(--jp-layout-color3, #d0d0d0)"
-_MUTED = "var(--jp-ui-font-color2, #666)"
-_CSS = (
-    "<style>"
-    ".accel-magics-row{display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;"
-    "font-size:var(--jp-ui-font-size1,13px)}"
-    ".accel-magics-label{flex:0 0 auto;min-width:8.5em;white-space:nowrap}"
-    ".accel-magics-bars{flex:3 1 300px;min-width:160px;max-width:640px}"
-    ".accel-magics-bar{display:flex;align-items:center;gap:6px;min-width:0}"
-    ".accel-magics-track{flex:0 0 auto;width:clamp(60px,30%,160px);height:9px;border-radius:2px;"
-    f"background:{_TRACK};overflow:hidden}}"
-    ".accel-magics-fill{height:100%}"
-    ".accel-magics-bartext{flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
-    "font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px)}"
-    ".accel-magics-latest{flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;"
-    f"font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,12px);color:{_MUTED}}}"
-    ".accel-magics-pre{margin:0;font-size:var(--jp-code-font-size,12px);white-space:pre-wrap;"
-    "overflow-wrap:anywhere}"
-    "</style>"
-)
+# Every style is inline, in values the notebook sanitizers keep: an untrusted
+# notebook (opened from git, by a colleague, on another server) loses
+# <style> elements and CSS variables, and a record styled by them fell apart.
+# Theme-aware without variables: text colour is inherited, muted text is
+# translucent and the bar track is a translucent grey, so light and dark
+# themes both read.  Nothing has a fixed width; rows wrap.
+_MONO = "font-family:monospace;font-size:12px"
+STYLE = {
+    "row": "display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;font-size:13px",
+    "label": "flex:0 0 auto;min-width:8.5em;white-space:nowrap",
+    "bars": "flex:3 1 300px;min-width:160px;max-width:640px",
+    "bar": "display:flex;align-items:center;gap:6px;min-width:0",
+    "track": ("flex:0 0 auto;width:30%;min-width:60px;max-width:160px;height:9px;border-radius:2px;"
+              "background-color:rgba(128,128,128,0.3);overflow:hidden"),
+    "fill": "height:100%",
+    "bartext": f"flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO}",
+    "latest": (f"flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO};"
+               "opacity:0.75"),
+    "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;overflow-wrap:break-word",
+    "muted": "opacity:0.75",
+}
+HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
+
+
+def _el(tag: str, part: str, body: str, extra: str = "", attrs: str = "") -> str:
+    """An element of the view: its class (what tests and users' CSS can
+    select) and its whole style inline (what survives a sanitizer)."""
+    style = STYLE[part] + (";" + extra if extra else "")
+    return f"<{tag} class='accel-magics-{part}' style='{style}'{attrs}>{body}</{tag}>"
 
 
 def parse_progress(text: str) -> Optional[tuple[float, str]]:
@@ -99,6 +106,7 @@ class _RankState:
     count: int = 0
     pane_dirty: bool = False
     bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
+    head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
     node: str = ""                                # the node it runs on (one kernel driving every node)
 
     def latest_printed(self) -> str:
@@ -115,10 +123,9 @@ class _RankState:
 
 def _bar_html(bar: BarState, color: str) -> str:
     width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
-    fill = (f"<div class='accel-magics-fill' style='width:{width}%;background:{color}'></div>"
-            if bar.fraction is not None else "")
-    return (f"<div class='accel-magics-bar'><div class='accel-magics-track' title='{width}%'>{fill}</div>"
-            f"<span class='accel-magics-bartext'>{html.escape(bar.text[-300:])}</span></div>")
+    fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
+    return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
+               + _el("span", "bartext", html.escape(bar.text[-300:])))
 
 
 def _row_html(s: _RankState) -> str:
@@ -126,11 +133,11 @@ def _row_html(s: _RankState) -> str:
     bars = "".join(_bar_html(b, color) for b in s.shown_bars())
     latest = s.failure or s.latest
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
-    return (f"<div class='accel-magics-row'><span class='accel-magics-label'>rank {s.rank}{where} "
-            f"<b style='color:{color}'>{html.escape(s.state)}</b></span>"
-            + (f"<div class='accel-magics-bars'>{bars}</div>" if bars else "") +
-            f"<code class='accel-magics-latest' title='{html.escape(latest[-300:], quote=True)}'>"
-            f"{html.escape(latest[-300:])}</code></div>")
+    return _el("div", "row",
+               _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
+               + (_el("div", "bars", bars) if bars else "")
+               + _el("code", "latest", html.escape(latest[-300:]),
+                     attrs=f" title='{html.escape(latest[-300:], quote=True)}'"))
 
 
 def _plural(n: int, word: str) -> str:
@@ -216,6 +223,9 @@ class RunView:
             self.status = "running"
         state = self._rank(e.rank)
         lines = e.last_lines(self.max_lines)    # only what the panes can show
+        room = HEAD_LINES - len(state.head)
+        if room > 0 and not e.omitted and state.count == len(state.head):   # the head: the first lines, in a row
+            state.head.extend(e.text.split("\n", room)[:room])
         state.lines.extend(lines)
         state.count += e.count
         state.latest = state.latest_printed()
@@ -294,13 +304,13 @@ class RunView:
             parts.append(html.escape(self.attempt))
         text = " &middot; ".join(parts)
         if self.quiet_note:   # kept in the record: a long quiet wait is part of the run's story
-            text += f"<br><span style='color:{_MUTED}'>{html.escape(self.quiet_note)}</span>"
+            text += f"<br><span style='{STYLE['muted']}'>{html.escape(self.quiet_note)}</span>"
         if self.error:
             text += f"<br><span style='color:#d62728'>{html.escape(self.error)}</span>"
         if self.log_dir:
-            text += (f"<br><small style='color:{_MUTED}'>full logs (on this machine; the newest 20 runs are "
+            text += (f"<br><small style='{STYLE['muted']}'>full logs (on this machine; the newest 20 runs are "
                      f"kept): <code>{html.escape(self.log_dir)}</code></small>")
-        return f"{_CSS}<div class='accel-magics-header'>{text}</div>"
+        return f"<div class='accel-magics-header'>{text}</div>"
 
     def _rows_html(self) -> str:
         return "".join(_row_html(self.ranks[rank]) for rank in sorted(self.ranks))
@@ -363,20 +373,31 @@ class RunView:
 
         Per rank its row (state, the bars left on screen, its latest printed
         line) and its printed lines: shown open when short, collapsed with
-        their count when long."""
+        their count when long; a long output keeps its first and its last
+        lines, saying how many it left out between them (the log has all).
+        Styled inline only: it reads the same untrusted (see :data:`STYLE`)."""
         details = []
         for rank in sorted(self.ranks):
             s = self.ranks[rank]
             if not s.count:
                 continue
-            shown = len(s.lines)
-            more = f", the last {shown} shown" if s.count > shown else ""
+            head, tail = list(s.head), list(s.lines)
+            left_out = s.count - len(head) - len(tail)
+            if s.count <= len(tail):
+                head, left_out = [], 0
+            elif left_out < 0:   # they overlap: the tail from where the head ends
+                head, tail, left_out = head, tail[-left_out:], 0
+            shown = (f", the first {len(head)} and the last {len(tail)} shown" if left_out else "")
             opened = " open" if s.count <= OPEN_RECORD_LINES else ""
-            details.append(f"<details{opened}><summary>rank {rank} output ({_plural(s.count, 'line')}{more})"
-                           f"</summary>{_pre(s.lines)}</details>")
+            where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
+            gap = (f"<div style='{STYLE['muted']};{_MONO}'>... {_plural(left_out, 'line')} left out{where} ...</div>"
+                   if left_out else "")
+            body = (_pre(head) + gap + _pre(tail)) if left_out else _pre(head + tail)
+            details.append(f"<details{opened}><summary>rank {rank} output ({_plural(s.count, 'line')}{shown})"
+                           f"</summary>{body}</details>")
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
                 f"{self._rows_html()}{''.join(details)}</div>")
 
 
 def _pre(lines) -> str:
-    return "<pre class='accel-magics-pre'>" + html.escape("\n".join(lines)) + "</pre>"
+    return _el("pre", "pre", html.escape("\n".join(lines)))
