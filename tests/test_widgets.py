@@ -235,3 +235,26 @@ def test_the_html_record_keeps_the_head_and_the_tail(n, first, gap):
     else:
         assert f"rank 0 output ({n} lines)" in text and "left out" not in text
         assert shown == [f"line {i}" for i in range(n)]   # each once, in order
+
+
+def test_the_all_ranks_pane_keeps_every_rank_under_a_flood():
+    """Issue 25 item 2: 2 ranks printing 20,000 lines each showed only rank 0's
+    lines in "all ranks" (each batch of one rank pushed the other out)."""
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView()
+    view(ev.Output(1, "\n".join(f"r1 line {i}" for i in range(30))))
+    for batch in range(5):   # rank 0 floods after rank 1's last batch
+        view(ev.Output(0, "\n".join(f"r0 line {batch * 500 + i}" for i in range(500))))
+    merged = view.merged_lines()
+    assert len(merged) == 100
+    ones = [line for line in merged if line.startswith("[rank 1] ")]
+    assert ones == [f"[rank 1] r1 line {i}" for i in range(30)]          # all it had: a share of 50 unused
+    assert merged[30:] == [f"[rank 0] r0 line {i}" for i in range(2430, 2500)]   # arrival order
+    view(ev.Output(1, "\n".join(f"r1 late {i}" for i in range(200))))
+    merged = view.merged_lines()
+    assert sum(line.startswith("[rank 0] ") for line in merged) == 50 == sum(
+        line.startswith("[rank 1] ") for line in merged)
+    assert merged[-1] == "[rank 1] r1 late 199" and merged[0] == "[rank 0] r0 line 2450"
+    view.close()

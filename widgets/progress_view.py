@@ -107,6 +107,7 @@ class _RankState:
     pane_dirty: bool = False
     bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
     head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
+    seqs: deque = field(default_factory=deque)    # each of ``lines``' place in arrival order (all ranks)
     node: str = ""                                # the node it runs on (one kernel driving every node)
 
     def latest_printed(self) -> str:
@@ -154,7 +155,7 @@ class RunView:
         self.pane_interval = pane_interval
         self.log_dir = log_dir
         self.ranks: dict[int, _RankState] = {}
-        self.all_lines: deque = deque(maxlen=max_lines)
+        self._seq = 0   # a line's place in arrival order, over all ranks (the merged pane)
         self.status = "starting"
         self.world = ""
         self.attempt = ""
@@ -189,7 +190,8 @@ class RunView:
 
     def _rank(self, rank: int) -> _RankState:
         if rank not in self.ranks:
-            self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines))
+            self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines),
+                                          seqs=deque(maxlen=self.max_lines))
         return self.ranks[rank]
 
     def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str) -> None:
@@ -227,10 +229,11 @@ class RunView:
         if room > 0 and not e.omitted and state.count == len(state.head):   # the head: the first lines, in a row
             state.head.extend(e.text.split("\n", room)[:room])
         state.lines.extend(lines)
+        state.seqs.extend(range(self._seq, self._seq + len(lines)))
+        self._seq += len(lines)
         state.count += e.count
         state.latest = state.latest_printed()
         state.pane_dirty = self._all_dirty = True
-        self.all_lines.extend(f"[rank {e.rank}] {line}" for line in lines)
         # A carriage-return line that was then ended by a newline is printed text now.
         state.bars.pop("cr", None)
 
@@ -351,12 +354,32 @@ class RunView:
         all_pane = self._pane("all", "all ranks")
         if self._all_dirty:
             self._all_dirty = False
-            all_pane.value = _pre(self.all_lines)
+            all_pane.value = _pre(self.merged_lines())
         for rank in sorted(self.ranks):
             pane, state = self._pane(rank, f"rank {rank}"), self.ranks[rank]
             if state.pane_dirty:
                 state.pane_dirty = False
                 pane.value = _pre(state.lines)
+
+    def merged_lines(self) -> list[str]:
+        """The "all ranks" pane: the newest lines in arrival order, each rank
+        with a fair share of them.  A rank printing a 1,000-line batch must
+        not push the others out of the pane (2 ranks x 20,000 lines showed
+        only rank 0's): every rank that printed keeps at least
+        ``max_lines // ranks`` of its newest lines, and a share a quiet rank
+        leaves unused goes to the others."""
+        printing = [s for s in self.ranks.values() if s.lines]
+        if not printing:
+            return []
+        budget, quota = self.max_lines, {}
+        for i, s in enumerate(sorted(printing, key=lambda s: len(s.lines))):   # the smallest first
+            quota[s.rank] = min(len(s.lines), budget // (len(printing) - i))
+            budget -= quota[s.rank]
+        picked = []
+        for s in printing:
+            n = quota[s.rank]
+            picked.extend(zip(list(s.seqs)[-n:], (f"[rank {s.rank}] {line}" for line in list(s.lines)[-n:])))
+        return [line for _, line in sorted(picked)]
 
     def close(self) -> None:
         """Close every widget model of this view, their layout and style models
