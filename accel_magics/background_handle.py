@@ -146,6 +146,16 @@ class BackgroundCell:
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(repr(self))
 
+    def _ipython_display_(self) -> None:
+        """Shown as the cell's value (``Out[N]``, ``_``): a display the handle
+        updates in place when the run ends, so the notebook (saved too) says
+        how it ended instead of "started" for ever."""
+        from IPython.display import display
+
+        handle = display({"text/plain": repr(self)}, raw=True, display_id=True)
+        if handle is not None and not self._run.done():
+            self._run.add_done_callback(lambda run: handle.update({"text/plain": repr(self)}, raw=True))
+
 
 def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."

@@ -290,7 +290,8 @@ class DistributedMagics(Magics):
 
         from .background_handle import BackgroundCell
 
-        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run), owner=owner)
+        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run), owner=owner,
+                            started=presenter.started)
         self.background_runs.add(run)
         return BackgroundCell(run, label, self.deliver, where)
 

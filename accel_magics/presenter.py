@@ -18,6 +18,7 @@ nbval-executed notebook holds the record.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Optional
 
 from .record import HEAD_LINES, TAIL_LINES, RunRecord
@@ -42,6 +43,7 @@ class Presenter:
         if mode == "widget" and not in_kernel:
             mode = "text"
         self.mode = mode
+        self.started = started if started is not None else time.monotonic()   # the cell's start: one clock
         self.log_dir = log_dir = run_log_dir(label)
         self.record = RunRecord(log_dir)
         self.view = None

@@ -297,14 +297,39 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
                "t = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()\n'value of rank 0'")
     returned = time.monotonic() - started
     assert returned < 1.0, returned
-    assert "<background run In[" in res.result and "started" in res.result
+    shown = [t for t in res.live if t.startswith("<background run In[")]
+    assert shown and "started" in shown[-1], res.live
     k.ok("h = _")
     assert k.ok("2 + 2").result == "4"                 # ordinary cells run meanwhile
     assert k.ok("h.done(), h.status").result == "(False, 'running')"
     assert k.ok("h.wait()").result == "'value of rank 0'"
     assert time.monotonic() - started >= 6
     assert k.ok("total, h.returned, h.status").result == "(2.0, ['total'], 'done')"
-    assert "done in" in k.ok("h").result and "returned total" in k.ok("h").result
+    assert "done in" in k.ok("repr(h)").result and "returned total" in k.ok("repr(h)").result
+
+
+def test_a_background_cells_value_is_updated_in_place_when_the_run_ends(clean_kernel):
+    """Issue 25 item 4: Out[N] said "started ..." for ever, in the saved
+    notebook too.  It is a display the handle updates when the run ends."""
+    k = clean_kernel
+    res = k.ok("%%distributed -n 2 --background --output text\nimport time\ntime.sleep(1)\n'ok'")
+    opened = [m for m in res.messages if m["msg_type"] == "display_data"
+              and m["content"]["data"].get("text/plain", "").startswith("<background run In[")]
+    assert opened and "started" in opened[-1]["content"]["data"]["text/plain"], res.messages
+    display_id = opened[-1]["content"]["transient"]["display_id"]
+    updates = []
+    deadline = time.monotonic() + 30
+    while not updates:   # the update goes out when the run's thread ends: read iopub until it came
+        assert time.monotonic() < deadline, "no update of the background cell's value"
+        try:
+            msg = k.kc.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        if msg["msg_type"] == "update_display_data" and msg["content"]["transient"]["display_id"] == display_id:
+            updates.append(msg["content"]["data"]["text/plain"])
+    assert "done in" in updates[-1] and "'ok'" in updates[-1], updates
+    assert float(re.search(r"done in ([0-9.]+)s", updates[-1]).group(1)) >= 1.0
+    assert k.ok("h = _\nh.wait(60)").result == "'ok'"   # the value is still the handle
 
 
 def test_a_background_return_is_freed_by_del_after_wait(clean_kernel):
@@ -380,7 +405,7 @@ def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
     assert res.error["ename"] == "DistributedRunError", res.error_text
     assert res.error["evalue"].startswith("rank 1 failed: KeyError: 'missing column'")
     assert "--- rank 1 traceback (root cause) ---" in res.error_text
-    assert k.ok("h.status").result == "'failed'" and "failed after" in k.ok("h").result
+    assert k.ok("h.status").result == "'failed'" and "failed after" in k.ok("repr(h)").result
 
 
 def test_stop_ends_a_background_run(clean_kernel, tmp_path):

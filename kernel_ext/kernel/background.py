@@ -11,26 +11,33 @@ same escalation as the stop button.
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 import time
 from typing import Callable, Optional
 
 from .run import RunControl, RunResult
 
+log = logging.getLogger(__name__)
+
 
 class BackgroundRun:
     """``target(control)`` in a daemon thread; its result or its error, once done."""
 
     def __init__(self, target: Callable[[RunControl], RunResult], name: str = "",
-                 on_done: Optional[Callable[["BackgroundRun"], None]] = None, owner: object = None) -> None:
+                 on_done: Optional[Callable[["BackgroundRun"], None]] = None, owner: object = None,
+                 started: Optional[float] = None) -> None:
         self.control = RunControl()
         self.owner = owner   # whose ranks it runs on (a session), None for ranks of its own
         self.result: Optional[RunResult] = None
         self.error: Optional[BaseException] = None
-        self.started = time.monotonic()
+        # The cell's start when given (its view counts from there too: one clock).
+        self.started = started if started is not None else time.monotonic()
         self.ended: Optional[float] = None
         self._done = threading.Event()
-        self._target, self._on_done = target, on_done
+        self._target = target
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[["BackgroundRun"], None]] = [on_done] if on_done is not None else []
         context = contextvars.copy_context()
         self.thread = threading.Thread(target=context.run, args=(self._main,), daemon=True,
                                        name=f"accel_magics background {name}".strip())
@@ -43,12 +50,26 @@ class BackgroundRun:
             self.error = exc
         finally:
             self.ended = time.monotonic()
-            self._done.set()
-            if self._on_done is not None:
-                try:
-                    self._on_done(self)
-                except Exception:
-                    pass
+            with self._lock:
+                self._done.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                self._call(callback)
+
+    def add_done_callback(self, fn: Callable[["BackgroundRun"], None]) -> None:
+        """``fn(run)`` once the run is over, in the run's thread (at once, here,
+        if it is over already), as ``concurrent.futures.Future`` does."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def _call(self, fn) -> None:
+        try:
+            fn(self)
+        except Exception:   # a view that could not update never breaks the run's ending
+            log.exception("a background run's done callback failed")
 
     def done(self) -> bool:
         return self._done.is_set()
