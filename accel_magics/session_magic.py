@@ -8,7 +8,6 @@ module only adapts it to IPython (flags, messages, the view, the handle).
 """
 from __future__ import annotations
 
-import sys
 import time
 import types
 
@@ -129,10 +128,12 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
     both = sorted(name for name in _names_read(source) & owned
                   if name in user_ns and not name.startswith("_") and not isinstance(user_ns[name], types.ModuleType)
                   and magics.returned.get(name) != id(user_ns[name]))
-    if both:
-        listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in both)
-        print(f"accel_magics: the session's own {listed} used, not the notebook's. To send the notebook's "
-              f"value instead: `%distributed_session push {' '.join(both)}`.", file=sys.stderr)
+    new = [name for name in both if name not in session.told]
+    if new:   # once per name: the rule holds for every later cell, a repeat would only be noise
+        session.told.update(new)
+        listed = ", ".join(f"`{n}` (set by {session.owned[n]})" for n in new)
+        print(f"accel_magics: the session's own {listed} used, not the notebook's (said once; so for every "
+              f"later cell). To send the notebook's value instead: `%distributed_session push {' '.join(new)}`.")
 
 
 CELL_MODES["session"] = session_cell
@@ -263,6 +264,12 @@ class SessionMagics(Magics):
         print(f"session: {len(rows)} rank(s), world size {cfg.world_size}, {session.cells_run} cell(s) run, "
               f"{session.current + ' running' if session.current else 'idle'}; "
               f"{len(session.owned)} name(s) of its own")
+        if session.owned:   # what is in the ranks' memory, as rank 0 last had it
+            width = max(len(name) for name in session.owned)
+            print(f"  {'name':<{width}}  {'type':<28} {'size':>9}  set by")
+            for name in sorted(session.owned):
+                kind, size = session.kinds.get(name, ("?", None))
+                print(f"  {name:<{width}}  {kind[:28]:<28} {_fmt_bytes(size):>9}  {session.owned[name]}")
         nodes = any(row.get("node") for row in rows)   # a session on several nodes: where each rank is
         print(f"{'rank':>4}  " + (f"{'node':<8} " if nodes else "") +
               f"{'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")

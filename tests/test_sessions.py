@@ -149,18 +149,52 @@ def test_a_session_name_wins_and_says_so_a_kernel_name_is_sent_fresh(session):
     res = ok_cell(k, "print(lr, scaled(1))")
     # lr: the session's (and the cell says so); scale: the kernel's, as it is now.
     assert by_rank(res.stdout) == {0: ["0.1 3"], 1: ["0.1 3"]}, res.stdout
-    assert "the session's own `lr`" in res.stderr and "push lr" in res.stderr, res.stderr
+    assert "the session's own `lr`" in res.stdout and "push lr" in res.stdout, res.stdout
+    # Said once per name (issue 25 item 8: it repeated in red on every cell).
+    res = ok_cell(k, "print(lr * 2)")
+    assert by_rank(res.stdout)[0] == ["0.2"] and "session's own" not in res.stdout + res.stderr, res.stdout
+    status = k.ok("%distributed_session status").stdout
+    assert re.search(r"  lr +float +- +In\[\d+\]", status), status
     # A notebook function that reads a session name finds the session's value.
     k.ok("def show_lr():\n    return lr")
     assert by_rank(ok_cell(k, "print(show_lr())").stdout)[1] == ["0.1"]
     # push: the notebook's value replaces the session's.
     k.ok("%distributed_session push lr")
     res = ok_cell(k, "print(lr)")
-    assert by_rank(res.stdout)[0] == ["0.9"] and "session's own" not in res.stderr
+    assert by_rank(res.stdout)[0] == ["0.9"] and "session's own" not in res.stdout + res.stderr
     # A --return value is the notebook's copy of the session's: no note for it.
     ok_cell(k, "counter = 41", flags="--return counter")
     res = ok_cell(k, "print(counter + 1)")
-    assert by_rank(res.stdout)[0] == ["42"] and "session's own" not in res.stderr, res.stderr
+    assert by_rank(res.stdout)[0] == ["42"] and "session's own" not in res.stdout + res.stderr, res.stdout
+
+
+def test_status_lists_the_sessions_names_with_type_and_size(session):
+    """Issue 25 item 8: status said "3 name(s) of its own" and listed none."""
+    k = session
+    ok_cell(k, "import torch\nmodel = torch.nn.Linear(100, 10)\nx = torch.ones(1000)\nsteps = 3")
+    status = k.ok("%distributed_session status").stdout
+    assert "4 name(s) of its own" in status and re.search(r"  torch +module +- +In", status), status
+    assert re.search(r"  model +torch\.nn\.modules\.linear\.L.* +3\.9 kB +In\[\d+\]", status), status
+    assert re.search(r"  x +torch\.Tensor +3\.9 kB +In\[\d+\]", status), status
+    assert re.search(r"  steps +int +- +In\[\d+\]", status), status
+    ok_cell(k, "del x")
+    assert "  x " not in k.ok("%distributed_session status").stdout
+
+
+def test_a_stop_without_a_process_group_says_the_ranks_may_differ(session):
+    """Issue 25 item 8: stopped in a loop with no process group, rank 0 had
+    x = 63 and rank 1 x = 64, and nothing said it could happen."""
+    k = session
+
+    def stop_when_running(text, fired=[]):
+        if "[rank 1] looping" in text and "[rank 0] looping" in text and not fired:
+            fired.append(True)
+            k.interrupt()
+    res = k.run("%%distributed --session --output text\nimport time\nx = 0\n"
+                "print('looping', flush=True)\nwhile True:\n    x += 1\n    time.sleep(0.001)\n",
+                on_output=stop_when_running, timeout=60)
+    assert res.error["ename"] == "RunInterrupted", res.error_text
+    assert "The session lives on" in res.error_text and "their state may differ" in res.error_text, res.error_text
 
 
 def test_a_failure_with_no_collective_pending_keeps_the_session(session, tmp_path):

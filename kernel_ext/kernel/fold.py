@@ -43,6 +43,8 @@ class Outcome:
     deleted: set = field(default_factory=set)
     terminated_on: list = field(default_factory=list)   # several nodes: those whose supervisor got SIGTERM
     master_port: int = 0
+    kinds: dict = field(default_factory=dict)    # a session cell: name -> (type, bytes or None) of what it bound
+    in_world: bool = False                       # a rank was in the run's process group (this cell or before)
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -90,6 +92,7 @@ class RunFold:
         self.joining: dict[int, int] = {}  # rank -> the round of init_process_group it waits in now
         self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
         self.rounds: dict[int, int] = {}   # rank -> how many rounds of the world's init it got through
+        self.kinds: dict[str, tuple] = {}  # a session cell: name -> (type, bytes or None), from rank 0
         self.mid_cell: dict[int, float] = {}   # rank -> when it exited with code 0 without its result
         self.stranded: Optional[dict] = None    # ranks waiting in init_process_group for one that left
         self.unfinished: list[int] = []
@@ -223,6 +226,7 @@ class RunFold:
     def _rank_names(self, rank: int, event: dict) -> None:
         self.assigned.update(event.get("assigned", ()))
         self.deleted.update(event.get("deleted", ()))
+        self.kinds.update({name: tuple(kind) for name, kind in event.get("kinds", {}).items()})
 
     def _rank_bar(self, rank: int, event: dict) -> None:
         self.emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],
@@ -325,4 +329,5 @@ class RunFold:
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
         return Outcome(finished, self.result, self.others, sorted(unfinished), self.rendezvous_error,
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
-                       self.deleted, self.terminated_on, self.master_port)
+                       self.deleted, self.terminated_on, self.master_port, self.kinds,
+                       bool(self.in_world or any(self.rounds.values())))

@@ -45,6 +45,9 @@ log = logging.getLogger("accel_magics.kernel.session")
 
 ALIVE_NOTE = ("The session lives on: every rank is back at its prompt with its state (what the cell did "
               "before it stopped is kept).")
+#: After a stop, when the ranks had no process group: nothing made them stop at the same step.
+APART_NOTE = (" The ranks had no process group to agree on a step, so each stopped where it was: their state "
+              "may differ (a loop counter one step apart); check it on each rank, or re-run from a known state.")
 
 
 class SessionGone(RuntimeError):
@@ -62,6 +65,8 @@ class DistributedSession:
         self.pids: dict[int, int] = {}
         self.supervisor_pid = 0
         self.owned: dict[str, str] = {}       # name -> label of the session cell that bound it
+        self.kinds: dict[str, tuple] = {}     # name -> (type, bytes or None), as rank 0 last had it
+        self.told: set[str] = set()           # names the "session's own ... used" notice named already
         self.current: Optional[str] = None    # label of the cell running now
         self.current_control: Optional[RunControl] = None
         self.cells_run = 0
@@ -166,6 +171,7 @@ class DistributedSession:
         self.alive = False
         self.launcher.live.pop(self.id, None)
         self.owned.clear()
+        self.kinds.clear()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -263,6 +269,9 @@ class DistributedSession:
                 self.owned.pop(name, None)
             for name in outcome.assigned:
                 self.owned[name] = label
+            for name in outcome.deleted:
+                self.kinds.pop(name, None)
+            self.kinds.update(outcome.kinds)
             if outcome.session == "lost":
                 self.lost = outcome.lost or "its ranks could not go on"
                 try:
@@ -277,7 +286,9 @@ class DistributedSession:
             try:
                 result = conclude(outcome, cfg, 0, started)
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
-                exc.after = ALIVE_NOTE
+                apart = isinstance(exc, (RunInterrupted, DistributedTimeoutError)) and len(self.pids) > 1 \
+                    and not outcome.in_world
+                exc.after = ALIVE_NOTE + (APART_NOTE if apart else "")
                 raise
             self._learn(result.new_modules)
             return result
@@ -290,6 +301,8 @@ class DistributedSession:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""
         for name in names:
             self.owned.pop(name, None)
+            self.kinds.pop(name, None)
+            self.told.discard(name)
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> list[dict]:

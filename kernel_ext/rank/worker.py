@@ -509,7 +509,30 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
         event["assigned"] = sorted(name for name, value in ns.items()
                                    if ids.get(name) != id(value) and name != "__builtins__")
         event["deleted"] = sorted(name for name in ids if name not in ns)
+        if os.environ.get("RANK") == "0":   # what each name is, for %distributed_session status (bounded)
+            event["kinds"] = {name: describe(ns[name]) for name in event["assigned"][:200]}
     return event, code
+
+
+def describe(value) -> tuple[str, Optional[int]]:
+    """A name's type and the bytes it holds where that is cheap to know
+    (tensors, arrays, a module's parameters and buffers, bytes and str); None
+    otherwise.  Never raises: a value's own code is not trusted to."""
+    try:
+        kind = type(value)
+        name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+        size = None
+        if hasattr(value, "element_size") and hasattr(value, "nelement"):   # a torch tensor
+            size = int(value.element_size() * value.nelement())
+        elif hasattr(value, "nbytes") and isinstance(getattr(value, "nbytes"), int):   # numpy
+            size = int(value.nbytes)
+        elif hasattr(value, "parameters") and hasattr(value, "buffers") and callable(value.parameters):   # nn.Module
+            size = sum(int(t.element_size() * t.nelement()) for t in (*value.parameters(), *value.buffers()))
+        elif isinstance(value, (bytes, bytearray, str)):
+            size = sys.getsizeof(value)
+        return name, size
+    except Exception:
+        return "?", None
 
 
 def _exit_event(exc: SystemExit) -> tuple[dict, int]:

@@ -261,7 +261,8 @@ class SessionSupervisor(Supervisor):
         r.back, r.done, r.done_time = True, True, time.monotonic()
         r.output.end()   # an unfinished last line is the cell's
         self._flush()
-        names = {"kind": "names", "assigned": event.pop("assigned", []), "deleted": event.pop("deleted", [])}
+        names = {"kind": "names", "assigned": event.pop("assigned", []), "deleted": event.pop("deleted", []),
+                 "kinds": event.pop("kinds", {})}
         self._send({"kind": "rank_event", "rank": r.rank, "event": names})
         if kind == "failed" and event.get("exc_type") == "KeyboardInterrupt" and r.signalled \
                 and self.stopping is not None:
