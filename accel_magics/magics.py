@@ -252,7 +252,8 @@ class DistributedMagics(Magics):
             payload.release()   # also when interrupted before the run started
         return self.deliver(result)
 
-    def presenter(self, args, started: float, background: bool = False, note: str = "") -> Presenter:
+    def presenter(self, args, started: float, background: bool = False, note: str = "",
+                  context: str = "") -> Presenter:
         in_kernel = getattr(self.shell, "kernel", None) is not None
         mode = args.output or self.defaults.get("output", "auto")
         # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
@@ -262,7 +263,7 @@ class DistributedMagics(Magics):
         try:
             return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
                              launcher_ready=bool(self.launcher.info), interactive=interactive,
-                             background=background, note=note)
+                             background=background, note=note, context=context)
         except KeyboardInterrupt:   # the first widget cell of a kernel imports ipywidgets
             raise RunInterrupted.before_start("the live view was still loading (ipywidgets, once per "
                                               "kernel)") from None

@@ -37,7 +37,7 @@ def widgets_available() -> bool:
 class Presenter:
     def __init__(self, mode: str, in_kernel: bool, label: str, started: Optional[float] = None,
                  launcher_ready: bool = True, interactive: bool = True, background: bool = False,
-                 note: str = "") -> None:
+                 note: str = "", context: str = "") -> None:
         if mode == "auto":
             mode = "widget" if in_kernel and interactive and widgets_available() else "text"
         if mode == "widget" and not in_kernel:
@@ -57,11 +57,14 @@ class Presenter:
                 self.view.note = "starting the launcher (it imports torch, once per kernel)"
             if note:
                 self.view.note = note
+            self.view.context = context
             self.view.refresh(force=True)
             self.handle = display(self.view.widget, display_id=True)
         else:
             self.live = DisplayLive() if in_kernel else StreamLive()
             self.text = TextView(self.live)
+            if context:
+                self.live.write([f"[accel_magics] {context}"])
             if note:
                 self.live.write([f"[accel_magics] {note}"])
         # A background run: its outputs are made now, in the cell that starts it,

@@ -86,7 +86,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     try:
         # The stop button may come while the view shows "waiting for ..." (being made,
         # or after): either way this cell has not run, and only the waiting stops.
-        presenter = magics.presenter(args, started, background=args.background, note=note)
+        context = f"on the session: its cell {session.cells_run + 1 + (1 if busy else 0)}"
+        presenter = magics.presenter(args, started, background=args.background, note=note, context=context)
         if busy:   # its turn comes when the running (background) cell ends: the names it set count
             session.wait_idle()
         owned = set(session.owned)

@@ -168,6 +168,7 @@ class RunView:
         self._dirty = True
         self._bar_order = 0
         self.note = ""      # what happens before the run starts ("starting the launcher")
+        self.context = ""   # where it runs, for the whole run ("on the session: its cell 3")
 
         self.header = w.HTML()
         self.rows = w.HTML()
@@ -303,6 +304,8 @@ class RunView:
             world += " &middot; " + html.escape(self.world_note)
         parts = [f"<b style='color:{color}'>{html.escape(self.status)}</b>", world,
                  f"{elapsed:.1f} s"]
+        if self.context:
+            parts.append(html.escape(self.context))
         if self.attempt:
             parts.append(html.escape(self.attempt))
         text = " &middot; ".join(parts)
