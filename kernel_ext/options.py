@@ -68,11 +68,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", float, None, "Stop the run after this many seconds and show where each rank was.",
            label="timeout (s)"),
     Option("rendezvous_timeout", float, 300.0, "Multi-node: how long the nodes wait for each other before giving up",
-           session_fixed=True),
+           label="rendezvous timeout (s)", session_fixed=True),
     Option("config_file", str, None, "An Accelerate config file (`accelerate config`), or `default` for "
            "Accelerate's default one: the ranks get the environment `accelerate launch --config_file` would give "
            "them (mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless given here.",
-           metavar="PATH", session_fixed=True, not_on_slurm="give its options as flags"),
+           metavar="PATH", label="Accelerate config", session_fixed=True, not_on_slurm="give its options as flags"),
     Option("launcher", str, "local", "local: ranks on this machine (one kernel per node for several). slurm: on "
            "every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): --num_processes per node, "
            "--num_nodes defaults to the allocation's node count.", choices=("local", "slurm"), label="launcher"),
@@ -82,7 +82,7 @@ OPTIONS: tuple[Option, ...] = (
            "prints nothing for this many seconds: stop the run if it is stuck where nothing can move it (its "
            "interpreter blocked, a collective the finished rank will never join) and show where; a rank that "
            "only waits (a sleep, a subprocess, a socket) is named, not stopped; 0: never look",
-           session_fixed=True),
+           label="stall check (s)", session_fixed=True),
 )
 
 BY_NAME = {option.name: option for option in OPTIONS}

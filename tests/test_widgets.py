@@ -168,6 +168,18 @@ def test_config_form_validates_each_field_on_its_own_and_changes_the_next_run(cl
     second = [m for m in again.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
     assert second["application/vnd.jupyter.widget-view+json"]["model_id"] == \
         shown["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    # Issue 25 item 9: the stall check, the rendezvous timeout and the Accelerate config are fields too.
+    out = change("stall check (s)", "soon")
+    assert "not applied: a number of seconds, or empty for the default" in out, out
+    change("stall check (s)", "12")
+    assert "'stall_timeout': 12.0" in defaults() and "--stall_timeout 12" in plain["text"], plain
+    out = change("Accelerate config", "/no/such/config.yaml")
+    assert "not applied" in out and "/no/such/config.yaml" in out, out
+    change("Accelerate config", "")
+    change("rendezvous timeout (s)", "60")
+    assert "'rendezvous_timeout': 60.0" in defaults()
+    placeholders = {s.get("description"): s.get("placeholder") for s in models.values() if "placeholder" in s}
+    assert placeholders["master port"] == "default: a free port" and placeholders["stall check (s)"] == "default: 30"
     change("output", "text")
     res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
     assert "[rank 2] world 3" in res.stdout

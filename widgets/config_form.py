@@ -1,4 +1,4 @@
-"""The launch-config form: processes, nodes, node_rank, master address and port.
+"""The launch-config form: every launch option the options table labels.
 
 Each field is validated and applied on its own: a valid change becomes the
 default of later ``%%distributed`` cells at once (flags in a cell still win);
@@ -29,6 +29,19 @@ MIXED = [("Accelerate's default", "default")] + [(c, c) for c in BY_NAME["mixed_
 _UNREADABLE = object()   # a field whose text is not a value: never applied until edited
 LABELS = {option.name: option.label for option in OPTIONS if option.label}
 INT_FIELDS = tuple(name for name in LABELS if BY_NAME[name].type is int and name != "master_port")
+#: Fields whose empty text means "the built-in default" (or none): a number of seconds, a path, a port.
+SECONDS_FIELDS = tuple(name for name in LABELS if BY_NAME[name].type is float)
+TEXT_FIELDS = ("master_port", *SECONDS_FIELDS, "config_file")
+
+
+def _placeholder(name: str) -> str:
+    """What an empty field means, short enough to be read whole in the field."""
+    option = BY_NAME[name]
+    if name == "master_port":
+        return "default: a free port"
+    if option.default is None:
+        return "none"
+    return f"default: {option.default:g}" if isinstance(option.default, float) else f"default: {option.default}"
 
 
 class ConfigForm:
@@ -41,11 +54,10 @@ class ConfigForm:
         style = {"description_width": "130px"}
         self.fields = {name: w.IntText(description=LABELS[name], style=style) for name in INT_FIELDS}
         self.fields["master_addr"] = w.Text(description=LABELS["master_addr"], continuous_update=False, style=style)
-        self.fields["master_port"] = w.Text(description=LABELS["master_port"], continuous_update=False, style=style,
-                                            placeholder=f"default: {BY_NAME['master_port'].default_text}")
+        for name in TEXT_FIELDS:
+            self.fields[name] = w.Text(description=LABELS[name], continuous_update=False, style=style,
+                                       placeholder=_placeholder(name), tooltip=BY_NAME[name].help_text())
         self.fields["mixed_precision"] = w.Dropdown(options=MIXED, description=LABELS["mixed_precision"], style=style)
-        self.fields["timeout"] = w.Text(description=LABELS["timeout"], continuous_update=False, style=style,
-                                        placeholder="none")
         self.fields["output"] = w.Dropdown(options=list(BY_NAME["output"].choices), description=LABELS["output"],
                                            style=style)
         # local: this machine (one kernel per node); slurm: every node of this kernel's allocation.
@@ -74,7 +86,7 @@ class ConfigForm:
             self.pending.clear()
             for name, field in self.fields.items():
                 value = values.get(name)
-                if name in ("master_port", "timeout"):
+                if name in TEXT_FIELDS:
                     field.value = "" if value is None else (f"{value:g}" if isinstance(value, float) else str(value))
                 elif name in INT_FIELDS:
                     field.value = int(value or 0)
@@ -96,14 +108,17 @@ class ConfigForm:
             if not text.isdigit():
                 raise ValueError("a port number (1-65535), or empty for the default")
             return int(text)
-        if name == "timeout":
+        if name in SECONDS_FIELDS:
             text = str(raw).strip()
-            if text in ("", "none"):
+            if text in ("", "none", "default"):
                 return None
             try:
                 return float(text)
             except ValueError:
-                raise ValueError("a number of seconds, or empty for no timeout") from None
+                empty = "no timeout" if BY_NAME[name].default is None else "the default"
+                raise ValueError(f"a number of seconds, or empty for {empty}") from None
+        if name == "config_file":
+            return str(raw).strip() or None
         if name == "master_addr":
             return str(raw).strip()
         if name == "mixed_precision":
