@@ -183,6 +183,15 @@ def test_status_lists_the_sessions_names_with_type_and_size(session):
     assert "  x " not in k.ok("%distributed_session status").stdout
 
 
+def test_a_rank_stopped_by_a_peers_failure_says_where_it_was(session):
+    """Issue 25 item 9: the others said only "stopped (...)", not where."""
+    res = cell(session, "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(0.5)\n"
+                        "    raise ValueError('boom')\ntime.sleep(30)\n")
+    assert res.error["ename"] == "DistributedRunError", res.error_text
+    assert re.search(r"rank 0: stopped \(KeyboardInterrupt\) in In\[\d+\] line 6, back at its prompt",
+                     res.error_text), res.error_text
+
+
 def test_a_stop_without_a_process_group_says_the_ranks_may_differ(session):
     """Issue 25 item 8: stopped in a loop with no process group, rank 0 had
     x = 63 and rank 1 x = 64, and nothing said it could happen."""

@@ -93,6 +93,8 @@ class RunFold:
         self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
         self.rounds: dict[int, int] = {}   # rank -> how many rounds of the world's init it got through
         self.kinds: dict[str, tuple] = {}  # a session cell: name -> (type, bytes or None), from rank 0
+        self.where: dict[int, str] = {}    # rank -> where it was when stopped ("barrier (In[5] line 3)")
+        self.stopped_how: dict[int, tuple] = {}   # rank -> (by what, back at its prompt?)
         self.mid_cell: dict[int, float] = {}   # rank -> when it exited with code 0 without its result
         self.stranded: Optional[dict] = None    # ranks waiting in init_process_group for one that left
         self.unfinished: list[int] = []
@@ -234,6 +236,8 @@ class RunFold:
 
     def _stacks(self, msg: dict) -> None:
         self.stacks[msg["rank"]] = msg["text"]
+        if msg.get("where"):
+            self.where[msg["rank"]] = msg["where"]
         self.emit(ev.RankStacks(msg["rank"], msg["text"]))
 
     def _exit(self, msg: dict) -> None:
@@ -245,8 +249,13 @@ class RunFold:
             # that followed reached its supervisor before it was reaped).
             self.mid_cell[rank] = msg["timestamp"]
         if msg["stopped"] and failure is None:
-            self.others[rank] = ("stopped (KeyboardInterrupt), back at its prompt" if msg.get("prompt") else
-                                 f"stopped ({msg['signal'] or 'exit code %s' % msg['exitcode']})")
+            # Worded in outcome(): where it was comes with its stacks, before or after this
+            # (a session rank back at its prompt says it in its exit).
+            if msg.get("where"):
+                self.where.setdefault(rank, msg["where"])
+            self.stopped_how[rank] = ("KeyboardInterrupt" if msg.get("prompt") else
+                                      msg["signal"] or f"exit code {msg['exitcode']}", bool(msg.get("prompt")))
+            self.others[rank] = ""
             self.unfinished.append(rank)
         elif failure is None:
             failure = failure_of_exit(rank, msg)
@@ -327,6 +336,9 @@ class RunFold:
             lost = lost or (self.forced and f"its supervisor did not respond ({self.forced}), so the kernel killed it")
         log.info("run %s attempt %d: %s%s", self.run_id, self.attempt, status,
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
+        for rank, (how, prompt) in self.stopped_how.items():
+            where = f" in {self.where[rank]}" if rank in self.where else ""
+            self.others[rank] = f"stopped ({how}){where}" + (", back at its prompt" if prompt else "")
         return Outcome(finished, self.result, self.others, sorted(unfinished), self.rendezvous_error,
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,

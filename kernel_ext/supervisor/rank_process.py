@@ -177,6 +177,7 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
 _HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os.sep + os.path.join("rank", "liveness.py")))
 _NO_FRAME = "<no Python frame>"
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_TB_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)$')   # a traceback's
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
                    ("stdlib", "platstdlib", "purelib", "platlib")) if p})
 
@@ -223,6 +224,17 @@ def _threads(text: str) -> list[tuple[str, list]]:
         frames = frames[:users[-1] + 1] if users else []
     others = [(t, [f for f in fs if not f["own"]]) for t, fs in named[:-1]]
     return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])]
+
+
+def stacks_message(r: "RankProcess", sources: dict) -> dict:
+    """The one ``stacks`` message of a stopped rank (both supervisors send it):
+    its stack as a person reads it (native frames when they were dumped) and
+    where it was in a few words, for the line that says it was stopped."""
+    raw = r.stack.decode("utf-8", "replace")
+    text = r.native or user_stack(raw, sources)
+    where = where_blocked(raw) if raw.strip() else ""
+    return {"kind": "stacks", "rank": r.rank, "text": text, "native": bool(r.native),
+            "where": "" if where == NO_STACK else where}
 
 
 def user_stack(text: str, sources: Optional[dict] = None) -> str:
@@ -276,6 +288,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     return "\n".join(out) + "\n"
 
 
+NO_STACK = "a place it gave no stack for"
 _DECORATOR_FRAMES = {"wrapper", "inner", "_fn", "decorate_context", "wrapped"}
 
 
@@ -283,14 +296,17 @@ def where_blocked(text: str) -> str:
     """Where a faulthandler dump says the cell's thread is, in a few words:
     ``all_reduce (In[5] line 3)``: the innermost function that is not a
     decorator's wrapper, and the innermost line of the cell's own code."""
-    threads = _threads(text)
-    frames = [f for f in threads[-1][1] if "raw" not in f] if threads else []
+    if "Traceback (most recent call last):" in text:   # a session rank's KeyboardInterrupt, as it came back
+        frames = [m.groupdict() for m in map(_TB_FRAME.match, text.splitlines())
+                  if m and not m.group(0).strip().startswith(_OWN_FRAMES)][::-1]   # innermost first
+    else:
+        threads = _threads(text)
+        frames = [f for f in threads[-1][1] if "raw" not in f] if threads else []
     if not frames:
-        return "a place it gave no stack for"
+        return NO_STACK
     named = next((f for f in frames if f["func"] not in _DECORATOR_FRAMES), frames[0])
     cell = next((f for f in frames if "In[" in f["file"]), None)
-    where = named["func"]
-    if cell is not None and cell is not named:
-        label = cell["file"].strip("<>").replace("%%distributed ", "")
-        where += f" ({label} line {cell['line']})"
-    return where
+    if cell is None:
+        return named["func"]
+    label = f"{cell['file'].strip('<>').replace('%%distributed ', '')} line {cell['line']}"
+    return label if cell is named else f"{named['func']} ({label})"   # in the cell's own code: its line

@@ -37,7 +37,7 @@ from .. import wire
 from ..wire.messages import failure_summary
 from .output_batch import Excerpt, bound_text
 from .rank_logs import RankLogs
-from .rank_process import RankProcess, user_stack, where_blocked
+from .rank_process import NO_STACK, RankProcess, stacks_message, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 # The ladders' order: see timing.py.
@@ -269,7 +269,8 @@ class SessionSupervisor(Supervisor):
             r.stopped = True   # brought back by the recall: stopped, not failed
             if not r.stack:
                 r.stack = bytearray(str(event.get("traceback", "")).encode())
-            self._send_exit(r, stopped=True)
+            where = where_blocked(r.stack.decode("utf-8", "replace"))
+            self._send_exit(r, stopped=True, where="" if where == NO_STACK else where)
             return
         if kind == "failed":
             r.failed = True
@@ -284,9 +285,9 @@ class SessionSupervisor(Supervisor):
         if kind == "failed" and self.stopping is None:
             self._recall("failed")
 
-    def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0) -> None:
+    def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0, where: str = "") -> None:
         self._send({"kind": "exit", "rank": r.rank, "exitcode": code, "signal": None, "stopped": stopped,
-                    "prompt": True, "timestamp": time.time()})
+                    "prompt": True, "timestamp": time.time(), **({"where": where} if where else {})})
 
     # -- recalling the ranks of a cell -----------------------------------------------
     def _out(self) -> list[RankProcess]:
@@ -447,9 +448,9 @@ class SessionSupervisor(Supervisor):
 
     def _send_stack(self, r: RankProcess) -> None:
         r.reported_stack = True
-        stack = r.native or user_stack(r.stack.decode("utf-8", "replace"), self._sources())
-        self.logs.note(r.rank, "--- stack when the cell was stopped ---\n" + stack)
-        self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack), "native": bool(r.native)})
+        msg = stacks_message(r, self._sources())
+        self.logs.note(r.rank, "--- stack when the cell was stopped ---\n" + msg["text"])
+        self._send({**msg, "text": bound_text(msg["text"])})
 
     def _finish_cell(self) -> None:
         """Every rank is back at its prompt: the cell is over, the session goes on."""

@@ -34,7 +34,7 @@ from ..wire.messages import failure_summary
 from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
-from .rank_process import RankProcess, user_stack
+from .rank_process import RankProcess, stacks_message
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 # The ladders' order: see timing.py.
 from ..timing import (
@@ -788,9 +788,9 @@ class Supervisor:
         r.output.end()
         self._flush()
         if r.stack or r.native:
-            stack = r.native or user_stack(r.stack.decode("utf-8", "replace"), self._sources())
-            self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + stack)
-            self._send({"kind": "stacks", "rank": r.rank, "text": bound_text(stack), "native": bool(r.native)})
+            msg = stacks_message(r, self._sources())
+            self.logs.note(r.rank, "--- stack when the run was stopped ---\n" + msg["text"])
+            self._send({**msg, "text": bound_text(msg["text"])})
         status = r.status if r.status is not None else 0
         if r.status is None:
             r.exit_time = time.monotonic()

@@ -18,8 +18,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``ready``              (session) every rank is at its prompt
 ``output``             ``rank``, ``text`` (lines, or None), ``omitted``, ``progress``
 ``rank_event``         ``rank``, ``event``: a rank's report, see :class:`RankEvent`
-``stacks``             ``rank``, ``text``, ``native``: where the rank was when stopped
-``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``
+``stacks``             ``rank``, ``text``, ``native``, ``where``: where the rank was when stopped
+``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``, ``where``
 ``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
