@@ -789,6 +789,46 @@ def test_a_rank_traceback_has_no_frames_of_ours_between_the_users(clean_kernel, 
         assert internal not in text, text
 
 
+def test_a_forked_child_that_runs_on_through_the_cell_is_not_the_rank(clean_kernel):
+    """Hostile pass: a child of os.fork() that ran to the cell's end reported
+    its result (and its error) as the rank's, so the parent's output and
+    value were lost.  As in plain Python both run the rest of the cell; only
+    the rank reports."""
+    k = clean_kernel
+    res = k.ok("%%distributed -n 2 --output text --return who\n"
+               "import os\npid = os.fork()\nwho = 'child' if pid == 0 else 'parent'\n"
+               "if pid:\n    os.waitpid(pid, 0)\n"
+               "else:\n    print('child done', flush=True)\n"
+               "    raise ValueError('the child raised')\n"
+               "print('parent done', flush=True)\nwho\n", timeout=60)
+    for rank in (0, 1):
+        assert f"[rank {rank}] child done" in res.stdout and f"[rank {rank}] parent done" in res.stdout, res.stdout
+    assert "ValueError: the child raised" in res.stdout + res.stderr   # its traceback printed, as Python does
+    assert res.result == "'parent'" and k.ok("who").result == "'parent'"
+
+
+def test_init_process_group_with_another_world_size_fails_at_once(clean_kernel):
+    """Hostile pass: world_size=3 in a run of 2 ranks waited for good (no rank
+    finished, so no check ended it; torch's timeout is 30 minutes)."""
+    started = time.monotonic()
+    res = clean_kernel.run("%%distributed -n 2 --output text\nimport torch.distributed as dist\n"
+                           "dist.init_process_group('gloo', world_size=3)\n", timeout=60)
+    assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
+    assert "init_process_group(world_size=3): this run has 2 ranks" in res.error_text, res.error_text
+    assert time.monotonic() - started < 20
+
+
+def test_an_exception_in_a_cells_thread_shows_its_source_lines(clean_kernel):
+    """Hostile pass: the default thread excepthook (C) printed the cell's
+    frames without their lines."""
+    res = clean_kernel.ok("%%distributed -n 2 --output text\nimport threading\ndef f():\n    x = 1\n"
+                          "    raise ValueError('in thread')\n"
+                          "t = threading.Thread(target=f, name='worker')\nt.start()\nt.join()\n", timeout=60)
+    out = res.stdout + res.stderr
+    assert "Exception in thread worker:" in out and "raise ValueError('in thread')" in out, out
+    assert "ValueError: in thread" in out and "kernel_ext" not in out, out
+
+
 def test_code_that_joins_every_thread_but_its_own_ends(clean_kernel):
     """Hostile pass: the rank's heartbeat thread was in threading.enumerate(),
     so a cell that joins every other thread (a common clean-up) hung."""

@@ -170,7 +170,7 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         return cls({}, [], message=f"interrupted: nothing ran; {why}. Run the cell again")
 
     def report(self) -> str:
-        return f"KeyboardInterrupt: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return f"RunInterrupted: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
 
 
 class RunStopped(ReportedError, RuntimeError):

@@ -78,6 +78,7 @@ def _watch_init(c10d, dist) -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
+        _refuse_another_world_size(args, kwargs)
         watched = _joins_the_world(args, kwargs)
         if not watched:
             return original(*args, **kwargs)
@@ -119,6 +120,21 @@ def _own_keys(round_: int, kwargs: dict) -> dict:
                                               world_size=kwargs.get("world_size", -1), timeout=timeout))
     return {**rest, "store": PrefixStore(f"accel_magics/round/{round_}", store), "rank": rank,
             "world_size": world_size}
+
+
+def _refuse_another_world_size(args, kwargs) -> None:
+    """``init_process_group(world_size=3)`` through the run's rendezvous
+    (env://) in a run of 2 ranks waits for a third rank that never comes:
+    torch's timeout is 30 minutes, and no rank has finished, so nothing
+    else ends it.  Said at once instead."""
+    if kwargs.get("store") is not None or len(args) > 1 or kwargs.get("init_method") not in (None, "env://"):
+        return
+    size, ours = kwargs.get("world_size", -1), os.environ.get("WORLD_SIZE")
+    if size in (-1, None) or ours is None or str(size) == ours:
+        return
+    raise ValueError(f"init_process_group(world_size={size}): this run has {ours} ranks, so that world would "
+                     f"never form (it would wait for torch's 30-minute timeout). Leave world_size out (env:// "
+                     f"reads WORLD_SIZE={ours}), or run the cell with {size} ranks (-n / --num_nodes).")
 
 
 def _joins_the_world(args, kwargs) -> bool:

@@ -38,6 +38,10 @@ from .rank_stdio import RankStderr, RankStdout
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
 _event_fd: Optional[int] = None
 _local_rank: Optional[int] = None
+#: The rank's own process.  A process the cell forks (os.fork) inherits the
+#: event pipe; if it runs on through the cell it is not the rank: it reports
+#: nothing (its prints still reach the rank's output, as in plain Python).
+_rank_pid: Optional[int] = None
 
 PR_SET_PDEATHSIG = 1
 
@@ -78,7 +82,7 @@ _emit_lock = threading.Lock()   # frames from several threads (tqdm's monitor, t
 def emit(event: dict) -> bool:
     """Send an event frame from inside a rank; False outside a rank."""
     with _emit_lock:
-        if _event_fd is None:
+        if _event_fd is None or os.getpid() != _rank_pid:
             return False
         wire.write_frame(_event_fd, event)
     return True
@@ -266,10 +270,10 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
     stdout/stderr are already the rank's pipe.  A rank that succeeded waits
     for EOF on ``release_fd`` (its go pipe) before it exits: see :func:`_park`.
     """
-    global _event_fd, _local_rank
+    global _event_fd, _local_rank, _rank_pid
     code = 1
     try:
-        _event_fd, _local_rank = event_fd, local_rank
+        _event_fd, _local_rank, _rank_pid = event_fd, local_rank, os.getpid()
         code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else _execute(spec, local_rank)
     except BaseException as exc:  # the harness itself failed: say so, never hang
         try:
@@ -277,6 +281,8 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
         except BaseException:
             pass
     finally:
+        if os.getpid() != _rank_pid:   # a child the cell forked ran to the cell's end: it just exits
+            _end_forked_child(code)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -291,6 +297,31 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
                 _park(release_fd)
         finally:
             os._exit(code)
+
+
+def _thread_excepthook(args) -> None:
+    """An exception that ends a thread of the cell, printed as the main
+    thread's are: with each frame's source line (the default hook, in C,
+    reads files only, so the cell's and the notebook's lines were missing)."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    print(f"Exception in thread {name}:", file=sys.stderr)
+    te = traceback.TracebackException(args.exc_type, args.exc_value, args.exc_traceback)
+    sys.stderr.write("".join(_without_own_frames(te).format()))
+    sys.stderr.flush()
+
+
+def _end_forked_child(code: int) -> NoReturn:
+    """A process the cell forked that ran on to the cell's end (plain Python
+    would run the rest of the script in it too): it flushes what it printed
+    and exits, reporting nothing: the rank (its parent) reports the cell."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _park(release_fd: int) -> None:
@@ -430,6 +461,7 @@ def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
     pg_guard.install()   # normally done in the launcher already: then a no-op
     pg_guard.announce = emit
     rank_bars.install(emit)
+    threading.excepthook = _thread_excepthook
     return main
 
 
@@ -564,6 +596,10 @@ def _values(value, ns: dict, return_names) -> dict:
 def _execute(spec: dict, local_rank: int) -> int:
     main = _enter_rank(spec, local_rank)
     event, code = _run_cell(spec["payload"], main.__dict__, local_rank == 0)
+    if os.getpid() != _rank_pid:   # a forked child's end of the cell: its error printed, as Python would
+        if event["kind"] == "failed":
+            sys.stderr.write(event.get("traceback", ""))
+        return code
     if event["kind"] == "result":
         _emit_last(event)
     else:
@@ -657,7 +693,11 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         cell = pickle.loads(frame)
         _cell_id = cell["run_id"]
         emit({"kind": "cell_started", "cell": cell["run_id"]})
-        event, _ = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
+        event, code = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
+        if os.getpid() != _rank_pid:   # a child the cell forked: it never reads the next cell
+            if event["kind"] == "failed":
+                sys.stderr.write(event.get("traceback", ""))
+            return code
         event["cell"] = cell["run_id"]
         _emit_last(event)
         _cell_begun = False
