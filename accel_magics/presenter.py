@@ -63,8 +63,6 @@ class Presenter:
         else:
             self.live = DisplayLive() if in_kernel else StreamLive()
             self.text = TextView(self.live)
-            if context:
-                self.live.write([f"[accel_magics] {context}"])
             if note:
                 self.live.write([f"[accel_magics] {note}"])
         # A background run: its outputs are made now, in the cell that starts it,

@@ -296,7 +296,7 @@ def test_interrupt_stops_ranks_blocked_in_a_collective(clean_kernel):
     assert res.error["ename"] == "RunInterrupted" or res.error["ename"] == "KeyboardInterrupt"
     assert isinstance(res.error["ename"], str)
     text = res.error_text
-    assert "KeyboardInterrupt" in text
+    assert "RunInterrupted" in text   # a KeyboardInterrupt (its subclass), headed with its own name
     assert "rank 0:" in text and "rank 1:" in text        # where each rank was
     assert "barrier" in text and "recv" in text
     assert time.monotonic() - started < 30

@@ -171,9 +171,10 @@ def test_a_session_name_wins_and_says_so_a_kernel_name_is_sent_fresh(session):
 def test_status_lists_the_sessions_names_with_type_and_size(session):
     """Issue 25 item 8: status said "3 name(s) of its own" and listed none."""
     k = session
-    res = ok_cell(k, "import torch\nmodel = torch.nn.Linear(100, 10)\nx = torch.ones(1000)\nsteps = 3")
+    res = k.ok("%%distributed --session --output widget\n"
+               "import torch\nmodel = torch.nn.Linear(100, 10)\nx = torch.ones(1000)\nsteps = 3")
     # The view says where the cell runs (issue 25 item 8: it looked like a one-shot cell's).
-    assert any("[accel_magics] on the session: its cell 1" in text for text in res.live), res.live
+    assert "on the session: its cell 1" in "".join(str(m["content"]) for m in res.messages)
     status = k.ok("%distributed_session status").stdout
     assert "4 name(s) of its own" in status and re.search(r"  torch +module +- +In", status), status
     assert re.search(r"  model +torch\.nn\.modules\.linear\.L.* +3\.9 kB +In\[\d+\]", status), status
