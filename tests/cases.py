@@ -214,6 +214,12 @@ def run_case(k, kind: str) -> float:
         res = k.run("%%distributed -n 2 --output text --timeout 30\n" + REINIT, timeout=60)
         assert res.status == "ok" and res.stdout.count("sums [2.0, 4.0, 6.0]") == 2, res.error_text
         return 15
+    if kind == "skip_round":   # a rank skips a round of init/destroy: the waiter is stopped at once
+        res = k.run("%%distributed -n 2 --output text\nimport os, torch.distributed as dist\n"
+                    "for i in range(3):\n    if os.environ['RANK'] == '1' and i == 1:\n        continue\n"
+                    "    dist.init_process_group('gloo')\n    dist.destroy_process_group()\n", timeout=60)
+        assert res.error is not None and res.error["ename"] == "DistributedStallError", res.error_text
+        return 10
     if kind == "quiet":   # a rank that only waits after its peer finished: not a stall
         res = k.run("%%distributed -n 2 --output text --stall_timeout 1\nimport os, time\n"
                     "if os.environ['RANK'] == '0':\n    time.sleep(3)\nprint('done')\n", timeout=60)

@@ -1,4 +1,4 @@
-"""Soak (``-m slow``): 244 mixed runs in one kernel, the hard cases included
+"""Soak (``-m slow``): 248 mixed runs in one kernel, the hard cases included
 (sessions, background runs, re-initialised process groups and ranks that only
 wait after their peers finished among them).
 
@@ -34,10 +34,11 @@ def _shm() -> set:
 
 KINDS = {"ok": 60, "fail": 30, "interrupt": 20, "timeout": 15, "ddp": 40, "leave": 10, "stall": 8,
          "long_lines": 8, "daemons": 8, "leave_group": 6, "sigstop": 3, "sigstop_interrupt": 3,
-         "big_global_interrupt": 4, "huge_error": 5, "session": 6, "background": 6, "reinit": 8, "quiet": 4}
+         "big_global_interrupt": 4, "huge_error": 5, "session": 6, "background": 6, "reinit": 8, "quiet": 4,
+         "skip_round": 4}
 
 
-def test_soak_244_mixed_runs_in_one_kernel(clean_kernel):
+def test_soak_248_mixed_runs_in_one_kernel(clean_kernel):
     k = clean_kernel
     for setup in SETUP:
         k.ok(setup)
@@ -45,7 +46,7 @@ def test_soak_244_mixed_runs_in_one_kernel(clean_kernel):
         run_case(k, kind)
         k.assert_no_leaks()
     kinds = [kind for kind, n in KINDS.items() for _ in range(n)]
-    assert len(kinds) == 244
+    assert len(kinds) == 248
     random.Random(12).shuffle(kinds)
     base = None
     worst = {}
