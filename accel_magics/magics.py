@@ -231,7 +231,8 @@ class DistributedMagics(Magics):
             return CELL_MODES[mode](self, args, line, cell, started)
         presenter = self.presenter(args, started, background=args.background)
         try:
-            cfg = self.launch_config(args)
+            with self.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
+                cfg = self.launch_config(args)
             return_names = return_names_of(args.return_names)
             self.preflight_check()
             source = self.cell_source(line, cell)

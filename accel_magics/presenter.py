@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Optional
 
+from accel_magics.kernel_ext.kernel import events as ev
+
 from .record import HEAD_LINES, TAIL_LINES, RunRecord
 from .run_logs import run_log_dir
 from .text_view import DisplayLive, StreamLive, TextView
@@ -86,6 +88,11 @@ class Presenter:
             self.view(event)
         else:
             self.text(event)
+
+    def tick(self) -> None:
+        """The cell waits (for the launcher, for the session's turn): the view's
+        elapsed time moves on, so slow can be told from stuck."""
+        self(ev.Heartbeat())
 
     def discard(self) -> None:
         """Nothing was launched (a usage error): take the view away again."""

@@ -17,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.kernel.errors import WaitStopped
+from accel_magics.kernel_ext.timing import WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
@@ -89,7 +90,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
         context = f"on the session: its cell {session.cells_run + 1 + (1 if busy else 0)}"
         presenter = magics.presenter(args, started, background=args.background, note=note, context=context)
         if busy:   # its turn comes when the running (background) cell ends: the names it set count
-            session.wait_idle()
+            while not session.wait_idle(WAIT_TICK):
+                presenter.tick()   # the view's elapsed time moves on while it waits
         owned = set(session.owned)
         payload = magics.make_payload(source, return_names, defined=owned)
     except BaseException as exc:

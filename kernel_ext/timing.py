@@ -34,6 +34,7 @@ DRAIN_WAIT = 2.0          # after a rank exits, how long its pipes get to reach 
 RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 FLUSH_INTERVAL = 0.05     # output is batched like ipykernel's streams
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
+RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
 REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
 REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
@@ -61,6 +62,7 @@ SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervi
 SESSION_TIMEOUT_SLACK = 12.0  # past a session cell's --timeout, when the kernel steps in
 SESSION_END_WAIT = 15.0   # %distributed_session stop: how long the ranks get to end
 BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
+WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the session), how often its view moves on
 
 # -- the launcher process ---------------------------------------------------------------
 END_WAIT = 15.0           # how long a new run waits for the processes of earlier runs to end

@@ -217,3 +217,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
         time.sleep(0.05)
+
+
+SLOW_LAUNCHER = "import os, time\nif os.environ.get('ACCEL_MAGICS_LAUNCHER'):\n    time.sleep({seconds})\n"
+
+
+def with_sitecustomize(directory, code: str) -> dict:
+    """The environment of a kernel (and all it starts) that runs ``code`` at
+    start-up, from a ``sitecustomize.py`` in ``directory``: a fault injected
+    where nothing else reaches (a launcher slow to import torch, an import
+    that takes seconds), whatever the machine's speed."""
+    with open(os.path.join(str(directory), "sitecustomize.py"), "w") as f:
+        f.write(code)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}

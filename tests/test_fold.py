@@ -378,3 +378,8 @@ def test_no_message_says_rank_s_dash():
     with pytest.raises(Exception) as info:
         conclude(outcome, CFG, attempt=0, started=0.0)
     assert "rank(s) -" not in str(info.value) and str(info.value).endswith("so every rank was stopped."), info.value
+
+
+def test_resource_samples_reach_the_views_as_events():
+    events, _ = replay([{"kind": "resources", "ranks": {"0": [50.0, 1024, None], "1": [0.0, 2048, 4096]}}])
+    assert of_type(events, ev.Resources) == [ev.Resources({0: (50.0, 1024, None), 1: (0.0, 2048, 4096)})]

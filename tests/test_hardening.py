@@ -939,13 +939,11 @@ def test_a_stop_while_the_live_view_loads_says_nothing_ran(tmp_path):
     a raw KeyboardInterrupt through presenter.py.  The import is made slow
     (a sitecustomize finder, armed by a file, in the kernel only), so the
     stop lands in it whatever the machine's speed."""
-    import os
-
     from conftest import LoadedKernel
-    from kernel_harness import wait_until
+    from kernel_harness import wait_until, with_sitecustomize
 
     arm, began = tmp_path / "arm", tmp_path / "began"
-    (tmp_path / "sitecustomize.py").write_text(
+    env = with_sitecustomize(tmp_path,
         "import os, sys, time\n"
         "class _Slow:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
@@ -955,8 +953,7 @@ def test_a_stop_while_the_live_view_loads_says_nothing_ran(tmp_path):
         "        return None\n"
         "if not os.environ.get('ACCEL_MAGICS_LAUNCHER'):\n"
         "    sys.meta_path.insert(0, _Slow())\n")
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
-    k = LoadedKernel(extra_env={"PYTHONPATH": path})
+    k = LoadedKernel(extra_env=env)
     try:
         arm.touch()
         msg_id = k.kc.execute("%%distributed -n 2 --output widget\nprint('ran')\n")
@@ -984,14 +981,10 @@ def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
     RunInterrupted line saying nothing ran, and the next cell runs.  The
     launcher is made slow to start (a sitecustomize that waits in it only), so
     the stop lands while the cell waits for it, whatever the machine's speed."""
-    import os
+    from kernel_harness import SLOW_LAUNCHER, KernelSession, wait_until, with_sitecustomize
 
-    from kernel_harness import KernelSession, wait_until
-
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('ACCEL_MAGICS_LAUNCHER'):\n    time.sleep(6)\n")
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
-    k = KernelSession(extra_env={"PYTHONPATH": path, "TMPDIR": str(tmp_path)})
+    env = with_sitecustomize(tmp_path, SLOW_LAUNCHER.format(seconds=6))
+    k = KernelSession(extra_env={**env, "TMPDIR": str(tmp_path)})
     try:
         k.ok("%load_ext accel_magics")
         msg_id = k.kc.execute("%%distributed -n 2 --output text\nprint('ran')\n")

@@ -211,3 +211,62 @@ def test_tqdm_notebook_and_many_finished_inner_bars(clean_kernel):
     assert len(rank1) == 32 and rank1[-1] == "[rank 1] done" and "epoch: 100% 30/30" in rank1[-2], rank1
     row = page[page.index("rank 1 <b"):].split("class='accel-magics-row'")[0]
     assert row.count("class='accel-magics-bar'") <= 2, row    # the newest finished bar per position
+
+
+def _header_times(res, while_text: str) -> list[float]:
+    """The elapsed times the live view's header showed while it said ``while_text``."""
+    times = []
+    for m in res.messages:
+        if m["msg_type"] in ("comm_open", "comm_msg"):
+            data = m["content"].get("data", {})
+            value = str(data.get("state", {}).get("value", ""))
+            if "accel-magics-header" in value and while_text in value:
+                times += [float(t) for t in re.findall(r"&middot; (\d+\.\d) s", value)]
+    return times
+
+
+def test_the_elapsed_time_moves_while_the_first_cell_waits_for_the_launcher(tmp_path):
+    """Issue 25 item 5: it froze at 0.1-0.2 s while the first cell of a kernel
+    waited for the launcher (seconds: it imports torch), so slow looked stuck.
+    The launcher is made slow to start (a sitecustomize that waits in it only)."""
+    from kernel_harness import SLOW_LAUNCHER, KernelSession, with_sitecustomize
+
+    env = with_sitecustomize(tmp_path, SLOW_LAUNCHER.format(seconds=3))
+    k = KernelSession(extra_env={**env, "TMPDIR": str(tmp_path)})
+    try:
+        k.ok("%load_ext accel_magics")
+        res = k.ok("%%distributed -n 2 --output widget\nprint('ran')\n", timeout=120)
+        times = _header_times(res, "starting the launcher")
+        assert times and max(times) >= 2.0 and len(set(times)) >= 4, times
+    finally:
+        k.shutdown()
+
+
+def test_the_elapsed_time_moves_while_a_session_cell_waits_its_turn(clean_kernel):
+    """Issue 25 item 5: it stayed at 0.0 s while a session cell waited for the
+    background cell before it."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2")
+    try:
+        k.ok("%%distributed --session --background --output text\nimport time\ntime.sleep(3)")
+        res = k.ok("%%distributed --session --output widget\nprint('my turn')", timeout=60)
+        times = _header_times(res, "waiting for In[")
+        assert times and max(times) >= 1.5 and len(set(times)) >= 3, times
+    finally:
+        k.ok("%distributed_session stop", timeout=60)
+
+
+def test_a_rank_holding_500_mb_shows_it_in_its_row_and_its_peak_in_the_record(clean_kernel):
+    """Issue 25 item 7: resources per rank, sampled by the supervisor."""
+    res = clean_kernel.ok("%%distributed -n 2 --output widget\nimport os, time\n"
+                          "held = bytearray((500 if os.environ['RANK'] == '0' else 1) << 20)\n"
+                          "time.sleep(2.5)\nprint('done')\n", timeout=90)
+    seen = "".join(str(m["content"]) for m in res.messages if m["msg_type"] in ("comm_open", "comm_msg"))
+    live = [float(mb) for mb in re.findall(r"rank 0 <b[^>]*>running</b></span><span class='accel-magics-usage'"
+                                           r"[^>]*>cpu \d+% &middot; ([0-9.]+) MB", seen)]
+    assert live and max(live) >= 500, live
+    record = [m["content"]["data"]["text/html"] for m in res.messages
+              if m["msg_type"] in ("display_data", "update_display_data") and "text/html" in m["content"]["data"]]
+    peaks = re.findall(r"rank (\d) <b[^>]*>done</b></span><span class='accel-magics-usage'[^>]*>peak ([0-9.]+) MB",
+                       record[-1])
+    assert {rank: float(mb) for rank, mb in peaks}.get("0", 0) >= 500, peaks

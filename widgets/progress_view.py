@@ -53,7 +53,9 @@ STYLE = {
                "opacity:0.75"),
     "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;overflow-wrap:break-word",
     "muted": "opacity:0.75",
+    "usage": f"flex:0 0 auto;white-space:nowrap;{_MONO};opacity:0.75",
 }
+STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind the furthest is marked "behind"
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
 
@@ -109,6 +111,9 @@ class _RankState:
     head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
     seqs: deque = field(default_factory=deque)    # each of ``lines``' place in arrival order (all ranks)
     node: str = ""                                # the node it runs on (one kernel driving every node)
+    usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes or None), the latest sample
+    peak_rss: int = 0
+    peak_gpu: Optional[int] = None
 
     def latest_printed(self) -> str:
         """The newest line the rank printed: not a finished bar's final line
@@ -129,13 +134,38 @@ def _bar_html(bar: BarState, color: str) -> str:
                + _el("span", "bartext", html.escape(bar.text[-300:])))
 
 
-def _row_html(s: _RankState) -> str:
+def _bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
+    """The rank's resources: now (CPU, memory, GPU memory) while it runs, its
+    peaks in the record; "behind" when it is far behind the others' progress."""
+    parts = []
+    if final and s.peak_rss:
+        parts.append(f"peak {_bytes(s.peak_rss)}" + (f", GPU {_bytes(s.peak_gpu)}" if s.peak_gpu is not None else ""))
+    elif not final and s.usage is not None:
+        cpu, rss, gpu = s.usage
+        parts.append(f"cpu {cpu:.0f}% &middot; {_bytes(rss)}" + (f" &middot; GPU {_bytes(gpu)}" if gpu is not None else ""))
+    if behind:
+        parts.append("<b style='color:#ff7f0e'>behind</b>")
+    return _el("span", "usage", " &middot; ".join(parts)) if parts else ""
+
+
+def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
     color = STATE_COLORS.get(s.state, "#888")
     bars = "".join(_bar_html(b, color) for b in s.shown_bars())
     latest = s.failure or s.latest
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
     return _el("div", "row",
                _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
+               + _usage_html(s, final, behind)
                + (_el("div", "bars", bars) if bars else "")
                + _el("code", "latest", html.escape(latest[-300:]),
                      attrs=f" title='{html.escape(latest[-300:], quote=True)}'"))
@@ -318,8 +348,30 @@ class RunView:
                      f"kept): <code>{html.escape(self.log_dir)}</code></small>")
         return f"<div class='accel-magics-header'>{text}</div>"
 
-    def _rows_html(self) -> str:
-        return "".join(_row_html(self.ranks[rank]) for rank in sorted(self.ranks))
+    def _rows_html(self, final: bool = False) -> str:
+        behind = set() if final else self.stragglers()
+        return "".join(_row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
+
+    def stragglers(self) -> set:
+        """Ranks still running whose outer bar is far behind the furthest rank's
+        (a slow GPU, a bigger shard): the row says so."""
+        outer = {}
+        for rank, s in self.ranks.items():
+            bars = [b for b in s.shown_bars() if b.fraction is not None]
+            if bars and s.state in ("running", "starting"):
+                outer[rank] = bars[0].fraction
+        if len(outer) < 2:
+            return set()
+        ahead = max(outer.values())
+        return {rank for rank, fraction in outer.items() if ahead - fraction >= STRAGGLER_GAP}
+
+    def on_Resources(self, e) -> None:
+        for rank, (cpu, rss, gpu) in e.ranks.items():
+            s = self._rank(rank)
+            s.usage = (cpu, rss, gpu)
+            s.peak_rss = max(s.peak_rss, rss or 0)
+            if gpu is not None:
+                s.peak_gpu = max(s.peak_gpu or 0, gpu)
 
     def refresh(self, force: bool = False) -> None:
         if not (self._dirty or force):
@@ -422,7 +474,7 @@ class RunView:
             details.append(f"<details{opened}><summary>rank {rank} output ({_plural(s.count, 'line')}{shown})"
                            f"</summary>{body}</details>")
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
-                f"{self._rows_html()}{''.join(details)}</div>")
+                f"{self._rows_html(final=True)}{''.join(details)}</div>")
 
 
 def _pre(lines) -> str:

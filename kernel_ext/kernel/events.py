@@ -153,6 +153,14 @@ class Heartbeat:
 
 
 @dataclass
+class Resources:
+    """What each running rank uses now, sampled by its supervisor from /proc
+    (and NVML where there is an NVIDIA GPU; never CUDA): rank -> (CPU percent
+    of one core, resident bytes, GPU bytes or None)."""
+    ranks: dict
+
+
+@dataclass
 class Quiet:
     """Ranks use no CPU and print nothing after a peer finished the cell, but
     are not stuck (they sleep, wait for a subprocess or a socket): the run goes

@@ -115,6 +115,7 @@ class RunFold:
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
             Kind.WAITING: self._waiting, Kind.RENDEZVOUS_FAILED: self._rendezvous_failed,
             Kind.STALLED: self._stalled, Kind.QUIET: self._quiet, Kind.REMOTE_FAILURE: self._remote_failure,
+            Kind.RESOURCES: self._resources,
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
         }
@@ -275,6 +276,9 @@ class RunFold:
     def _quiet(self, msg: dict) -> None:
         self.emit(ev.Quiet(msg["ranks"], msg["seconds"], msg["finished"],
                            {int(rank): where for rank, where in msg["where"].items()}))
+
+    def _resources(self, msg: dict) -> None:
+        self.emit(ev.Resources({int(rank): tuple(sample) for rank, sample in msg["ranks"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
         self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",

@@ -9,6 +9,7 @@ interrupt or kill the run.  Nothing here imports IPython.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import os
 import pickle
@@ -22,7 +23,7 @@ import time
 import uuid
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -34,7 +35,7 @@ from ..wire.payload import Payload
 from .run_handle import RunHandle
 from .sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE
+from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
 
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
 
@@ -140,6 +141,7 @@ class Launcher:
         self.report_keys = report_keys
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
+        self._tick: Optional[Callable[[], None]] = None   # see waiting()
         self.dropped = 0          # messages that failed verification (forged, stale)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.RLock()   # a background run's thread launches too
@@ -330,26 +332,41 @@ class Launcher:
                 self.close()
                 raise LauncherError(f"the launcher process is gone ({exc}).\n{tail}") from None
 
+    @contextlib.contextmanager
+    def waiting(self, tick: Callable[[], None]):
+        """While the block waits for the launcher (the first cell of a kernel:
+        it imports torch, seconds), call ``tick()`` a few times a second, so
+        a view's elapsed time moves and slow is told from stuck."""
+        self._tick, previous = tick, self._tick
+        try:
+            yield
+        finally:
+            self._tick = previous
+
     def _reply(self, kind: str, timeout: float) -> dict:
         fd = self.proc.stdout.fileno()
         poller = zmq.Poller()
         poller.register(fd, zmq.POLLIN)
         deadline = time.monotonic() + timeout
+        tick = self._tick
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LauncherError(f"the launcher process did not answer within {timeout:g}s.\n"
                                     + self.launch_log_tail())
-            if poller.poll(left * 1000):
-                msg = wire.read_frame(fd)
-                if msg is None:
-                    code = self.proc.wait()
-                    raise LauncherError(
-                        f"the launcher process exited (code {code}) before it was ready:\n"
-                        + self.launch_log_tail()
-                    )
-                if msg.get("kind") == kind:
-                    return msg
+            if not poller.poll(min(left, WAIT_TICK) * 1000 if tick else left * 1000):
+                if tick is not None:
+                    tick()
+                continue
+            msg = wire.read_frame(fd)
+            if msg is None:
+                code = self.proc.wait()
+                raise LauncherError(
+                    f"the launcher process exited (code {code}) before it was ready:\n"
+                    + self.launch_log_tail()
+                )
+            if msg.get("kind") == kind:
+                return msg
 
     def session_for(self, key: bytes):
         """The verifying Session, re-keyed per run (building one costs ~1 ms)."""

@@ -41,7 +41,7 @@ from .rank_process import NO_STACK, RankProcess, stacks_message, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 # The ladders' order: see timing.py.
-from ..timing import FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT
+from ..timing import FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT, RESOURCE_SAMPLE
 
 
 
@@ -182,6 +182,7 @@ class SessionSupervisor(Supervisor):
         self.timeout_deadline = time.monotonic() + content["timeout"] if content.get("timeout") else None
         stall = self.spec.get("stall_timeout")
         self.stall_check = time.monotonic() + STALL_CHECK if stall else None
+        self.resource_check = time.monotonic() + RESOURCE_SAMPLE
         self.stall_judged, self.said_quiet = float("-inf"), set()   # each cell judges its own quiet ranks
         self.logs = RankLogs(content.get("log_dir", ""))
         excerpt = content.get("excerpt")
@@ -470,5 +471,6 @@ class SessionSupervisor(Supervisor):
         self.spec["payload"] = None
         self.stopping = None
         self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = self.force_at = self.verdict_at = None
+        self.resource_check = None
         for r in self.ranks:
             r.stack, r.native, r.reported_stack = bytearray(), "", False

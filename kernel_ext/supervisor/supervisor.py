@@ -35,11 +35,12 @@ from .output_batch import Excerpt, bound_text, shorten_lines, strip_escapes
 from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
+from .resources import ResourceSampler
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
-    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL,
+    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -85,6 +86,8 @@ class Supervisor:
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
         self.stall_check: Optional[float] = None
+        self.resource_check: Optional[float] = None   # the next sample of the ranks' CPU and memory
+        self.sampler = ResourceSampler()
         self.stall_judged = float("-inf")   # when quiet ranks were last judged (see _check_stall)
         self.said_quiet: set[int] = set()   # ranks the user was told wait (once each)
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
@@ -137,6 +140,7 @@ class Supervisor:
             self.remote_check = time.monotonic() + REMOTE_CHECK
         elif self.spec.get("stall_timeout"):
             self.stall_check = time.monotonic() + STALL_CHECK
+        self.resource_check = time.monotonic() + RESOURCE_SAMPLE
         self._loop()
         if not together:
             self._finish_nodes()
@@ -390,6 +394,15 @@ class Supervisor:
         for r in running:
             r.native = ""   # a later verdict looks again; the stop's dump is taken then
 
+    def _sample_resources(self, now: float) -> None:
+        """Each rank still in the cell: its CPU and memory, for its row in the view."""
+        working = {r.rank: r.pid for r in self._working()}
+        if self.stopping is not None or not working:
+            self.resource_check = None if self.stopping is not None else now + RESOURCE_SAMPLE
+            return
+        self.resource_check = now + RESOURCE_SAMPLE
+        self._send({"kind": "resources", "ranks": self.sampler.sample(working)})
+
     def _quiet_ranks(self, now: float) -> Optional[tuple]:
         """(finished ranks, ranks still in the cell, how long the least quiet
         of these has used no CPU and printed nothing since a rank finished),
@@ -510,7 +523,7 @@ class Supervisor:
     def _deadlines(self) -> list:
         """Every deadline the loop must wake up for (None: not set)."""
         return [self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline, self.remote_check,
-                self.stall_check]
+                self.stall_check, self.resource_check]
 
     def _next_timeout(self) -> Optional[float]:
         now = time.monotonic()
@@ -529,6 +542,8 @@ class Supervisor:
             self._check_remote()
         if self.stall_check is not None and now >= self.stall_check:
             self._check_stall(now)
+        if self.resource_check is not None and now >= self.resource_check:
+            self._sample_resources(now)
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)

@@ -23,6 +23,7 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
+``resources``          ``ranks``: {rank: [cpu %, resident bytes, GPU bytes or None]}, a few times a second
 ``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause
 ``remote_departed``    ``rank``, ``node``, ``how``, ``rounds``: a rank of another node finished the
                        cell after ``rounds`` rounds of the world's init (a kernel per node)
@@ -67,6 +68,7 @@ class Kind(_Text):
     RENDEZVOUS_FAILED = "rendezvous_failed"
     STALLED = "stalled"
     QUIET = "quiet"                  # ranks quiet after a peer finished, but not stuck: told, not stopped
+    RESOURCES = "resources"          # each running rank's CPU, memory (and GPU memory), sampled
     REMOTE_FAILURE = "remote_failure"
     REMOTE_DEPARTED = "remote_departed"
     SUPERVISOR_ERROR = "supervisor_error"

@@ -1,0 +1,106 @@
+"""Runs in a supervisor: what each of its ranks uses, sampled a few times a second.
+
+Why: a user debugging an out-of-memory error or a straggler wants to see, per
+rank, how much memory it holds and whether it computes, while it runs; no
+peer shows it.  Read from /proc (a rank and the processes it started, a
+DataLoader's workers included: their CPU counts, their resident memory too,
+pages shared after the fork counted once per process, as ``top`` does), and
+from NVML where an NVIDIA GPU and pynvml are there (GPU memory per process).
+Never from CUDA: the supervisor must not initialise it.  A rank that is gone
+is left out; nothing here raises.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+from ..process_tree import descendants
+
+log = logging.getLogger("accel_magics.supervisor.resources")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_and_rss(pid: int) -> Optional[tuple[float, int]]:
+    """(CPU seconds, resident bytes) of one process; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK, int(fields[21]) * _PAGE
+
+
+def usage(pid: int) -> Optional[tuple[float, int, list[int]]]:
+    """(CPU seconds, resident bytes, the pids counted) of a rank and the
+    processes it started; None if it is gone."""
+    own = _cpu_and_rss(pid)
+    if own is None:
+        return None
+    cpu, rss = own
+    family = [pid]
+    for child in descendants(pid):
+        more = _cpu_and_rss(child)
+        if more is not None:
+            cpu, rss = cpu + more[0], rss + more[1]
+            family.append(child)
+    return cpu, rss, family
+
+
+class _Nvml:
+    """GPU memory per process, NVML initialised once (an init costs tens of ms)."""
+
+    def __init__(self) -> None:
+        self.nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.devices = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:   # no NVIDIA GPU, no driver, no pynvml: no GPU column
+            self.nvml = None
+
+    def used(self) -> dict[int, int]:
+        if self.nvml is None:
+            return {}
+        used: dict[int, int] = {}
+        try:
+            for device in self.devices:
+                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(device):
+                    if proc.usedGpuMemory:
+                        used[proc.pid] = used.get(proc.pid, 0) + proc.usedGpuMemory
+        except Exception:
+            log.debug("NVML did not answer", exc_info=True)
+        return used
+
+
+class ResourceSampler:
+    """Each call of :meth:`sample`: rank -> [CPU % of one core since the last
+    sample, resident bytes, GPU bytes or None]."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[float, float]] = {}   # pid -> (CPU seconds, when)
+        self.gpu: Optional[_Nvml] = None
+
+    def sample(self, ranks: dict[int, int]) -> dict[int, list]:
+        """``ranks``: rank -> pid of the ranks still running."""
+        if self.gpu is None:
+            self.gpu = _Nvml()
+        gpu = self.gpu.used()
+        now = time.monotonic()
+        out = {}
+        for rank, pid in ranks.items():
+            got = usage(pid)
+            if got is None:
+                continue
+            cpu, rss, family = got
+            before = self.last.get(pid)
+            self.last[pid] = (cpu, now)
+            percent = 0.0 if before is None or now <= before[1] else 100.0 * (cpu - before[0]) / (now - before[1])
+            held = sum(gpu.get(p, 0) for p in family) if gpu else None
+            out[rank] = [round(max(0.0, percent), 1), rss, held]
+        return out
