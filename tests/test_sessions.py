@@ -480,16 +480,35 @@ def test_the_stop_button_in_h_wait_stops_the_waiting_in_one_line(clean_kernel):
     k.ok("%%distributed -n 2 --background --output text\nimport time\ntime.sleep(600)")
     k.ok("h = _")
 
-    def waits() -> bool:
-        """The kernel's main thread blocks in a futex: h.wait() (an idle kernel waits in epoll)."""
+    def in_futex() -> bool:
         try:
             with open(f"/proc/{k.pid}/wchan") as f:
                 return "futex" in f.read()
         except OSError:
             return False
 
-    msg_id = k.kc.execute("h.wait()")
-    wait_until(waits, 30, "the kernel to wait in h.wait()")
+    def waits(seen=[]) -> bool:
+        """The cell printed "waiting" (so IPython's own locks, taken before the
+        cell runs, are behind it) and the main thread blocks in a futex in two
+        looks in a row: it is in h.wait() (a print's lock is held for less)."""
+        seen.append(in_futex() and "waiting" in "".join(
+            m["content"].get("text", "") for m in drained if m["msg_type"] == "stream"))
+        return seen[-2:] == [True, True]
+
+    drained = []
+    msg_id = k.kc.execute("print('waiting', flush=True)\nh.wait()")
+
+    def printed_and_waits() -> bool:
+        try:
+            while True:
+                msg = k.kc.get_iopub_msg(timeout=0.05)
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    drained.append(msg)
+        except Exception:   # queue.Empty: nothing more for now
+            pass
+        return waits()
+
+    wait_until(printed_and_waits, 30, "the kernel to wait in h.wait()")
     k.interrupt()
     reply = k.reply_to(msg_id, time.monotonic() + 30)["content"]
     text = "\n".join(reply["traceback"])
