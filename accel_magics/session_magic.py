@@ -17,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.kernel.errors import WaitStopped
+from accel_magics.kernel_ext.kernel.events import bytes_text
 from accel_magics.kernel_ext.timing import WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
@@ -28,16 +29,6 @@ from .slurm_magic import check_agents_free, start_session
 SESSION_FIXED = options.SESSION_FIXED
 NO_SESSION = ("no session is running: start one with `%distributed_session start -n 2` (it takes the launch "
               "options of %%distributed), then run this cell again. Nothing was launched.")
-
-
-def _fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _names_read(source: str) -> set:
@@ -272,14 +263,14 @@ class SessionMagics(Magics):
             print(f"  {'name':<{width}}  {'type':<28} {'size':>9}  set by")
             for name in sorted(session.owned):
                 kind, size = session.kinds.get(name, ("?", None))
-                print(f"  {name:<{width}}  {kind[:28]:<28} {_fmt_bytes(size):>9}  {session.owned[name]}")
+                print(f"  {name:<{width}}  {kind[:28]:<28} {bytes_text(size):>9}  {session.owned[name]}")
         nodes = any(row.get("node") for row in rows)   # a session on several nodes: where each rank is
         print(f"{'rank':>4}  " + (f"{'node':<8} " if nodes else "") +
               f"{'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")
         for row in rows:
             print(f"{row['rank']:>4}  " + (f"{row.get('node') or '-':<8} " if nodes else "") +
-                  f"{row['pid']:>7}  {row['state']:<9} {_fmt_bytes(row['rss']):>9}  "
-                  f"{_fmt_bytes(row['gpu']):>9}  {row['cell'] or '-'}")
+                  f"{row['pid']:>7}  {row['state']:<9} {bytes_text(row['rss']):>9}  "
+                  f"{bytes_text(row['gpu']):>9}  {row['cell'] or '-'}")
 
     def _push(self, args):
         session = self.dist.session

@@ -113,10 +113,20 @@ def kill_marked(token: str) -> int:
     return len(victims)
 
 
-def running(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, a process that just died, does not)."""
+def stat_fields(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold
+    spaces and parentheses): ``[0]`` the state letter, ``[11]``/``[12]`` user
+    and system ticks, ``[13]``/``[14]`` those of reaped children, ``[21]``
+    resident pages.  None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+    return fields or None
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, a process that just died, does not)."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")

@@ -72,19 +72,22 @@ def _fake_nvml(devices, init_error=None):
 
 
 def test_session_status_sums_each_processs_gpu_memory_over_devices(monkeypatch):
-    from accel_magics.kernel_ext.kernel import session
+    # The one NVML reader: %distributed_session status and every supervisor's samples use it.
+    from accel_magics.kernel_ext.gpu_memory import GpuMemory
 
     nvml, state = _fake_nvml([[_Proc(10, 1 << 30), _Proc(11, None)], [_Proc(10, 1 << 20), _Proc(12, 0)]])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert session._gpu_memory() == {10: (1 << 30) + (1 << 20)}   # None / 0: NVML could not tell
+    gpu = GpuMemory()
+    assert gpu.used() == {10: (1 << 30) + (1 << 20)}   # None / 0: NVML could not tell
+    gpu.close()
     assert state["shutdown"] == 1
 
 
 def test_session_status_without_nvml_or_a_driver_shows_no_gpu_memory(monkeypatch):
-    from accel_magics.kernel_ext.kernel import session
+    from accel_magics.kernel_ext.gpu_memory import GpuMemory
 
     nvml, state = _fake_nvml([], init_error=RuntimeError("NVML Shared Library Not Found"))
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert session._gpu_memory() == {}
+    assert GpuMemory().used() == {}
     monkeypatch.setitem(sys.modules, "pynvml", None)   # not installed: import fails
-    assert session._gpu_memory() == {}
+    assert GpuMemory().used() == {}

@@ -15,7 +15,8 @@ rank printing 100k lines costs a few comm messages per second, like
 ipykernel's stream batching.  :meth:`summary_html` renders the final state as
 static HTML, which the notebook keeps after the run (no widget state needed).
 
-This module imports ipywidgets only; events are duck-typed by class name.
+This module imports ipywidgets and, from the engine, only how an amount of
+memory is written (``events.bytes_text``); events are duck-typed by class name.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import ipywidgets as w
+
+from accel_magics.kernel_ext.kernel.events import bytes_text
 
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
                 "stopped": "#ff7f0e", "waiting": "#888"}
@@ -134,25 +137,15 @@ def _bar_html(bar: BarState, color: str) -> str:
                + _el("span", "bartext", html.escape(bar.text[-300:])))
 
 
-def _bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
     """The rank's resources: now (CPU, memory, GPU memory) while it runs, its
     peaks in the record; "behind" when it is far behind the others' progress."""
     parts = []
     if final and s.peak_rss:
-        parts.append(f"peak {_bytes(s.peak_rss)}" + (f", GPU {_bytes(s.peak_gpu)}" if s.peak_gpu is not None else ""))
+        parts.append(f"peak {bytes_text(s.peak_rss)}" + (f", GPU {bytes_text(s.peak_gpu)}" if s.peak_gpu is not None else ""))
     elif not final and s.usage is not None:
         cpu, rss, gpu = s.usage
-        parts.append(f"cpu {cpu:.0f}% &middot; {_bytes(rss)}" + (f" &middot; GPU {_bytes(gpu)}" if gpu is not None else ""))
+        parts.append(f"cpu {cpu:.0f}% &middot; {bytes_text(rss)}" + (f" &middot; GPU {bytes_text(gpu)}" if gpu is not None else ""))
     if behind:
         parts.append("<b style='color:#ff7f0e'>behind</b>")
     return _el("span", "usage", " &middot; ".join(parts)) if parts else ""

@@ -152,6 +152,18 @@ class Heartbeat:
     """Nothing arrived for a while; views may refresh what they throttled."""
 
 
+def bytes_text(n: Optional[int]) -> str:
+    """``512.0 MB``: how every view and ``%distributed_session status`` write
+    an amount of memory ("-" for unknown)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 @dataclass
 class Resources:
     """What each running rank uses now, sampled by its supervisor from /proc

@@ -87,7 +87,6 @@ class RunFold:
         self.started = clock()
         self.failures: dict[int, ev.RankFailure] = {}
         self.stacks: dict[int, str] = {}
-        self.others: dict[int, str] = {}
         self.departed: dict[int, tuple[str, float]] = {}
         self.joining: dict[int, int] = {}  # rank -> the round of init_process_group it waits in now
         self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
@@ -256,7 +255,6 @@ class RunFold:
                 self.where.setdefault(rank, msg["where"])
             self.stopped_how[rank] = ("KeyboardInterrupt" if msg.get("prompt") else
                                       msg["signal"] or f"exit code {msg['exitcode']}", bool(msg.get("prompt")))
-            self.others[rank] = ""
             self.unfinished.append(rank)
         elif failure is None:
             failure = failure_of_exit(rank, msg)
@@ -340,10 +338,11 @@ class RunFold:
             lost = lost or (self.forced and f"its supervisor did not respond ({self.forced}), so the kernel killed it")
         log.info("run %s attempt %d: %s%s", self.run_id, self.attempt, status,
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
+        others = {}   # rank -> what happened to it: stopped, by what, where
         for rank, (how, prompt) in self.stopped_how.items():
             where = f" in {self.where[rank]}" if rank in self.where else ""
-            self.others[rank] = f"stopped ({how}){where}" + (", back at its prompt" if prompt else "")
-        return Outcome(finished, self.result, self.others, sorted(unfinished), self.rendezvous_error,
+            others[rank] = f"stopped ({how}){where}" + (", back at its prompt" if prompt else "")
+        return Outcome(finished, self.result, others, sorted(unfinished), self.rendezvous_error,
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,
                        bool(self.in_world or any(self.rounds.values())))

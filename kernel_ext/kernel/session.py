@@ -32,7 +32,8 @@ from .errors import (DistributedRunError, DistributedStallError, DistributedTime
 from .launcher import Launcher
 from ..logs import RunLog
 from ..wire.payload import Payload
-from ..process_tree import running
+from ..gpu_memory import GpuMemory
+from ..process_tree import running, stat_fields
 from .run import RunControl, RunResult, collect, conclude
 from .run_handle import RunHandle
 # The ladders' order: see timing.py.
@@ -307,7 +308,9 @@ class DistributedSession:
     # -- status ------------------------------------------------------------------------
     def status(self) -> list[dict]:
         """Per rank: pid, process state, RSS, GPU memory (where NVML can tell), the cell it runs."""
-        gpu = _gpu_memory()
+        nvml = GpuMemory()
+        gpu = nvml.used()
+        nvml.close()
         rows = []
         for rank, pid in sorted(self.pids.items()):
             state, rss = _proc_state(pid)
@@ -316,49 +319,15 @@ class DistributedSession:
         return rows
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _STATES = {"R": "running", "S": "sleeping", "D": "in I/O", "T": "stopped", "t": "traced", "Z": "zombie"}
 
 
 def _proc_state(pid: int) -> tuple[str, Optional[int]]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        rss = None
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-        return _STATES.get(state, state), rss
-    except (OSError, IndexError, ValueError):
+    fields = stat_fields(pid)
+    if fields is None:
         return "gone", None
-
-
-def _gpu_memory() -> dict[int, int]:
-    """GPU memory per process, from NVML (never from CUDA: the kernel must not
-    initialise it); empty where there is no NVIDIA GPU or no pynvml."""
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    used: dict[int, int] = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            device = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(device):
-                if proc.usedGpuMemory:
-                    used[proc.pid] = used.get(proc.pid, 0) + proc.usedGpuMemory
-    except Exception:
-        pass
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return used
+    return _STATES.get(fields[0], fields[0]), int(fields[21]) * _PAGE
 
 
 __all__ = ["DistributedSession", "SessionGone", "SessionLostError", "ReportedError"]

@@ -312,6 +312,16 @@ def _thread_excepthook(args) -> None:
     sys.stderr.flush()
 
 
+def _in_forked_child(event: dict) -> bool:
+    """Is this a process the cell forked, at its end of the cell?  Then it
+    reports nothing (the rank does) and its error is printed, as Python would."""
+    if os.getpid() == _rank_pid:
+        return False
+    if event["kind"] == "failed":
+        sys.stderr.write(event.get("traceback", ""))
+    return True
+
+
 def _end_forked_child(code: int) -> NoReturn:
     """A process the cell forked that ran on to the cell's end (plain Python
     would run the rest of the script in it too): it flushes what it printed
@@ -596,9 +606,7 @@ def _values(value, ns: dict, return_names) -> dict:
 def _execute(spec: dict, local_rank: int) -> int:
     main = _enter_rank(spec, local_rank)
     event, code = _run_cell(spec["payload"], main.__dict__, local_rank == 0)
-    if os.getpid() != _rank_pid:   # a forked child's end of the cell: its error printed, as Python would
-        if event["kind"] == "failed":
-            sys.stderr.write(event.get("traceback", ""))
+    if _in_forked_child(event):
         return code
     if event["kind"] == "result":
         _emit_last(event)
@@ -694,9 +702,7 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         _cell_id = cell["run_id"]
         emit({"kind": "cell_started", "cell": cell["run_id"]})
         event, code = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
-        if os.getpid() != _rank_pid:   # a child the cell forked: it never reads the next cell
-            if event["kind"] == "failed":
-                sys.stderr.write(event.get("traceback", ""))
+        if _in_forked_child(event):   # it never reads the next cell
             return code
         event["cell"] = cell["run_id"]
         _emit_last(event)

@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from .. import PACKAGE_DIR
-from ..process_tree import descendants
+from ..process_tree import descendants, stat_fields
 
 PR_SET_PTRACER = 0x59616D61
 _PLAIN_ENV = {**{k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")},
@@ -148,18 +148,13 @@ def cpu_seconds(pid: int) -> Optional[float]:
 
 def state(pid: int) -> str:
     """The process state letter (R, S, D, T, Z), or '' if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    fields = stat_fields(pid)
+    return fields[0] if fields else ""
 
 
 def _stat_cpu(pid: int, children_too: bool = False) -> Optional[float]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if fields is None:
         return None
     ticks = int(fields[11]) + int(fields[12])          # utime, stime
     if children_too:

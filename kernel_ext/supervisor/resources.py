@@ -11,14 +11,12 @@ is left out; nothing here raises.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Optional
 
-from ..process_tree import descendants
-
-log = logging.getLogger("accel_magics.supervisor.resources")
+from ..gpu_memory import GpuMemory
+from ..process_tree import descendants, stat_fields
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -26,10 +24,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def _cpu_and_rss(pid: int) -> Optional[tuple[float, int]]:
     """(CPU seconds, resident bytes) of one process; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / _TICK, int(fields[21]) * _PAGE
 
@@ -50,46 +46,18 @@ def usage(pid: int) -> Optional[tuple[float, int, list[int]]]:
     return cpu, rss, family
 
 
-class _Nvml:
-    """GPU memory per process, NVML initialised once (an init costs tens of ms)."""
-
-    def __init__(self) -> None:
-        self.nvml = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.devices = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:   # no NVIDIA GPU, no driver, no pynvml: no GPU column
-            self.nvml = None
-
-    def used(self) -> dict[int, int]:
-        if self.nvml is None:
-            return {}
-        used: dict[int, int] = {}
-        try:
-            for device in self.devices:
-                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(device):
-                    if proc.usedGpuMemory:
-                        used[proc.pid] = used.get(proc.pid, 0) + proc.usedGpuMemory
-        except Exception:
-            log.debug("NVML did not answer", exc_info=True)
-        return used
-
-
 class ResourceSampler:
     """Each call of :meth:`sample`: rank -> [CPU % of one core since the last
     sample, resident bytes, GPU bytes or None]."""
 
     def __init__(self) -> None:
         self.last: dict[int, tuple[float, float]] = {}   # pid -> (CPU seconds, when)
-        self.gpu: Optional[_Nvml] = None
+        self.gpu: Optional[GpuMemory] = None   # made at the first sample: a run that ends sooner pays nothing
 
     def sample(self, ranks: dict[int, int]) -> dict[int, list]:
         """``ranks``: rank -> pid of the ranks still running."""
         if self.gpu is None:
-            self.gpu = _Nvml()
+            self.gpu = GpuMemory()
         gpu = self.gpu.used()
         now = time.monotonic()
         out = {}
