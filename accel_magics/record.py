@@ -52,6 +52,7 @@ class RunRecord:
     def __init__(self, log_path: str = "") -> None:
         self.logs: dict[int, _RankLog] = {}
         self.bars: dict[int, dict] = {}    # rank -> bar id -> its latest state, bars left on screen
+        self.bar_lines: dict[int, set] = {}   # rank -> final lines of its finished bars (kept in its output)
         self.notes: list[str] = []
         self.failed_attempts: list = []   # the root cause of each attempt that failed
         self.log_path = log_path
@@ -81,6 +82,8 @@ class RunRecord:
                 # Gone, or left on screen: then the rank wrote its final line
                 # into its output, in order with its prints (rank_bars).
                 kept.pop(event.id, None)
+                if event.leave:
+                    self.bar_lines.setdefault(event.rank, set()).add(event.text)
             else:
                 kept[event.id] = event     # open: its latest state, shown below the lines
         elif isinstance(event, ev.Quiet):   # a colleague reading the record learns it too
@@ -90,10 +93,22 @@ class RunRecord:
                 self.logs.setdefault(event.rank, _RankLog()).add(event.failure.summary)
 
     def render(self) -> str:
+        """The notes, then each rank's lines.  More than ``COMPACT_RANKS``
+        ranks: ranks whose lines are the same are written once
+        (``[ranks 1-7] ...``, the first one's lines; a finished bar's line is
+        compared without its times), as the HTML record folds them."""
         out = list(self.notes)
+        blocks: dict[tuple, list[int]] = {}
         for rank in sorted(self.logs):
             lines, omitted = self.logs[rank].lines()
-            prefix = f"[rank {rank}] "
+            bars = tuple(bar.text for bar in sorted(self.bars.get(rank, {}).values(), key=lambda b: b.pos))
+            finished = self.bar_lines.get(rank, set())
+            same = tuple(ev.without_times(line) if line in finished else line for line in lines)
+            key = (same, omitted, bars) if len(self.logs) > ev.COMPACT_RANKS else (rank,)
+            blocks.setdefault(key, []).append(rank)
+        for ranks in blocks.values():
+            lines, omitted = self.logs[ranks[0]].lines()
+            prefix = f"[{ev.ranks_label(ranks)}] "
             head = lines[:HEAD_LINES]
             out.extend(prefix + line for line in head)
             if omitted:
@@ -101,5 +116,6 @@ class RunRecord:
                 out.append(f"{prefix}... {omitted} lines omitted{where} ...")
             out.extend(prefix + line for line in lines[HEAD_LINES:])
             # Bars still open at the end, in their last state, below the lines (as a terminal ends).
-            out.extend(prefix + bar.text for bar in sorted(self.bars.get(rank, {}).values(), key=lambda b: b.pos))
+            out.extend(prefix + bar.text
+                       for bar in sorted(self.bars.get(ranks[0], {}).values(), key=lambda b: b.pos))
         return "\n".join(out) + ("\n" if out else "")

@@ -293,3 +293,84 @@ def test_each_rank_row_shows_its_resources_and_the_record_its_peaks():
     record = view.summary_html()
     assert "peak 600.0 MB" in record and "peak 310.0 MB, GPU 2.0 GB" in record and "behind" not in record
     view.close()
+
+
+def _many_ranks_view(n: int = 8):
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView(log_dir="/logs/run-1")
+    view(ev.RunStarted("r", 0, 0, n, 1, 0, list(range(n)), "127.0.0.1", 29500))
+    for rank in range(n):
+        view(ev.Output(rank, "config: lr 0.1\nepoch 0 done" if rank != 5 else "rank 5 saw a warning"))
+        view(ev.Bar(rank, 1, 0, "epoch", 2 + (rank == 6), 4, f"{2 + (rank == 6)}/4", True, False))
+        view(ev.Resources({rank: (50.0, 100 << 20, None)}))
+    return view
+
+
+def test_many_ranks_get_the_compact_form_and_the_record_folds_identical_ranks():
+    """Issue 25 item 6: 8 ranks were 16 bar rows and 8 tabs live, and 8
+    near-identical blocks in the record.  More than four ranks: one aggregate
+    row (ranks by state, the slowest and the fastest rank's bar, memory in
+    all), the rows that need a look, every row and pane in a fold."""
+    from accel_magics.kernel_ext.kernel import events as ev
+
+    view = _many_ranks_view()
+    view(ev.RankExited(3, 1, None, False, ev.RankFailure(3, "exception", "ValueError: boom")))
+    view.refresh(force=True)
+    rows = view.rows.value
+    assert rows.count("class='accel-magics-aggregate'") == 1 and "<b>8 ranks</b>" in rows
+    assert ">failed</b> 3" in rows and ">running</b> 0-2, 4-7" in rows, rows
+    assert "slowest: rank 0: epoch: 50% 2/4" in rows and "fastest: rank 6: epoch: 75% 3/4" in rows, rows
+    assert "cpu 350% &middot; 700.0 MB in all" in rows, rows          # the running ranks' sum
+    assert rows.count("class='accel-magics-row'") == 1 and "ValueError: boom" in rows   # the failed rank's own row
+    assert view.every.value.count("class='accel-magics-row'") == 8
+    assert view.widget.children[-1] is view.fold and view.fold.selected_index is None   # folded until opened
+    assert view.fold.get_title(0) == "each of the 8 ranks: its row and its output"
+    assert [view.tabs.get_title(i) for i in range(len(view.tabs.children))] == ["all ranks"]
+    assert len(view.rank_tabs.children) == 8
+    record = view.summary_html()
+    assert "ranks 0-4, 6-7 output (2 lines, the same on each)" in record and "rank 5 output (1 line)" in record
+    assert record.count("config: lr 0.1") == 1 and "largest peak: rank 0 100.0 MB" in record
+    assert "<details><summary>each of the 8 ranks' rows</summary>" in record
+    view.close()
+
+
+def test_four_ranks_keep_a_row_each_and_the_text_record_folds_only_many_ranks():
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.record import RunRecord
+
+    view = _many_ranks_view(4)
+    view.refresh(force=True)
+    assert not view.compact and view.rows.value.count("class='accel-magics-row'") == 4
+    assert "aggregate" not in view.rows.value and len(view.tabs.children) == 5
+    view.close()
+    for n, expected in ((4, ["[rank 0] same", "[rank 1] same", "[rank 2] same", "[rank 3] same"]),
+                        (6, ["[ranks 0-1, 3-5] same", "[rank 2] other"])):
+        record = RunRecord()
+        for rank in range(n):
+            record(ev.Output(rank, "other" if rank == 2 and n > 4 else "same"))
+        assert record.render().splitlines() == expected
+
+
+def test_ranks_fold_when_only_their_bars_times_differ_not_their_postfix():
+    """A finished tqdm bar's line carries its rank's times and rate, which
+    always differ: 8 ranks printing the same were 5 blocks in a real run."""
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.record import RunRecord
+    from accel_magics.widgets.progress_view import RunView
+
+    view, record = RunView(), RunRecord()
+    for rank in range(6):
+        loss = "0.5" if rank == 4 else "0.1"
+        bar = ev.Bar(rank, 1, 0, "epoch", 3, 3, f"3/3 [00:0{rank}<00:00,  {rank + 1}.5it/s, loss={loss}]", True, True)
+        for event in (ev.Output(rank, f"config\n{bar.text}"), bar):
+            view(event)
+            record(event)
+    html = view.summary_html()
+    assert "ranks 0-3, 5 output (2 lines, the same on each but for their bars' times; these are rank 0's)" in html
+    assert "rank 4 output (2 lines)" in html and html.count(">config\n") == 2
+    text = record.render().splitlines()
+    assert text == ["[ranks 0-3, 5] config", "[ranks 0-3, 5] epoch: 100% 3/3 [00:00<00:00,  1.5it/s, loss=0.1]",
+                    "[rank 4] config", "[rank 4] epoch: 100% 3/3 [00:04<00:00,  5.5it/s, loss=0.5]"], text
+    view.close()

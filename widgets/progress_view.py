@@ -15,8 +15,16 @@ rank printing 100k lines costs a few comm messages per second, like
 ipykernel's stream batching.  :meth:`summary_html` renders the final state as
 static HTML, which the notebook keeps after the run (no widget state needed).
 
+Many ranks (more than ``COMPACT_RANKS``) get a compact form: one aggregate
+row (the ranks grouped by state, the slowest and the fastest rank's
+progress, the memory of all), the rows of the ranks that need a look (failed,
+behind), and every rank's row and pane folded away, opened on demand in the
+browser (the kernel is busy while a cell runs: nothing on demand may need
+it).  The record folds ranks whose output is the same ("ranks 1-7 output").
+
 This module imports ipywidgets and, from the engine, only how an amount of
-memory is written (``events.bytes_text``); events are duck-typed by class name.
+memory and a set of ranks are written (``events.bytes_text``,
+``events.ranks_label``) and when ranks are many; events are duck-typed by class name.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from typing import Optional
 
 import ipywidgets as w
 
-from accel_magics.kernel_ext.kernel.events import bytes_text
+from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
                 "stopped": "#ff7f0e", "waiting": "#888"}
@@ -44,21 +52,28 @@ OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many
 # themes both read.  Nothing has a fixed width; rows wrap.
 _MONO = "font-family:monospace;font-size:12px"
 STYLE = {
-    "row": "display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;font-size:13px",
+    "row": "display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;font-size:13px;line-height:1.45",
     "label": "flex:0 0 auto;min-width:8.5em;white-space:nowrap",
     "bars": "flex:3 1 300px;min-width:160px;max-width:640px",
     "bar": "display:flex;align-items:center;gap:6px;min-width:0",
     "track": ("flex:0 0 auto;width:30%;min-width:60px;max-width:160px;height:9px;border-radius:2px;"
               "background-color:rgba(128,128,128,0.3);overflow:hidden"),
     "fill": "height:100%",
-    "bartext": f"flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO}",
+    # A bar's text wraps in a narrow window (its ETA is what one reads); the
+    # latest line is an excerpt: cut with an ellipsis, whole in its title and the pane.
+    "bartext": f"flex:1 1 8em;min-width:0;overflow-wrap:anywhere;{_MONO}",
     "latest": (f"flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO};"
                "opacity:0.75"),
-    "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;overflow-wrap:break-word",
+    # word-break:normal: JupyterLab's output CSS breaks <pre> lines anywhere ("loss 0.3 | 0").
+    "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere",
     "muted": "opacity:0.75",
     "usage": f"flex:0 0 auto;white-space:nowrap;{_MONO};opacity:0.75",
+    "groups": "flex:2 1 200px;min-width:0;overflow-wrap:anywhere",
 }
-STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind the furthest is marked "behind"
+STYLE["aggregate"] = STYLE["row"]
+ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
+STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
+STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind most ranks is marked "behind"
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
 
@@ -193,10 +208,18 @@ class RunView:
         self.note = ""      # what happens before the run starts ("starting the launcher")
         self.context = ""   # where it runs, for the whole run ("on the session: its cell 3")
 
-        self.header = w.HTML()
-        self.rows = w.HTML()
+        # display:block: ipywidgets lays an HTML widget's content out as a flex
+        # item that cannot shrink below its content's min-content width, so a
+        # row with a long latest line ran past a narrow output area, clipped.
+        self.header = _html_widget()
+        self.rows = _html_widget()
         self.tabs = w.Tab()
         self.widget = w.VBox([self.header, self.rows, self.tabs], layout=w.Layout(width="100%"))
+        # The compact form's fold (many ranks): every row and each rank's pane.
+        self.compact = False
+        self.every = _html_widget()
+        self.rank_tabs = self.tabs
+        self.fold: Optional[w.Accordion] = None
         self.widget.add_class("accel-magics-run")
         self._pane_widgets: dict[object, w.HTML] = {}
         self._all_dirty = False
@@ -216,7 +239,18 @@ class RunView:
         if rank not in self.ranks:
             self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines),
                                           seqs=deque(maxlen=self.max_lines))
+            if len(self.ranks) > COMPACT_RANKS and not self.compact:
+                self._go_compact()
         return self.ranks[rank]
+
+    def _go_compact(self) -> None:
+        """Many ranks: rows and per-rank panes move into a fold the user opens
+        in the browser (an Accordion opens without the busy kernel)."""
+        self.compact = True
+        self.rank_tabs = w.Tab()
+        self.fold = w.Accordion(children=[w.VBox([self.every, self.rank_tabs])], selected_index=None)
+        self.fold.add_class("accel-magics-fold")
+        self.widget.children = (self.header, self.rows, self.tabs, self.fold)
 
     def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str) -> None:
         if key not in state.bars:
@@ -339,15 +373,81 @@ class RunView:
         if self.log_dir:
             text += (f"<br><small style='{STYLE['muted']}'>full logs (on this machine; the newest 20 runs are "
                      f"kept): <code>{html.escape(self.log_dir)}</code></small>")
-        return f"<div class='accel-magics-header'>{text}</div>"
+        return f"<div class='accel-magics-header' style='line-height:1.45'>{text}</div>"
 
     def _rows_html(self, final: bool = False) -> str:
+        """Every rank's row; in the compact form the aggregate row and the
+        rows that need a look (the others are in :meth:`_every_html`)."""
         behind = set() if final else self.stragglers()
+        if not self.compact:
+            return self._every_html(final, behind)
+        return self._aggregate_html(final, behind) + "".join(
+            _row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
+
+    def _every_html(self, final: bool, behind: set) -> str:
         return "".join(_row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
 
+    def attention(self, behind: set) -> list[int]:
+        """The ranks the compact form shows on their own: failed (the root
+        cause among them), then behind; at most ``ATTENTION_ROWS``."""
+        failed = sorted(r for r, s in self.ranks.items() if s.state == "failed")
+        return (failed + sorted(behind - set(failed)))[:ATTENTION_ROWS]
+
+    def groups(self, behind: set) -> dict[str, list[int]]:
+        """The ranks by state, in ``STATE_ORDER`` (a straggler counts as behind)."""
+        by_state: dict[str, list[int]] = {}
+        for rank, s in sorted(self.ranks.items()):
+            by_state.setdefault("behind" if rank in behind else s.state, []).append(rank)
+        return {state: by_state[state] for state in sorted(by_state, key=lambda st: (
+            STATE_ORDER.index(st) if st in STATE_ORDER else len(STATE_ORDER), st))}
+
+    def _aggregate_html(self, final: bool, behind: set) -> str:
+        """One row for every rank: how many, grouped by state, the slowest and
+        the fastest rank's outer bar, and memory (all ranks now; the largest
+        peak in the record)."""
+        groups = " &middot; ".join(
+            f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> {rank_runs(ranks)}"
+            for state, ranks in self.groups(behind).items())
+        outer = {}
+        for rank, s in self.ranks.items():
+            bars = [b for b in s.shown_bars() if b.fraction is not None]
+            if bars:
+                outer[rank] = bars[0]
+        bars = ""
+        if outer:
+            slow = min(outer, key=lambda r: (outer[r].fraction, r))
+            fast = max(outer, key=lambda r: (outer[r].fraction, -r))
+            if outer[slow].fraction < outer[fast].fraction:
+                picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
+            else:   # all level
+                picks = [(slow, f"{ranks_label(outer)}: ")]
+            color = STATE_COLORS["done"] if final else STATE_COLORS["running"]
+            bars = "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+        usage = ""
+        if final:
+            peaks = {r: s.peak_rss for r, s in self.ranks.items() if s.peak_rss}
+            if peaks:
+                top = max(peaks, key=peaks.get)
+                usage = f"largest peak: rank {top} {bytes_text(peaks[top])}"
+        else:
+            now = {r: s.usage for r, s in self.ranks.items() if s.usage is not None and s.state == "running"}
+            if now:
+                cpu = sum(u[0] for u in now.values())
+                rss = sum(u[1] or 0 for u in now.values())
+                gpu = [u[2] for u in now.values() if u[2] is not None]
+                usage = (f"cpu {cpu:.0f}% &middot; {bytes_text(rss)} in all"
+                         + (f" &middot; GPU {bytes_text(sum(gpu))}" if gpu else ""))
+        return _el("div", "aggregate",
+                   _el("span", "label", f"<b>{_plural(len(self.ranks), 'rank')}</b>")
+                   + _el("span", "groups", groups)
+                   + (_el("span", "usage", usage) if usage else "")
+                   + (_el("div", "bars", bars) if bars else ""))
+
     def stragglers(self) -> set:
-        """Ranks still running whose outer bar is far behind the furthest rank's
-        (a slow GPU, a bigger shard): the row says so."""
+        """Ranks still running whose outer bar is far behind most ranks' (a
+        slow GPU, a bigger shard): the row says so.  Measured from the upper
+        median, not the furthest rank: one rank ahead makes no one else a
+        straggler."""
         outer = {}
         for rank, s in self.ranks.items():
             bars = [b for b in s.shown_bars() if b.fraction is not None]
@@ -355,8 +455,8 @@ class RunView:
                 outer[rank] = bars[0].fraction
         if len(outer) < 2:
             return set()
-        ahead = max(outer.values())
-        return {rank for rank, fraction in outer.items() if ahead - fraction >= STRAGGLER_GAP}
+        most = sorted(outer.values())[len(outer) // 2]
+        return {rank for rank, fraction in outer.items() if most - fraction >= STRAGGLER_GAP}
 
     def on_Resources(self, e) -> None:
         for rank, (cpu, rss, gpu) in e.ranks.items():
@@ -375,6 +475,11 @@ class RunView:
         rows = self._rows_html()
         if rows != self.rows.value:
             self.rows.value = rows
+        if self.compact:
+            every = self._every_html(False, self.stragglers())
+            if every != self.every.value:
+                self.every.value = every
+            self.fold.set_title(0, f"each of the {len(self.ranks)} ranks: its row and its output")
         self._refresh_panes(force)
 
     def _pane(self, key, title: str) -> w.HTML:
@@ -385,8 +490,9 @@ class RunView:
                                           flex_flow="column-reverse"))
             pane.add_class("accel-magics-pane")
             self._pane_widgets[key] = pane
-            self.tabs.children = self.tabs.children + (pane,)
-            self.tabs.set_title(len(self.tabs.children) - 1, title)
+            tabs = self.tabs if key == "all" else self.rank_tabs
+            tabs.children = tabs.children + (pane,)
+            tabs.set_title(len(tabs.children) - 1, title)
         return self._pane_widgets[key]
 
     def _refresh_panes(self, force: bool = False) -> None:
@@ -433,7 +539,10 @@ class RunView:
         """Close every widget model of this view, their layout and style models
         too (the kernel forgets them, and a notebook saved or executed headless
         keeps no state of a view it no longer shows)."""
-        for widget in (*self._pane_widgets.values(), self.header, self.rows, self.tabs, self.widget):
+        parts = (*self._pane_widgets.values(), self.header, self.rows, self.tabs, self.widget)
+        if self.fold is not None:
+            parts += (self.every, self.rank_tabs, *self.fold.children, self.fold)
+        for widget in parts:
             for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
                 if part is not None:
                     part.close()
@@ -446,28 +555,56 @@ class RunView:
         line) and its printed lines: shown open when short, collapsed with
         their count when long; a long output keeps its first and its last
         lines, saying how many it left out between them (the log has all).
-        Styled inline only: it reads the same untrusted (see :data:`STYLE`)."""
-        details = []
+        Ranks whose output is the same are one block ("ranks 1-7 output").
+        Many ranks: the aggregate row and the rows that need a look, every
+        row in a fold.  Styled inline only: it reads the same untrusted (see
+        :data:`STYLE`)."""
+        outputs: dict[tuple, list[int]] = {}
         for rank in sorted(self.ranks):
             s = self.ranks[rank]
-            if not s.count:
-                continue
-            head, tail = list(s.head), list(s.lines)
-            left_out = s.count - len(head) - len(tail)
-            if s.count <= len(tail):
-                head, left_out = [], 0
-            elif left_out < 0:   # they overlap: the tail from where the head ends
-                head, tail, left_out = head, tail[-left_out:], 0
-            shown = (f", the first {len(head)} and the last {len(tail)} shown" if left_out else "")
-            opened = " open" if s.count <= OPEN_RECORD_LINES else ""
-            where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
-            gap = (f"<div style='{STYLE['muted']};{_MONO}'>... {_plural(left_out, 'line')} left out{where} ...</div>"
-                   if left_out else "")
-            body = (_pre(head) + gap + _pre(tail)) if left_out else _pre(head + tail)
-            details.append(f"<details{opened}><summary>rank {rank} output ({_plural(s.count, 'line')}{shown})"
-                           f"</summary>{body}</details>")
+            if s.count:
+                outputs.setdefault(self._same_key(s), []).append(rank)
+        details = [self._output_html(ranks, self.ranks[ranks[0]]) for ranks in outputs.values()]
+        every = ""
+        if self.compact:
+            every = (f"<details><summary>each of the {len(self.ranks)} ranks' rows</summary>"
+                     f"{self._every_html(True, set())}</details>")
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
-                f"{self._rows_html(final=True)}{''.join(details)}</div>")
+                f"{self._rows_html(final=True)}{every}{''.join(details)}</div>")
+
+    @staticmethod
+    def _same_key(s: _RankState) -> tuple:
+        """What must match for ranks to share a block: their lines, a finished
+        bar's line compared without its times (ranks' rates always differ)."""
+        def key(lines):
+            return tuple(without_times(line) if line in s.bar_lines else line for line in lines)
+        return s.count, key(s.head), key(s.lines)
+
+    def _output_html(self, ranks: list[int], s: _RankState) -> str:
+        """One block of the record: the output of ``ranks``, which printed the
+        same lines (``s`` is one of them)."""
+        head, tail = list(s.head), list(s.lines)
+        left_out = s.count - len(head) - len(tail)
+        if s.count <= len(tail):
+            head, left_out = [], 0
+        elif left_out < 0:   # they overlap: the tail from where the head ends
+            head, tail, left_out = head, tail[-left_out:], 0
+        shown = (f", the first {len(head)} and the last {len(tail)} shown" if left_out else "")
+        same = ""
+        if len(ranks) > 1:
+            exact = len({(tuple(self.ranks[r].head), tuple(self.ranks[r].lines)) for r in ranks}) == 1
+            same = ", the same on each" + ("" if exact else f" but for their bars' times; these are rank {ranks[0]}'s")
+        opened = " open" if s.count <= OPEN_RECORD_LINES else ""
+        where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
+        gap = (f"<div style='{STYLE['muted']};{_MONO}'>... {_plural(left_out, 'line')} left out{where} ...</div>"
+               if left_out else "")
+        body = (_pre(head) + gap + _pre(tail)) if left_out else _pre(head + tail)
+        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({_plural(s.count, 'line')}{shown}{same})"
+                f"</summary>{body}</details>")
+
+
+def _html_widget() -> w.HTML:
+    return w.HTML(layout=w.Layout(display="block"))
 
 
 def _pre(lines) -> str:

@@ -7,6 +7,7 @@ use them without importing torch or IPython.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
@@ -31,8 +32,7 @@ class RunStarted:
         by_node: dict = {}
         for rank, node in sorted(self.nodes.items()):
             by_node.setdefault(node, []).append(rank)
-        return ", ".join(f"{node}: " + (f"ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"rank {r[0]}")
-                         for node, r in by_node.items())
+        return ", ".join(f"{node}: {ranks_label(r)}" for node, r in by_node.items())
 
 
 @dataclass
@@ -162,6 +162,44 @@ def bytes_text(n: Optional[int]) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+COMPACT_RANKS = 4   # views fold more ranks than this (8 ranks were 16 bar rows, 8 tabs and a 2,700 px record)
+
+
+_BAR_STATS = re.compile(r"\s*\[([^\[\]]*)\]\s*$")
+_TIME_OR_RATE = re.compile(r"[\d:]+<[\d:?]*|\??[\d.]*\s*[a-zA-Z]*/s|\??[\d.]*\s*s/[a-zA-Z]+")
+
+
+def without_times(bar_line: str) -> str:
+    """A finished tqdm bar's line without its elapsed and remaining time and
+    its rate (its postfix, ``loss=0.1``, stays): what views compare when they
+    fold ranks that printed the same."""
+    m = _BAR_STATS.search(bar_line)
+    if not m:
+        return bar_line
+    kept = [part for part in m.group(1).split(",") if not _TIME_OR_RATE.fullmatch(part.strip())]
+    return bar_line[:m.start()] + (f" [{','.join(kept).strip()}]" if kept else "")
+
+
+def rank_runs(ranks) -> str:
+    """``0-5, 7``: ranks with runs of consecutive ones folded, so 64 ranks
+    stay one short line."""
+    ranks = sorted(set(ranks))
+    runs, start = [], ranks[0] if ranks else None
+    for prev, rank in zip(ranks, ranks[1:] + [None]):
+        if rank is None or rank != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = rank
+    return ", ".join(runs)
+
+
+def ranks_label(ranks) -> str:
+    """``rank 3``, ``ranks 0-5, 7``: a set of ranks as the views write it."""
+    ranks = set(ranks)
+    if not ranks:
+        return "no rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + rank_runs(ranks)
 
 
 @dataclass
