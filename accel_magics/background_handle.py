@@ -69,14 +69,23 @@ class BackgroundCell:
 
     def stop(self) -> None:
         """Stop the run as the stop button would (stacks, then every rank
-        stopped; a session lives on if its ranks come back) and wait until it
-        has ended."""
+        stopped; a session lives on if its ranks come back), wait until it
+        has ended, and say in one line how it ended (the stacks are in the
+        run's view)."""
+        already = self._run.done()
         self._run.stop()
         deadline = time.monotonic() + STOP_WAIT
         while not self._run.wait(0.1):
             if time.monotonic() > deadline:   # the escalation: a second stop kills the ranks
                 self._run.stop()
                 deadline = time.monotonic() + STOP_WAIT
+        # One line, so the cell that stopped it says what happened (it said nothing).
+        if already:
+            print(f"{self.label} had ended already ({self.status}); nothing to stop")
+        elif self.status == "stopped":
+            print(f"stopped {self.label}; where each rank was is in its view; .wait() raises RunStopped")
+        else:
+            print(f"{self.label} ended before the stop landed: {self.status}; .wait() for its outcome")
 
     @property
     def returns(self) -> dict:

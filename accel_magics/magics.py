@@ -230,6 +230,8 @@ class DistributedMagics(Magics):
         if mode is not None:
             return CELL_MODES[mode](self, args, line, cell, started)
         presenter = self.presenter(args, started, background=args.background)
+        if args.background and not self.launcher.info:
+            return self._background_while_the_launcher_starts(args, line, cell, presenter)
         try:
             with self.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
                 cfg = self.launch_config(args)
@@ -252,6 +254,36 @@ class DistributedMagics(Magics):
         finally:
             payload.release()   # also when interrupted before the run started
         return self.deliver(result)
+
+    def _background_while_the_launcher_starts(self, args, line: str, cell: str, presenter):
+        """A ``--background`` cell before the launcher is up (the first cell of
+        a kernel: it imports torch, seconds): the handle at once.  What can be
+        checked without the launcher is checked now (a UsageError, nothing
+        launched); the wait for it, and the checks that need the GPUs it
+        counts, happen in the run's thread: their error is the run's (its view
+        and ``h.wait()``)."""
+        try:
+            self.launch_config(args, wait=False)
+            return_names = return_names_of(args.return_names)
+            self.preflight_check()
+            payload = self.make_payload(self.cell_source(line, cell), return_names)
+            self.launcher.start()
+        except BaseException:
+            presenter.discard()
+            raise
+
+        def target(control):
+            try:
+                with self.launcher.waiting(presenter.tick):
+                    cfg = self.launch_config(args)
+                if control.stop_requested:
+                    raise RunInterrupted.before_start("stopped while the launcher was starting")
+            except BaseException as exc:
+                payload.release()
+                presenter.not_started(exc)
+                raise
+            return self._execute_background(cfg, payload, presenter, control)
+        return self.start_background(presenter, target, label=f"In[{self.cell_number()}]")
 
     def presenter(self, args, started: float, background: bool = False, note: str = "",
                   context: str = "") -> Presenter:
@@ -443,8 +475,12 @@ class DistributedMagics(Magics):
         self.defaults = {**kept, **chosen}
 
     # -- steps ------------------------------------------------------------
-    def launch_config(self, args) -> LaunchConfig:
-        self.ensure_defaults_known()
+    def launch_config(self, args, wait: bool = True) -> LaunchConfig:
+        """The run's configuration from the cell's flags and the defaults.
+        ``wait=False``: without waiting for the launcher (the GPUs it counts
+        are not known yet): only what holds whatever their number is checked."""
+        if wait:
+            self.ensure_defaults_known()
         explicit = {**self.defaults,
                     **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
         values = self.effective_defaults()
@@ -457,7 +493,7 @@ class DistributedMagics(Magics):
         cfg.extra_env = extra_env
         try:
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0),
-                     allow_oversubscribe=args.oversubscribe)
+                     allow_oversubscribe=args.oversubscribe or not wait)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
         return cfg

@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from accel_magics.kernel_ext.kernel import events as ev
+from accel_magics.kernel_ext.kernel.errors import format_stacks
 
 from .record import HEAD_LINES, TAIL_LINES, RunRecord
 from .run_logs import run_log_dir
@@ -70,6 +71,7 @@ class Presenter:
         # A background run: its outputs are made now, in the cell that starts it,
         # and only updated later (from the run's thread, while other cells run).
         self.background = background and in_kernel
+        self.stacks = ""   # where each rank was, when a background run was stopped
         if self.background and self.view is None:
             self.live.open()
 
@@ -83,6 +85,12 @@ class Presenter:
         return (HEAD_LINES, TAIL_LINES)
 
     def __call__(self, event) -> None:
+        if self.background and isinstance(event, ev.RunFinished) and event.stacks:
+            # Stopped (h.stop(), --timeout): a foreground cell's error shows
+            # where each rank was; a background run's view must, at once.
+            self.stacks = format_stacks(event.stacks).strip("\n")
+            title, _, body = self.stacks.partition("\n")
+            self.record.notes.append(f"[accel_magics] {event.status}; {title.strip('- ')}:\n{body}")
         self.record(event)
         if self.view is not None:
             self.view(event)
@@ -93,6 +101,21 @@ class Presenter:
         """The cell waits (for the launcher, for the session's turn): the view's
         elapsed time moves on, so slow can be told from stuck."""
         self(ev.Heartbeat())
+
+    def not_started(self, exc: BaseException) -> None:
+        """A background run that never started (its launcher failed, a check
+        that needed it refused the flags, a stop while it started): the view
+        says so and why, and becomes the record."""
+        text = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if type(exc).__name__ not in text:
+            text = f"{type(exc).__name__}: {text}"
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        self(ev.RunFinished("", status, time.monotonic() - self.started))
+        if self.view is not None:
+            self.view.error = text
+        else:
+            self.record.notes.append(f"[accel_magics] {text}")
+        self.finish()
 
     def discard(self) -> None:
         """Nothing was launched (a usage error): take the view away again."""
@@ -109,8 +132,8 @@ class Presenter:
             # wherever the notebook is executing meanwhile.
             if self.view is not None:
                 self.view.refresh(force=True)
-                self.handle.update({"text/html": self.view.summary_html(), "text/plain": self.record.render()},
-                                   raw=True)
+                self.handle.update({"text/html": self.view.summary_html(self.stacks),
+                                    "text/plain": self.record.render()}, raw=True)
                 self.view.close()
             else:
                 self.live.replace(self.record.render())

@@ -9,6 +9,7 @@ import os
 import queue
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -39,6 +40,9 @@ class KernelSession:
                  cwd: Optional[str] = None) -> None:
         env = dict(os.environ)
         env.update(extra_env or {})
+        # iopub messages of other cells that came while a cell ran (a
+        # background run's display updates go to the cell that started it).
+        self.elsewhere: deque = deque(maxlen=5000)
         self.km = km or KernelManager(kernel_name="python3")
         self.km.start_kernel(env=env, **({"cwd": cwd} if cwd else {}))
         self.kc = self.km.client()
@@ -69,6 +73,7 @@ class KernelSession:
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
+                self.elsewhere.append(msg)
                 continue
             res.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
@@ -98,6 +103,24 @@ class KernelSession:
             # UsageError is printed on stderr, not published as an error message.
             res.error = {k: res.reply.get(k) for k in ("ename", "evalue", "traceback")}
         return res
+
+    def pump(self, timeout: float = 0.1) -> list:
+        """Read what iopub has now (waiting up to ``timeout`` for the first)
+        into :attr:`elsewhere`, between cells; the whole of it."""
+        try:
+            while True:
+                self.elsewhere.append(self.kc.get_iopub_msg(timeout=timeout))
+                timeout = 0.01
+        except queue.Empty:
+            pass
+        return list(self.elsewhere)
+
+    def updates_of(self, res: "CellResult") -> list[dict]:
+        """The display updates that reached ``res``'s cell after it returned
+        (a background run's view and value), ``data`` dicts, oldest first."""
+        msg_id = res.messages[0]["parent_header"]["msg_id"]
+        return [m["content"]["data"] for m in self.elsewhere
+                if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "update_display_data"]
 
     def reply_to(self, msg_id: str, deadline: float) -> dict:
         """The shell reply to ``msg_id``.  Others are skipped: jupyter_client's

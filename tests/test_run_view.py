@@ -3,6 +3,7 @@ what nbval and nbconvert see, in both output modes.  Real kernel, real ranks."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -270,3 +271,32 @@ def test_a_rank_holding_500_mb_shows_it_in_its_row_and_its_peak_in_the_record(cl
     peaks = re.findall(r"rank (\d) <b[^>]*>done</b></span><span class='accel-magics-usage'[^>]*>peak ([0-9.]+) MB",
                        record[-1])
     assert {rank: float(mb) for rank, mb in peaks}.get("0", 0) >= 500, peaks
+
+
+def test_the_first_background_cell_returns_before_the_launcher_is_up_and_a_stop_shows_the_stacks(tmp_path):
+    """Issue 25 item 4: the first --background cell of a kernel returned only
+    once the launcher had started (3 s: it imports torch), and a stopped
+    background run's view showed no stacks.  The launcher is made 6 s slow."""
+    from kernel_harness import SLOW_LAUNCHER, KernelSession, wait_until, with_sitecustomize
+
+    env = with_sitecustomize(tmp_path, SLOW_LAUNCHER.format(seconds=6))
+    k = KernelSession(extra_env={**env, "TMPDIR": str(tmp_path)})
+    try:
+        k.ok("%load_ext accel_magics")
+        bad = k.run("%%distributed -n 0 --background\npass")   # checked at once, nothing launched
+        assert bad.error["ename"] == "UsageError" and "Nothing was launched" in bad.error["evalue"], bad.error
+        sent = time.monotonic()
+        first = k.ok("%%distributed -n 2 --background --output widget\nimport time\n"
+                     "for i in range(600):\n    time.sleep(0.1)\n", timeout=120)
+        assert time.monotonic() - sent < 4, "the handle came only after the launcher"
+        assert "background run In[" in first.live[-1] or any("background run In[" in t for t in first.live)
+        wait_until(lambda: any("rank 1 <b style='color:#1f77b4'>running" in str(m["content"])
+                               for m in k.pump() if m["msg_type"] == "comm_msg"), 60, "the ranks to run")
+        said = k.ok("h = _\nh.stop()", timeout=60).stdout
+        assert said.startswith("stopped In[3]"), said
+        record = [d["text/html"] for d in k.updates_of(first) if "text/html" in d]
+        assert record and "where each unfinished rank was" in record[-1] and "time.sleep(0.1)" in record[-1], record
+        # the next cell (the launcher is up now) goes the usual way
+        assert k.ok("%%distributed -n 2 --output text\nprint('next')").stdout.count("next") == 2
+    finally:
+        k.shutdown()

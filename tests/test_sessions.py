@@ -457,13 +457,17 @@ def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
 def test_stop_ends_a_background_run(clean_kernel, tmp_path):
     k = clean_kernel
     up = tmp_path / "up"
-    k.ok(f"%%distributed -n 2 --background --output text\nimport os, time\nopen('{up}' + os.environ['RANK'], 'w')"
-         "\ntime.sleep(600)")
+    cell = k.ok(f"%%distributed -n 2 --background --output text\nimport os, time\nopen('{up}' + os.environ['RANK'], 'w')"
+                "\ntime.sleep(600)")
     k.ok("h = _")
     wait_until(lambda: os.path.exists(f"{up}0") and os.path.exists(f"{up}1"), 30, "both ranks to be in the cell")
     started = time.monotonic()
-    k.ok("h.stop()", timeout=30)
+    said = k.ok("h.stop()", timeout=30).stdout
     assert time.monotonic() - started < 15
+    # Issue 25 item 4: it printed nothing, and the run's view showed no stacks until h.wait().
+    assert said.startswith("stopped In[") and "where each rank was is in its view" in said, said
+    shown = [d["text/plain"] for d in k.updates_of(cell) if d["text/plain"].startswith("[accel_magics]")]
+    assert shown and "where each unfinished rank was" in shown[-1] and shown[-1].count("time.sleep(600)") >= 2, shown
     assert k.ok("h.status").result == "'stopped'"
     res = k.run("h.wait()")
     assert res.error["ename"] == "RunStopped" and "time.sleep(600)" in res.error_text, res.error_text

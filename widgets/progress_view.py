@@ -548,7 +548,7 @@ class RunView:
                     part.close()
             widget.close()
 
-    def summary_html(self) -> str:
+    def summary_html(self, stacks: str = "") -> str:
         """The run's final state as static HTML: what the notebook keeps.
 
         Per rank its row (state, the bars left on screen, its latest printed
@@ -557,8 +557,9 @@ class RunView:
         lines, saying how many it left out between them (the log has all).
         Ranks whose output is the same are one block ("ranks 1-7 output").
         Many ranks: the aggregate row and the rows that need a look, every
-        row in a fold.  Styled inline only: it reads the same untrusted (see
-        :data:`STYLE`)."""
+        row in a fold.  ``stacks``: where each rank was when it was stopped
+        (a background run: no error is raised in its cell), shown open.
+        Styled inline only: it reads the same untrusted (see :data:`STYLE`)."""
         outputs: dict[tuple, list[int]] = {}
         for rank in sorted(self.ranks):
             s = self.ranks[rank]
@@ -569,8 +570,12 @@ class RunView:
         if self.compact:
             every = (f"<details><summary>each of the {len(self.ranks)} ranks' rows</summary>"
                      f"{self._every_html(True, set())}</details>")
+        where = ""
+        if stacks:
+            title, _, body = stacks.partition("\n")
+            where = f"<details open><summary>{html.escape(title.strip('- '))}</summary>{_pre(body.splitlines())}</details>"
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
-                f"{self._rows_html(final=True)}{every}{''.join(details)}</div>")
+                f"{self._rows_html(final=True)}{every}{where}{''.join(details)}</div>")
 
     @staticmethod
     def _same_key(s: _RankState) -> tuple:
