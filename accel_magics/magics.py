@@ -543,7 +543,7 @@ class DistributedMagics(Magics):
         exclude |= {name for name in self.shell.user_ns if _HISTORY_NAME.match(name)}
         try:
             return build_payload(
-                source, self.shell.user_ns, filename=f"<%%distributed In[{count}]>",
+                source, self.shell.user_ns, filename=f"Cell In[{count}]",   # as IPython names a cell: one label in tracebacks and stacks
                 exclude=exclude, return_names=return_names, code_label=self._cell_label, defined=defined,
                 share=share,
             )

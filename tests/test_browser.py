@@ -509,3 +509,137 @@ def test_a_saved_record_reads_right_untrusted_in_a_fresh_server(app, tmp_path):
         dark = _check_record(record, f"{app} dark")
         assert dark["track"] == light["track"] and "0.3" in dark["track"], (light["track"], dark["track"])
         record.screenshot(path=str(ARTIFACTS / f"12-untrusted-record-{name}-dark.png"))
+
+
+# -- issue 25, view round 3 ---------------------------------------------------------
+
+KERNEL_READY_JS = """() => {
+    const p = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    const i = p && p.querySelector('.jp-Notebook-ExecutionIndicator');
+    const k = p && p.querySelector('.jp-Toolbar-kernelName');
+    return !!(i && k && i.dataset.status === 'idle' && !/No Kernel|Connecting/.test(k.textContent));
+}"""
+
+
+def _wait_kernel(page, lab: Lab) -> None:
+    """The notebook's kernel is connected and idle: JupyterLab and Notebook 7
+    (no status bar there) alike."""
+    page.wait_for_function(KERNEL_READY_JS)
+    deadline = time.monotonic() + 60
+    while not lab.kernel_idle():
+        assert time.monotonic() < deadline, "the kernel did not become idle"
+        time.sleep(0.2)
+
+
+def _write_notebook(lab: Lab, name: str, cells) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / name)
+
+
+def _dark_theme(page) -> None:
+    """The JupyterLab Dark theme from the command palette (Notebook 7 has it too)."""
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input:visible").wait_for()
+    page.keyboard.type("JupyterLab Dark")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+
+
+def _running(cell) -> bool:
+    return cell.locator(".jp-InputArea-prompt").inner_text().strip().startswith("[*]")
+
+
+EIGHT_CELL = (
+    "%%distributed -n 8 --oversubscribe\n"
+    "import os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "rank = int(os.environ['RANK'])\n"
+    "for step in tqdm(range(60), desc='train'):\n"
+    "    time.sleep(0.2 if rank == 5 else 0.1)\n"
+    "print('config: lr 0.1')\n"
+    "print('done')\n"
+)
+COMPACT_JS = """c => {
+    const run = c.querySelector('.accel-magics-run');
+    if (!run) return null;
+    const shown = e => e.offsetParent !== null && e.getBoundingClientRect().height > 0;
+    const outside = e => !e.closest('.accel-magics-fold');
+    const fold = run.querySelector('.accel-magics-fold');
+    const contents = fold && fold.querySelector('.jupyter-widget-Collapse-contents');
+    return {aggregates: [...run.querySelectorAll('.accel-magics-aggregate')].map(e => e.innerText),
+            rows: [...run.querySelectorAll('.accel-magics-row')].filter(e => outside(e) && shown(e)).length,
+            tabs: [...run.querySelectorAll('.lm-TabBar-tab')].filter(outside).map(t => t.innerText.trim()),
+            folds: run.querySelectorAll('.accel-magics-fold').length,
+            foldTitle: fold ? fold.querySelector('.jupyter-widget-Collapse-header').innerText.trim() : null,
+            foldOpen: !!(contents && shown(contents)),
+            foldRows: fold ? [...fold.querySelectorAll('.accel-magics-row')].filter(shown).length : 0,
+            foldTabs: fold ? [...fold.querySelectorAll('.lm-TabBar-tab')].filter(shown)
+                                 .map(t => t.innerText.trim()) : []};
+}"""
+LIGHT_TEXT_JS = """s => { const m = getComputedStyle(s).color.match(/\\d+(\\.\\d+)?/g).map(Number);
+    return (0.299 * m[0] + 0.587 * m[1] + 0.114 * m[2]) / 255; }"""
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("app", ["jupyterlab", "notebook"])
+def test_eight_ranks_use_the_compact_form_and_the_record_folds_identical_ranks(app):
+    """Issue 25 (view round 3), many ranks: 8 ranks live are one aggregate
+    row (slowest and fastest rank), at most 4 rows of their own and one "all
+    ranks" tab; every row and rank tab are in a fold that opens in the
+    browser while the cell runs.  The record folds the ranks whose output is
+    the same into one block, the rows into a <details>; light and dark."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(app)
+    name = "lab" if app == "jupyterlab" else "nb7"
+    _write_notebook(lab, "eight.ipynb", ("%load_ext accel_magics", EIGHT_CELL))
+    with _lab_page(lab, {"width": 1300, "height": 1100}, f"failure-eight-{name}.png") as page:
+        page.goto(lab.url("eight.ipynb"))
+        _wait_kernel(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        # Live: the ranks apart (rank 5 is half as fast), so the aggregate names both ends.
+        page.wait_for_function("""c => { const a = c.querySelector('.accel-magics-run .accel-magics-aggregate');
+            return !!a && /slowest: rank/.test(a.innerText) && /fastest: rank/.test(a.innerText); }""",
+                               arg=cell.element_handle())
+        seen = cell.evaluate(COMPACT_JS)
+        assert seen is not None and _running(cell), f"the run ended before the live view was seen: {seen}"
+        assert len(seen["aggregates"]) == 1, seen
+        agg = seen["aggregates"][0]
+        assert "8 ranks" in agg and "slowest: rank" in agg and "fastest: rank" in agg, seen
+        assert seen["rows"] <= 4, f"more than 4 rows outside the fold: {seen}"
+        assert seen["tabs"] == ["all ranks"], f"the main tab bar: {seen['tabs']}"
+        assert seen["folds"] == 1 and not seen["foldOpen"] and seen["foldRows"] == 0, f"the fold: {seen}"
+        cell.screenshot(path=str(ARTIFACTS / f"13-eight-ranks-compact-{name}.png"))
+        # The fold opens in the browser alone (the kernel is busy running the cell).
+        cell.locator(".accel-magics-fold .jupyter-widget-Collapse-header").click()
+        page.wait_for_function(f"c => ({COMPACT_JS})(c)?.foldRows === 8", arg=cell.element_handle(),
+                               timeout=30_000)
+        opened = cell.evaluate(COMPACT_JS)
+        assert opened and _running(cell), f"the run ended before the fold was seen open: {opened}"
+        assert opened["foldOpen"] and opened["foldRows"] == 8, opened
+        assert opened["foldTabs"] == [f"rank {r}" for r in range(8)], f"the fold's tabs: {opened['foldTabs']}"
+        cell.screenshot(path=str(ARTIFACTS / f"14-eight-ranks-fold-opened-{name}.png"))
+
+        # The record: one block for the ranks whose output is the same (the
+        # finished bar's line differs only in its times), the rows in a <details>.
+        _wait_done(page, 1)
+        summary = cell.locator(".accel-magics-summary")
+        summary.wait_for()
+        text = summary.inner_text()
+        assert re.search(r"ranks [\d, -]+ output \(3 lines, the same on each", text), text
+        assert text.count(" output (") == 1, f"the identical ranks are not one block: {text}"
+        rows = summary.locator("details", has=page.locator("summary", has_text="each of the 8 ranks' rows"))
+        assert rows.count() == 1, text
+        assert rows.locator(".accel-magics-row").count() == 8, rows.inner_html()
+        assert cell.locator(".accel-magics-run").count() == 0
+        cell.screenshot(path=str(ARTIFACTS / f"15-eight-ranks-record-{name}.png"))
+
+        _dark_theme(page)
+        page.wait_for_function(f"s => ({LIGHT_TEXT_JS})(s) > 0.6", arg=summary.element_handle())
+        cell.screenshot(path=str(ARTIFACTS / f"16-eight-ranks-record-{name}-dark.png"))
+        track = summary.locator(".accel-magics-track").first
+        color = track.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color

@@ -176,15 +176,15 @@ def test_a_stopped_rank_says_where_it_was():
     seq = [{"kind": "rank_event", "rank": 1, "event": {"kind": "failed", "exc_type": "ValueError", "message": "boom",
                                                          "traceback": "...", "timestamp": 1.0, "secondary": False}},
            {"kind": "stacks", "rank": 0, "native": False, "text": "the cell's thread: ...",
-            "where": "barrier (In[5] line 3)"},
+            "where": "barrier (Cell In[5], line 3)"},
            {"kind": "exit", "rank": 0, "exitcode": None, "signal": "SIGTERM", "stopped": True, "timestamp": 2.0},
            {"kind": "exit", "rank": 1, "exitcode": 1, "signal": None, "stopped": False, "timestamp": 2.0},
            {"kind": "finished", "reason": "failed"}]
     _, outcome = replay(seq)
-    assert outcome.others == {0: "stopped (SIGTERM) in barrier (In[5] line 3)"}
+    assert outcome.others == {0: "stopped (SIGTERM) in barrier (Cell In[5], line 3)"}
     with pytest.raises(DistributedRunError) as info:
         conclude(outcome, CFG, attempt=0, started=0.0)
-    assert "rank 0: stopped (SIGTERM) in barrier (In[5] line 3)" in info.value.report(), info.value.report()
+    assert "rank 0: stopped (SIGTERM) in barrier (Cell In[5], line 3)" in info.value.report(), info.value.report()
 
 
 def test_a_session_timeout_names_the_rank_that_never_came_back():

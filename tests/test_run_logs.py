@@ -64,7 +64,7 @@ def test_a_failure_and_its_traceback_follow_the_output_in_the_log(clean_kernel):
     assert lines[1] == "--- ValueError: boom in the log ---"
     assert "raise ValueError('boom in the log')" in "\n".join(lines[2:])
     # The traceback names the cell as the notebook numbers it.
-    assert f'File "<%%distributed In[{res.execution_count}]>", line 5' in "\n".join(lines[2:])
+    assert f'File "Cell In[{res.execution_count}]", line 5' in "\n".join(lines[2:])
     assert log_lines(run_dir(res), 0)[0] == "before"
 
 

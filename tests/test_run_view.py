@@ -164,7 +164,7 @@ def test_interrupt_stacks_show_the_users_frames_with_their_lines_and_count_libra
     assert lines[0] == "the cell's thread:", rank0
     assert lines[1].startswith('File "Cell In[') and lines[1].endswith("line 3, in slow_step"), rank0
     assert lines[2] == "time.sleep(0.5)"
-    assert lines[3] == 'File "<%%distributed In[' + lines[3].split("In[")[1].split("]")[0] + ']>", line 5, in <module>'
+    assert lines[3] == 'File "Cell In[' + lines[3].split("In[")[1].split("]")[0] + ']", line 5, in <module>'
     assert lines[4] == "slow_step(i)"
     assert lines[5] == "(+ 1 other thread in library code only: tqdm/_monitor.py run)", rank0
     assert "threading.py" not in text

@@ -189,7 +189,7 @@ def test_a_rank_stopped_by_a_peers_failure_says_where_it_was(session):
     res = cell(session, "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(0.5)\n"
                         "    raise ValueError('boom')\ntime.sleep(30)\n")
     assert res.error["ename"] == "DistributedRunError", res.error_text
-    assert re.search(r"rank 0: stopped \(KeyboardInterrupt\) in In\[\d+\] line 6, back at its prompt",
+    assert re.search(r"rank 0: stopped \(KeyboardInterrupt\) in Cell In\[\d+\], line 6, back at its prompt",
                      res.error_text), res.error_text
 
 
@@ -233,7 +233,7 @@ def test_a_failure_while_a_peer_waits_in_a_collective_loses_the_session_and_rest
     res = cell(k, "if rank == 1:\n    raise ValueError('rank 1 broke')\nt = torch.ones(1)\ndist.all_reduce(t)")
     took = time.monotonic() - started
     assert res.status == "error" and res.error["ename"] == "SessionLostError", res.error_text
-    assert re.search(r"session lost: rank 0 was in all_reduce \(In\[\d+\] line 5\) waiting for rank 1, which "
+    assert re.search(r"session lost: rank 0 was in all_reduce \(Cell In\[\d+\], line 5\) waiting for rank 1, which "
                      "failed", res.error["evalue"]), res.error["evalue"]
     assert "%distributed_session restart" in res.error["evalue"]
     assert "ValueError: rank 1 broke" in res.error_text and "--- rank 1 traceback (root cause) ---" in res.error_text
@@ -271,7 +271,7 @@ def test_stop_during_a_python_training_loop_keeps_the_session_and_its_state(sess
         pytest.fail(f"the loop did not run: {res.stdout} {res.error_text}")
     assert res.error["ename"] == "RunInterrupted", res.error_text
     assert "The session lives on" in res.error_text and time.monotonic() - started < 20
-    assert re.search(r'File "<%%distributed In\[\d+\]>", line \d+', res.error_text), res.error_text   # where each was
+    assert re.search(r'File "Cell In\[\d+\]", line \d+', res.error_text), res.error_text   # where each was
     after = by_rank(ok_cell(k, "print(steps > 0, round(w.sum().item(), 3) > 0)").stdout)
     assert after == {0: ["True True"], 1: ["True True"]}, after
 

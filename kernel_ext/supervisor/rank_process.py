@@ -308,5 +308,5 @@ def where_blocked(text: str) -> str:
     cell = next((f for f in frames if "In[" in f["file"]), None)
     if cell is None:
         return named["func"]
-    label = f"{cell['file'].strip('<>').replace('%%distributed ', '')} line {cell['line']}"
+    label = f"{cell['file'].strip('<>').replace('%%distributed ', '')}, line {cell['line']}"
     return label if cell is named else f"{named['func']} ({label})"   # in the cell's own code: its line
