@@ -51,7 +51,7 @@ class ConfigForm:
         self.applied = dict(values)
         self.pending: dict = {}        # field -> (value, why it was refused)
         self._syncing = False
-        style = {"description_width": "130px"}
+        style = {"description_width": "150px"}   # every label read whole ("rendezvous timeout (s)")
         self.fields = {name: w.IntText(description=LABELS[name], style=style) for name in INT_FIELDS}
         self.fields["master_addr"] = w.Text(description=LABELS["master_addr"], continuous_update=False, style=style)
         for name in TEXT_FIELDS:

@@ -74,6 +74,7 @@ STYLE["aggregate"] = STYLE["row"]
 ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
 STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
 STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind most ranks is marked "behind"
+PANE_INTERVAL = 0.4   # the panes re-render at most this often (at 1 s they lagged the rows visibly)
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
 
@@ -186,7 +187,7 @@ def _plural(n: int, word: str) -> str:
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
 
-    def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = 1.0,
+    def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = PANE_INTERVAL,
                  log_dir: str = "", started: Optional[float] = None) -> None:
         self.max_lines = max_lines
         self.interval = interval
@@ -405,43 +406,47 @@ class RunView:
         """One row for every rank: how many, grouped by state, the slowest and
         the fastest rank's outer bar, and memory (all ranks now; the largest
         peak in the record)."""
-        groups = " &middot; ".join(
-            f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> {rank_runs(ranks)}"
-            for state, ranks in self.groups(behind).items())
-        outer = {}
-        for rank, s in self.ranks.items():
-            bars = [b for b in s.shown_bars() if b.fraction is not None]
-            if bars:
-                outer[rank] = bars[0]
-        bars = ""
-        if outer:
-            slow = min(outer, key=lambda r: (outer[r].fraction, r))
-            fast = max(outer, key=lambda r: (outer[r].fraction, -r))
-            if outer[slow].fraction < outer[fast].fraction:
-                picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
-            else:   # all level
-                picks = [(slow, f"{ranks_label(outer)}: ")]
-            color = STATE_COLORS["done"] if final else STATE_COLORS["running"]
-            bars = "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
-        usage = ""
-        if final:
-            peaks = {r: s.peak_rss for r, s in self.ranks.items() if s.peak_rss}
-            if peaks:
-                top = max(peaks, key=peaks.get)
-                usage = f"largest peak: rank {top} {bytes_text(peaks[top])}"
-        else:
-            now = {r: s.usage for r, s in self.ranks.items() if s.usage is not None and s.state == "running"}
-            if now:
-                cpu = sum(u[0] for u in now.values())
-                rss = sum(u[1] or 0 for u in now.values())
-                gpu = [u[2] for u in now.values() if u[2] is not None]
-                usage = (f"cpu {cpu:.0f}% &middot; {bytes_text(rss)} in all"
-                         + (f" &middot; GPU {bytes_text(sum(gpu))}" if gpu else ""))
+        groups = " &middot; ".join(f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> "
+                                   f"{rank_runs(ranks)}" for state, ranks in self.groups(behind).items())
+        usage = self._peak_text() if final else self._usage_now_text()
+        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"])
         return _el("div", "aggregate",
                    _el("span", "label", f"<b>{_plural(len(self.ranks), 'rank')}</b>")
                    + _el("span", "groups", groups)
                    + (_el("span", "usage", usage) if usage else "")
                    + (_el("div", "bars", bars) if bars else ""))
+
+    def _extreme_bars_html(self, color: str) -> str:
+        """The slowest and the fastest rank's outer bar (one bar when all are level)."""
+        outer = {}
+        for rank, s in self.ranks.items():
+            bars = [b for b in s.shown_bars() if b.fraction is not None]
+            if bars:
+                outer[rank] = bars[0]
+        if not outer:
+            return ""
+        slow = min(outer, key=lambda r: (outer[r].fraction, r))
+        fast = max(outer, key=lambda r: (outer[r].fraction, -r))
+        if outer[slow].fraction < outer[fast].fraction:
+            picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
+        else:
+            picks = [(slow, f"{ranks_label(outer)}: ")]
+        return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+
+    def _usage_now_text(self) -> str:
+        now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
+        if not now:
+            return ""
+        gpu = [u[2] for u in now if u[2] is not None]
+        return (f"cpu {sum(u[0] for u in now):.0f}% &middot; {bytes_text(sum(u[1] or 0 for u in now))} in all"
+                + (f" &middot; GPU {bytes_text(sum(gpu))}" if gpu else ""))
+
+    def _peak_text(self) -> str:
+        peaks = {r: s.peak_rss for r, s in self.ranks.items() if s.peak_rss}
+        if not peaks:
+            return ""
+        top = max(peaks, key=peaks.get)
+        return f"largest peak: rank {top} {bytes_text(peaks[top])}"
 
     def stragglers(self) -> set:
         """Ranks still running whose outer bar is far behind most ranks' (a
