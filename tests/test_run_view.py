@@ -300,3 +300,20 @@ def test_the_first_background_cell_returns_before_the_launcher_is_up_and_a_stop_
         assert k.ok("%%distributed -n 2 --output text\nprint('next')").stdout.count("next") == 2
     finally:
         k.shutdown()
+
+
+def test_a_long_runs_html_record_keeps_its_first_and_last_lines(clean_kernel):
+    """Issue 25 item 3 over the kernel protocol: the kept HTML record said
+    "(50001 lines, the last 100 shown)", so the first lines (the config, the
+    first epoch) were only in a local log."""
+    res = clean_kernel.ok("%%distributed -n 2 --output widget\nimport os\nr = os.environ['RANK']\n"
+                          "print(f'config of rank {r}')\nfor i in range(5000):\n    print(f'rank {r} line {i}')\n",
+                          timeout=120)
+    record = [m["content"]["data"]["text/html"] for m in res.messages
+              if m["msg_type"] in ("display_data", "update_display_data") and "text/html" in m["content"]["data"]][-1]
+    for rank in (0, 1):
+        assert f"rank {rank} output (5001 lines, the first 50 and the last 100 shown)" in record, record[:2000]
+        assert f"config of rank {rank}\nrank {rank} line 0\n" in record and f"rank {rank} line 48<" in record
+        assert f"rank {rank} line 4900\n" in record and f"rank {rank} line 4999<" in record
+        assert f"rank {rank} line 49\n" not in record and f"rank {rank} line 4899\n" not in record
+    assert record.count("... 4851 lines left out; the full log is in ") == 2
