@@ -1,4 +1,4 @@
-"""GPU memory per process, from NVML: never from CUDA.
+"""GPU memory and utilisation per process, from NVML: never from CUDA.
 
 Why here, on its own: the kernel (``%distributed_session status``) and every
 supervisor (each rank's row in the view) ask the same question, and neither
@@ -27,6 +27,7 @@ class GpuMemory:
             self.devices = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         except Exception:   # no NVIDIA GPU, no driver, no pynvml: no GPU column
             self.nvml = None
+        self._seen = [0] * len(self.devices)   # per device: the newest utilisation sample read (NVML's µs)
 
     def used(self) -> dict[int, int]:
         """pid -> bytes of GPU memory it holds, over every GPU; {} without NVML."""
@@ -41,6 +42,23 @@ class GpuMemory:
         except Exception:
             log.debug("NVML did not answer", exc_info=True)
         return used
+
+    def busy(self) -> dict[int, int]:
+        """pid -> percent of a GPU's SMs it kept busy since the last call
+        (NVML's per-process samples, the busiest device); {} without NVML,
+        and for a process NVML has no sample of (an idle one, an old driver)."""
+        if self.nvml is None:
+            return {}
+        busy: dict[int, int] = {}
+        for i, device in enumerate(self.devices):
+            try:
+                samples = self.nvml.nvmlDeviceGetProcessUtilization(device, self._seen[i])
+            except Exception:   # NVML_ERROR_NOT_FOUND: no sample since the last call; unsupported
+                continue
+            for sample in samples:
+                busy[sample.pid] = max(busy.get(sample.pid, 0), int(sample.smUtil))
+                self._seen[i] = max(self._seen[i], int(sample.timeStamp))
+        return busy
 
     def close(self) -> None:
         if self.nvml is not None:

@@ -568,7 +568,8 @@ COMPACT_JS = """c => {
     const fold = run.querySelector('.accel-magics-fold');
     const contents = fold && fold.querySelector('.jupyter-widget-Collapse-contents');
     return {aggregates: [...run.querySelectorAll('.accel-magics-aggregate')].map(e => e.innerText),
-            rows: [...run.querySelectorAll('.accel-magics-row')].filter(e => outside(e) && shown(e)).length,
+            rows: [...run.querySelectorAll('.accel-magics-row')].filter(e => outside(e) && shown(e))
+                      .map(e => e.querySelector('.accel-magics-label').innerText.trim()),
             tabs: [...run.querySelectorAll('.lm-TabBar-tab')].filter(outside).map(t => t.innerText.trim()),
             folds: run.querySelectorAll('.accel-magics-fold').length,
             foldTitle: fold ? fold.querySelector('.jupyter-widget-Collapse-header').innerText.trim() : null,
@@ -600,16 +601,18 @@ def test_eight_ranks_use_the_compact_form_and_the_record_folds_identical_ranks(a
         _wait_done(page, 0)
         _run_cell(page, 1)
         cell = page.locator(CELL).nth(1)
-        # Live: the ranks apart (rank 5 is half as fast), so the aggregate names both ends.
+        # Live: the ranks apart (rank 5 is half as fast), so the aggregate names
+        # both ends, and rank 5 is behind: its row is shown on its own.
         page.wait_for_function("""c => { const a = c.querySelector('.accel-magics-run .accel-magics-aggregate');
-            return !!a && /slowest: rank/.test(a.innerText) && /fastest: rank/.test(a.innerText); }""",
-                               arg=cell.element_handle())
+            return !!a && /slowest: rank 5/.test(a.innerText) && /fastest: rank/.test(a.innerText)
+                   && /behind 5/.test(a.innerText); }""", arg=cell.element_handle())
         seen = cell.evaluate(COMPACT_JS)
         assert seen is not None and _running(cell), f"the run ended before the live view was seen: {seen}"
         assert len(seen["aggregates"]) == 1, seen
         agg = seen["aggregates"][0]
         assert "8 ranks" in agg and "slowest: rank" in agg and "fastest: rank" in agg, seen
-        assert seen["rows"] <= 4, f"more than 4 rows outside the fold: {seen}"
+        assert 1 <= len(seen["rows"]) <= 4 and any(r.startswith("rank 5 ") for r in seen["rows"]), \
+            f"not the rows that need a look (rank 5 behind; at most 4) outside the fold: {seen}"
         assert seen["tabs"] == ["all ranks"], f"the main tab bar: {seen['tabs']}"
         assert seen["folds"] == 1 and not seen["foldOpen"] and seen["foldRows"] == 0, f"the fold: {seen}"
         cell.screenshot(path=str(ARTIFACTS / f"13-eight-ranks-compact-{name}.png"))
@@ -637,6 +640,10 @@ def test_eight_ranks_use_the_compact_form_and_the_record_folds_identical_ranks(a
         assert cell.locator(".accel-magics-run").count() == 0
         cell.screenshot(path=str(ARTIFACTS / f"15-eight-ranks-record-{name}.png"))
 
+        # Its rows open in the browser; then the dark theme.
+        rows.locator("summary").click()
+        page.wait_for_function("""d => d.open && [...d.querySelectorAll('.accel-magics-row')]
+            .filter(r => r.getBoundingClientRect().height > 0).length === 8""", arg=rows.element_handle())
         _dark_theme(page)
         page.wait_for_function(f"s => ({LIGHT_TEXT_JS})(s) > 0.6", arg=summary.element_handle())
         cell.screenshot(path=str(ARTIFACTS / f"16-eight-ranks-record-{name}-dark.png"))

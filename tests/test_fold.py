@@ -382,4 +382,4 @@ def test_no_message_says_rank_s_dash():
 
 def test_resource_samples_reach_the_views_as_events():
     events, _ = replay([{"kind": "resources", "ranks": {"0": [50.0, 1024, None], "1": [0.0, 2048, 4096]}}])
-    assert of_type(events, ev.Resources) == [ev.Resources({0: (50.0, 1024, None), 1: (0.0, 2048, 4096)})]
+    assert of_type(events, ev.Resources) == [ev.Resources({0: (50.0, 1024, None, None), 1: (0.0, 2048, 4096, None)})]

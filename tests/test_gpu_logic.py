@@ -83,6 +83,34 @@ def test_session_status_sums_each_processs_gpu_memory_over_devices(monkeypatch):
     assert state["shutdown"] == 1
 
 
+def test_gpu_utilisation_per_process_from_nvmls_samples_since_the_last_look(monkeypatch):
+    """Issue 25 item 7: a rank's row shows how busy its GPU is (NVML's
+    per-process samples; each look asks only for samples newer than the last)."""
+    from accel_magics.kernel_ext.gpu_memory import GpuMemory
+
+    class Sample:
+        def __init__(self, pid, sm, stamp):
+            self.pid, self.smUtil, self.timeStamp = pid, sm, stamp
+
+    nvml, _ = _fake_nvml([[_Proc(10, 1 << 30)], [_Proc(11, 1 << 30)]])
+    asked = []
+
+    def samples(device, since):
+        asked.append((device, since))
+        if device == 1 and since:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")   # nothing new on that device
+        return [Sample(10, 40, 100), Sample(10, 90, 200)] if device == 0 else [Sample(11, 7, 150)]
+    nvml.nvmlDeviceGetProcessUtilization = samples
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpu = GpuMemory()
+    assert gpu.busy() == {10: 90, 11: 7}
+    assert gpu.busy() == {10: 90} and asked[-2:] == [(0, 200), (1, 150)]
+    gpu.close()
+    nvml, _ = _fake_nvml([[_Proc(10, 1 << 30)]])   # an old driver: no per-process samples at all
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert GpuMemory().busy() == {}
+
+
 def test_session_status_without_nvml_or_a_driver_shows_no_gpu_memory(monkeypatch):
     from accel_magics.kernel_ext.gpu_memory import GpuMemory
 

@@ -36,11 +36,12 @@ def test_a_rank_that_holds_memory_and_computes_shows_both():
         while True:
             time.sleep(0.5)   # a rate over a wall-clock window, not a synchronisation
             got = sampler.sample({0: pid})
-            cpu, rss, gpu = got[0]
+            cpu, rss, gpu, busy = got[0]
             if rss >= 240 << 20 or time.monotonic() > deadline:
                 break
         assert rss >= 240 << 20, rss                   # the rank's 200 MB and its child's 50 MB
         assert cpu > 5, cpu                            # it computes (a loaded CI machine shares the core)
+        assert gpu is None and busy is None, (gpu, busy)   # no GPU here: no GPU columns
         assert sampler.sample({1: 999_999_999}) == {}  # a rank that is gone is left out
     finally:
         for p in [*descendants(pid), pid]:   # the child it started too: nothing left behind

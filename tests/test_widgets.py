@@ -282,13 +282,13 @@ def test_each_rank_row_shows_its_resources_and_the_record_its_peaks():
     view = RunView()
     mb = 1 << 20
     view(ev.Resources({0: (97.5, 600 * mb, None), 1: (12.0, 300 * mb, None)}))
-    view(ev.Resources({0: (99.0, 512 * mb, None), 1: (100.0, 310 * mb, 2048 * mb)}))
+    view(ev.Resources({0: (99.0, 512 * mb, None, None), 1: (100.0, 310 * mb, 2048 * mb, 87)}))
     view(ev.Bar(0, 1, 0, "epoch", 9, 10, "9/10", True, False))
     view(ev.Bar(1, 1, 0, "epoch", 3, 10, "3/10", True, False))
     for rank in (0, 1):
         view._rank(rank).state = "running"
     rows = view._rows_html()
-    assert "cpu 99% &middot; 512.0 MB" in rows and "cpu 100% &middot; 310.0 MB &middot; GPU 2.0 GB" in rows, rows
+    assert "cpu 99% &middot; 512.0 MB" in rows and "cpu 100% &middot; 310.0 MB &middot; GPU 2.0 GB 87% busy" in rows, rows
     assert view.stragglers() == {1} and rows.count(">behind</b>") == 1
     record = view.summary_html()
     assert "peak 600.0 MB" in record and "peak 310.0 MB, GPU 2.0 GB" in record and "behind" not in record

@@ -130,7 +130,7 @@ class _RankState:
     head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
     seqs: deque = field(default_factory=deque)    # each of ``lines``' place in arrival order (all ranks)
     node: str = ""                                # the node it runs on (one kernel driving every node)
-    usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes or None), the latest sample
+    usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
     peak_rss: int = 0
     peak_gpu: Optional[int] = None
 
@@ -160,8 +160,9 @@ def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
     if final and s.peak_rss:
         parts.append(f"peak {bytes_text(s.peak_rss)}" + (f", GPU {bytes_text(s.peak_gpu)}" if s.peak_gpu is not None else ""))
     elif not final and s.usage is not None:
-        cpu, rss, gpu = s.usage
-        parts.append(f"cpu {cpu:.0f}% &middot; {bytes_text(rss)}" + (f" &middot; GPU {bytes_text(gpu)}" if gpu is not None else ""))
+        cpu, rss, gpu, busy = s.usage
+        parts.append(f"cpu {cpu:.0f}% &middot; {bytes_text(rss)}" + (f" &middot; GPU {bytes_text(gpu)}" if gpu is not None else "")
+                     + (f" {busy}% busy" if busy is not None else ""))
     if behind:
         parts.append("<b style='color:#ff7f0e'>behind</b>")
     return _el("span", "usage", " &middot; ".join(parts)) if parts else ""
@@ -464,9 +465,10 @@ class RunView:
         return {rank for rank, fraction in outer.items() if most - fraction >= STRAGGLER_GAP}
 
     def on_Resources(self, e) -> None:
-        for rank, (cpu, rss, gpu) in e.ranks.items():
+        for rank, sample in e.ranks.items():
+            cpu, rss, gpu, busy = (*sample, None)[:4]
             s = self._rank(rank)
-            s.usage = (cpu, rss, gpu)
+            s.usage = (cpu, rss, gpu, busy)
             s.peak_rss = max(s.peak_rss, rss or 0)
             if gpu is not None:
                 s.peak_gpu = max(s.peak_gpu or 0, gpu)

@@ -206,7 +206,8 @@ def ranks_label(ranks) -> str:
 class Resources:
     """What each running rank uses now, sampled by its supervisor from /proc
     (and NVML where there is an NVIDIA GPU; never CUDA): rank -> (CPU percent
-    of one core, resident bytes, GPU bytes or None)."""
+    of one core, resident bytes, GPU bytes or None, GPU percent busy or None;
+    a sender of three fields has no utilisation)."""
     ranks: dict
 
 

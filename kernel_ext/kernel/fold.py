@@ -276,7 +276,7 @@ class RunFold:
                            {int(rank): where for rank, where in msg["where"].items()}))
 
     def _resources(self, msg: dict) -> None:
-        self.emit(ev.Resources({int(rank): tuple(sample) for rank, sample in msg["ranks"].items()}))
+        self.emit(ev.Resources({int(rank): (*sample, None)[:4] for rank, sample in msg["ranks"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
         self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",

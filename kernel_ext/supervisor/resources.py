@@ -48,7 +48,7 @@ def usage(pid: int) -> Optional[tuple[float, int, list[int]]]:
 
 class ResourceSampler:
     """Each call of :meth:`sample`: rank -> [CPU % of one core since the last
-    sample, resident bytes, GPU bytes or None]."""
+    sample, resident bytes, GPU bytes or None, GPU % busy or None]."""
 
     def __init__(self) -> None:
         self.last: dict[int, tuple[float, float]] = {}   # pid -> (CPU seconds, when)
@@ -59,6 +59,7 @@ class ResourceSampler:
         if self.gpu is None:
             self.gpu = GpuMemory()
         gpu = self.gpu.used()
+        busy = self.gpu.busy() if gpu else {}
         now = time.monotonic()
         out = {}
         for rank, pid in ranks.items():
@@ -70,5 +71,6 @@ class ResourceSampler:
             self.last[pid] = (cpu, now)
             percent = 0.0 if before is None or now <= before[1] else 100.0 * (cpu - before[0]) / (now - before[1])
             held = sum(gpu.get(p, 0) for p in family) if gpu else None
-            out[rank] = [round(max(0.0, percent), 1), rss, held]
+            used = [busy[p] for p in family if p in busy]
+            out[rank] = [round(max(0.0, percent), 1), rss, held, max(used) if used else None]
         return out
