@@ -55,6 +55,10 @@ def launch_options(func):
     %distributed_session, declared from the options table (flags, types,
     choices, the help with its default)."""
     for option in reversed(options.OPTIONS):
+        if option.is_flag:   # None when not given: a default set before still holds
+            func = argument(*option.flags, action="store_const", const=True, default=None,
+                            help=option.help_text())(func)
+            continue
         func = argument(*option.flags, type=option.type, default=None, choices=option.choices,
                         metavar=option.metavar, help=option.help_text())(func)
     return func
@@ -110,6 +114,9 @@ def command_line(values: dict) -> str:
     for name in LAUNCH_OPTION_NAMES:
         value = values.get(name)
         if value is None or options.DEFAULTS.get(name, object()) == value:
+            continue
+        if options.BY_NAME[name].is_flag:
+            parts.append(f"--{name}")
             continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)
@@ -196,8 +203,6 @@ class DistributedMagics(Magics):
     @argument("--return", dest="return_names", nargs="+", default=None, metavar="NAMES",
               help="Variables whose values on rank 0 are assigned in the notebook after the run "
                    "(tensors moved to the CPU). Space or comma separated.")
-    @argument("--oversubscribe", action="store_true",
-              help="Allow more processes than GPUs (or than 4x the CPU cores on a CPU-only machine).")
     @argument("--session", action="store_true",
               help="Run the cell on the running session's ranks (`%%distributed_session start`): what "
                    "earlier session cells made is still there. Launch options belong to the session.")
@@ -458,7 +463,8 @@ class DistributedMagics(Magics):
                 return str(exc)
         cfg = _launch_config(merged)
         try:
-            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False)
+            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False,
+                     allow_oversubscribe=bool(merged.get("oversubscribe")))
         except ConfigError as exc:
             return str(exc)
         return ""
@@ -493,7 +499,7 @@ class DistributedMagics(Magics):
         cfg.extra_env = extra_env
         try:
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0),
-                     allow_oversubscribe=args.oversubscribe or not wait)
+                     allow_oversubscribe=bool(values.get("oversubscribe")) or not wait)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
         return cfg

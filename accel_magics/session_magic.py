@@ -52,8 +52,6 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     if on_slurm:   # one reader of the allocation's agents at a time
         check_agents_free(magics)
     fixed = [f"--{name}" for name in SESSION_FIXED if getattr(args, name, None) is not None]
-    if args.oversubscribe:
-        fixed.append("--oversubscribe")
     if fixed:
         raise UsageError(f"{', '.join(fixed)} belong(s) to the session, fixed when it started: "
                          f"`%distributed_session restart {' '.join(fixed)} ...` starts a fresh one with them "
@@ -149,8 +147,6 @@ class SessionMagics(Magics):
                    "session's in the next cells that use them.")
     @argument("names", nargs="*", help="push: the names.")
     @launch_options
-    @argument("--oversubscribe", action="store_true",
-              help="Allow more processes than GPUs (or than 4x the CPU cores on a CPU-only machine).")
     @line_magic
     def distributed_session(self, line: str):
         """Keep ranks, and what they hold, across ``%%distributed --session`` cells.
@@ -195,10 +191,10 @@ class SessionMagics(Magics):
         started = time.monotonic()
         try:
             if given.get("launcher") == "slurm":   # every node of the allocation
-                session = start_session(self.dist, given, getattr(args, "oversubscribe", False))
+                session = start_session(self.dist, given)
                 cfg = session.cfg
             else:
-                args_like = _Args(given, getattr(args, "oversubscribe", False))
+                args_like = _Args(given)
                 cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
                 self.dist.preflight_check()
                 session = DistributedSession(self.dist.launcher, cfg, options=given)
@@ -289,7 +285,6 @@ class SessionMagics(Magics):
 class _Args:
     """The launch options as DistributedMagics.launch_config reads them off parsed flags."""
 
-    def __init__(self, given: dict, oversubscribe: bool) -> None:
+    def __init__(self, given: dict) -> None:
         for name in LAUNCH_OPTION_NAMES:
             setattr(self, name, given.get(name))
-        self.oversubscribe = oversubscribe

@@ -87,7 +87,7 @@ def _keep_session(magics, reuse: bool) -> None:
                          "and --slurm_args, or `%distributed_session stop` first. Nothing was launched.")
 
 
-def start_session(magics, given: dict, oversubscribe: bool) -> SlurmSession:
+def start_session(magics, given: dict) -> SlurmSession:
     """``%distributed_session start --launcher slurm``: the session's ranks on
     every node of the allocation, through its agents (started if need be)."""
     given = {**magics.defaults, **given}
@@ -102,7 +102,7 @@ def start_session(magics, given: dict, oversubscribe: bool) -> SlurmSession:
         except SlurmError as exc:
             raise UsageError(f"{exc}\nNothing was started.") from None
     try:
-        cfg = _config(agents, given, num_nodes, oversubscribe)
+        cfg = _config(agents, given, num_nodes)
     except ConfigError as exc:
         raise UsageError(f"{exc}\nNothing was started.") from None
     session = SlurmSession(agents, cfg, options=given)
@@ -122,7 +122,7 @@ def _run(magics, args, explicit: dict, payload, presenter, num_nodes: int, slurm
     try:
         try:
             agents = magics.slurm_agents if reuse else _start_agents(magics, num_nodes, slurm_args)
-            cfg = _config(agents, explicit, num_nodes, args.oversubscribe)
+            cfg = _config(agents, explicit, num_nodes)
         except (SlurmError, ConfigError) as exc:
             presenter.discard()
             raise UsageError(f"{exc}\nNothing was launched.") from None
@@ -155,7 +155,7 @@ def _execute(agents, cfg, payload, presenter, control):
                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control)
 
 
-def _config(agents, explicit: dict, num_nodes: int, oversubscribe: bool) -> LaunchConfig:
+def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:
     """The run's config on these agents' nodes (node 0's GPUs set the default
     count per node); raises ConfigError for one that cannot run."""
     gpus = agents.nodes[min(agents.nodes)].get("gpu_count", 0)
@@ -165,7 +165,7 @@ def _config(agents, explicit: dict, num_nodes: int, oversubscribe: bool) -> Laun
         mixed_precision=explicit.get("mixed_precision"), timeout=explicit.get("timeout"),
         rendezvous_timeout=options.value(explicit, "rendezvous_timeout"),
         stall_timeout=0)   # each node sees only its ranks; the kernel sees them all (fold.must_stop)
-    validate(cfg, gpu_count=gpus, allow_oversubscribe=oversubscribe, check_port=False)
+    validate(cfg, gpu_count=gpus, allow_oversubscribe=bool(explicit.get("oversubscribe")), check_port=False)
     return cfg
 
 

@@ -33,6 +33,11 @@ class Option:
     not_on_slurm: str = ""            # why --launcher slurm refuses it ("" : allowed)
 
     @property
+    def is_flag(self) -> bool:
+        """Given with no value (``--oversubscribe``)."""
+        return self.type is bool
+
+    @property
     def flags(self) -> tuple:
         return (*self.short, f"--{self.name}")
 
@@ -40,7 +45,7 @@ class Option:
         """The help, with the default said once, from this row."""
         if self.default_text:
             return f"{self.help} Default: {self.default_text}."
-        if self.default is None:
+        if self.default is None or self.is_flag:
             return self.help
         value = f"{self.default:g}" if isinstance(self.default, float) else self.default
         return f"{self.help} Default: {value}." if self.help.endswith(".") else f"{self.help} (default {value})."
@@ -83,6 +88,9 @@ OPTIONS: tuple[Option, ...] = (
            "interpreter blocked, a collective the finished rank will never join) and show where; a rank that "
            "only waits (a sleep, a subprocess, a socket) is named, not stopped; 0: never look",
            label="stall check (s)", session_fixed=True),
+    # A flag (no value): a default too, so a CPU machine's 8-rank notebook sets it once.
+    Option("oversubscribe", bool, False, "Allow more processes than GPUs (or than 4x the CPU cores on a CPU-only "
+           "machine).", label="oversubscribe", session_fixed=True),
 )
 
 BY_NAME = {option.name: option for option in OPTIONS}

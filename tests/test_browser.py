@@ -650,3 +650,129 @@ def test_eight_ranks_use_the_compact_form_and_the_record_folds_identical_ranks(a
         track = summary.locator(".accel-magics-track").first
         color = track.evaluate("e => getComputedStyle(e).backgroundColor")
         assert color not in ("rgb(238, 238, 238)", "rgb(255, 255, 255)"), color
+
+
+NARROW_CELL = (
+    "%%distributed -n 2\n"
+    "import os, time\n"
+    "from tqdm.auto import tqdm\n"
+    "rank = os.environ['RANK']\n"
+    "for step in tqdm(range(30), desc='train'):\n"
+    "    time.sleep(0.1)\n"
+    "    print(f'epoch {step} loss 0.3 | acc 0.91 | lr 0.001 | grad-norm 1.234 | tokens/s 12345 | rank {rank}')\n"
+)
+# What a narrow output area must not do: a box past its right edge, or text
+# clipped by an overflow:hidden box (the latest line is an excerpt by design:
+# cut with an ellipsis, whole in its title and in the pane).
+CLIPPED_JS = """c => {
+    const area = c.querySelector('.jp-OutputArea');
+    const edge = area.getBoundingClientRect().right;
+    const what = e => e.tagName.toLowerCase() + [...e.classList].map(k => '.' + k).join('') + ': '
+                      + (e.textContent || '').trim().slice(0, 50);
+    const past = [], clipped = [];
+    for (const e of area.querySelectorAll('*')) {
+        const r = e.getBoundingClientRect();
+        if (r.width === 0) continue;
+        if (r.right > edge + 1) past.push([what(e), r.right, edge]);
+        const s = getComputedStyle(e);
+        if (['hidden', 'clip'].includes(s.overflowX) && e.scrollWidth > e.clientWidth + 1
+                && !e.classList.contains('accel-magics-latest'))
+            clipped.push([what(e), e.scrollWidth, e.clientWidth]);
+    }
+    const panel = c.closest('.jp-NotebookPanel').getBoundingClientRect();
+    return {edge, panelRight: panel.right, width: area.getBoundingClientRect().width, past, clipped,
+            tabs: [...area.querySelectorAll('.lm-TabBar-tab')].filter(t => t.offsetParent !== null).map(t => {
+                const l = t.querySelector('.lm-TabBar-tabLabel') || t;
+                return [l.innerText.trim(), l.scrollWidth, l.clientWidth]; })};
+}"""
+# A soft-wrapped line of a <pre> starts after a space (or a hyphen), never inside a word.
+PRE_BREAKS_JS = """c => {
+    const found = [];
+    for (const pre of c.querySelectorAll('.jp-OutputArea .accel-magics-pre')) {
+        if (pre.getBoundingClientRect().width === 0) continue;
+        const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT);
+        let prevTop = null, prev = '\\n', wraps = 0;
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            const text = node.data, range = document.createRange();
+            for (let i = 0; i < text.length; i++) {
+                const ch = text[i];
+                if (ch === '\\n') { prev = ch; prevTop = null; continue; }
+                range.setStart(node, i); range.setEnd(node, i + 1);
+                const r = range.getClientRects()[0];
+                if (!r) continue;
+                if (prevTop !== null && r.top > prevTop + 2) {
+                    wraps++;
+                    if (!/[\\s-]/.test(prev)) found.push(text.slice(Math.max(0, i - 12), i) + '|' + text.slice(i, i + 12));
+                }
+                prevTop = r.top; prev = ch;
+            }
+        }
+        pre.dataset.wraps = wraps;
+    }
+    return {breaks: found, styles: [...c.querySelectorAll('.jp-OutputArea .accel-magics-pre')]
+        .map(p => getComputedStyle(p).wordBreak),
+            wraps: [...c.querySelectorAll('.jp-OutputArea .accel-magics-pre')].map(p => +(p.dataset.wraps || 0))};
+}"""
+
+
+def _check_nothing_clipped(cell, what: str) -> dict:
+    seen = cell.evaluate(CLIPPED_JS)
+    assert not seen["past"], (what, "past the output area's right edge", seen)
+    assert not seen["clipped"], (what, "text clipped by an overflow:hidden box", seen)
+    assert seen["edge"] <= seen["panelRight"] + 1, (what, "the output area runs under the right sidebar", seen)
+    return seen
+
+
+@pytest.mark.timeout(400)
+def test_narrow_with_side_panels_nothing_is_clipped():
+    """Issue 25 (view round 3), a narrow notebook: 1100 px with the file
+    browser and the right sidebar open, ranks printing long lines.  Live and
+    in the record no box runs past the output area and no text is clipped
+    (but the latest line's excerpt, ellipsised by design); the tab titles are
+    whole; the record's <pre> lines wrap at spaces, never inside a word."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    _write_notebook(lab, "narrow.ipynb", ("%load_ext accel_magics", NARROW_CELL))
+    with _lab_page(lab, {"width": 1100, "height": 1000}, "failure-narrow.png") as page:
+        page.goto(lab.url("narrow.ipynb"))
+        _wait_idle(page, lab)
+        page.locator(".jp-DirListing").first.wait_for()   # the file browser is open
+        page.keyboard.press("Control+Shift+C")
+        page.locator(".lm-CommandPalette-input:visible").wait_for()
+        page.keyboard.type("Show Right Sidebar")
+        page.keyboard.press("Enter")
+        page.wait_for_function("""() => { const r = document.querySelector('#jp-right-stack');
+            return !!r && !r.classList.contains('lm-mod-hidden') && r.getBoundingClientRect().width > 100; }""")
+        right = page.evaluate("() => document.querySelector('#jp-right-stack').getBoundingClientRect().width")
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        # Live, once the rows show the long lines and the pane has a few of them.
+        page.wait_for_function("""c => { const r = c.querySelector('.accel-magics-run');
+            return !!r && [...r.querySelectorAll('.accel-magics-latest')].filter(e => /grad-norm/.test(e.title)).length == 2
+                   && (r.querySelector('.accel-magics-pane')?.innerText.match(/grad-norm/g) || []).length >= 4; }""",
+                               arg=cell.element_handle())
+        cell.scroll_into_view_if_needed()
+        live = _check_nothing_clipped(cell, "live")
+        assert cell.locator(".accel-magics-run").count() == 1 and _running(cell), "the run ended before it was seen live"
+        assert [t[0] for t in live["tabs"]] == ["all ranks", "rank 0", "rank 1"], live["tabs"]
+        assert all(scroll <= client + 1 for _, scroll, client in live["tabs"]), ("a tab title cut", live["tabs"])
+        assert live["width"] < 700, f"not narrow: the output area is {live['width']} px (right sidebar {right} px)"
+        cell.screenshot(path=str(ARTIFACTS / "17-narrow-side-panels-live.png"))
+
+        _wait_done(page, 1)
+        summary = cell.locator(".accel-magics-summary")
+        summary.wait_for()
+        closed = summary.locator("details:not([open]) > summary")
+        while closed.count():
+            closed.first.click()   # the long outputs are collapsed: open them to see their lines
+        page.wait_for_function("""c => [...c.querySelectorAll('.accel-magics-summary details')].every(d => d.open)""",
+                               arg=cell.element_handle())
+        _check_nothing_clipped(cell, "record")
+        pre = cell.evaluate(PRE_BREAKS_JS)
+        assert pre["styles"] and all(s != "break-all" for s in pre["styles"]), pre
+        assert max(pre["wraps"]) > 0, f"the record's lines did not wrap: nothing checked {pre}"
+        assert not pre["breaks"], f"<pre> lines broken inside a word: {pre['breaks']}"
+        cell.screenshot(path=str(ARTIFACTS / "18-narrow-side-panels-record.png"))

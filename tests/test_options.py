@@ -33,7 +33,9 @@ def test_the_parser_has_every_option_of_the_table_with_its_flags_choices_and_def
         assert action.choices == (list(option.choices) if option.choices and isinstance(action.choices, list)
                                   else option.choices)
         assert action.help == option.help_text()
-        if option.default is not None:
+        if option.is_flag:
+            assert action.const is True and action.nargs == 0   # --oversubscribe: no value
+        elif option.default is not None:
             value = f"{option.default:g}" if isinstance(option.default, float) else str(option.default)
             assert re.search(rf"[dD]efault:? {re.escape(value)}\b", action.help), action.help
         elif option.default_text:

@@ -77,8 +77,8 @@ def test_widget_view_marks_the_failed_rank(clean_kernel):
 
 def test_config_magic_sets_defaults_for_flagless_cells(clean_kernel):
     k = clean_kernel
-    shown = k.ok("%distributed_config --num_processes 3 --output text")
-    assert "%%distributed --num_processes 3" in shown.stdout
+    shown = k.ok("%distributed_config --num_processes 3 --output text --oversubscribe")
+    assert "%%distributed --num_processes 3" in shown.stdout and "--oversubscribe" in shown.stdout
     res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
     assert "[rank 2] world 3" in res.stdout
     res = k.ok("%%distributed -n 2\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
@@ -183,6 +183,14 @@ def test_config_form_validates_each_field_on_its_own_and_changes_the_next_run(cl
     change("output", "text")
     res = k.ok("%%distributed\nimport os\nprint('world', os.environ['WORLD_SIZE'])")
     assert "[rank 2] world 3" in res.stdout
+    # ...and --oversubscribe, a flag: a box (9 ranks are past 4x this CPU machine's cores only here).
+    import os
+    cap = 4 * (len(os.sched_getaffinity(0)))
+    out = change("processes / node", cap + 1)
+    assert f"not applied: --num_processes {cap + 1} is more than 4x" in out, out
+    change("oversubscribe", True)
+    assert "'oversubscribe': True" in defaults() and "--oversubscribe" in plain["text"], plain
+    assert f"'num_processes': {cap + 1}" in defaults()   # applied now that the other allows it
     k.ok("%distributed_config --reset")
 
 

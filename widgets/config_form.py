@@ -32,6 +32,7 @@ INT_FIELDS = tuple(name for name in LABELS if BY_NAME[name].type is int and name
 #: Fields whose empty text means "the built-in default" (or none): a number of seconds, a path, a port.
 SECONDS_FIELDS = tuple(name for name in LABELS if BY_NAME[name].type is float)
 TEXT_FIELDS = ("master_port", *SECONDS_FIELDS, "config_file")
+FLAG_FIELDS = tuple(name for name in LABELS if BY_NAME[name].is_flag)
 
 
 def _placeholder(name: str) -> str:
@@ -63,6 +64,9 @@ class ConfigForm:
         # local: this machine (one kernel per node); slurm: every node of this kernel's allocation.
         self.fields["launcher"] = w.Dropdown(options=list(BY_NAME["launcher"].choices), description=LABELS["launcher"],
                                              style=style)
+        for name in FLAG_FIELDS:   # given or not: a box (its help in the tooltip)
+            self.fields[name] = w.Checkbox(description=LABELS[name], indent=True, style=style,
+                                           tooltip=BY_NAME[name].help_text())
         self.notes = {name: w.HTML() for name in self.fields}
         self.status = w.HTML()
         self.command = w.HTML()
@@ -92,6 +96,8 @@ class ConfigForm:
                     field.value = int(value or 0)
                 elif name == "mixed_precision":
                     field.value = value or "default"
+                elif name in FLAG_FIELDS:
+                    field.value = bool(value)
                 elif value is not None:
                     field.value = value
                 self.notes[name].value = ""
