@@ -83,7 +83,7 @@ class RunRecord:
                 # into its output, in order with its prints (rank_bars).
                 kept.pop(event.id, None)
                 if event.leave:
-                    self.bar_lines.setdefault(event.rank, set()).add(event.text)
+                    self.bar_lines.setdefault(event.rank, set()).add(event.terminal_line)
             else:
                 kept[event.id] = event     # open: its latest state, shown below the lines
         elif isinstance(event, ev.Quiet):   # a colleague reading the record learns it too
@@ -116,6 +116,6 @@ class RunRecord:
                 out.append(f"{prefix}... {omitted} lines omitted{where} ...")
             out.extend(prefix + line for line in lines[HEAD_LINES:])
             # Bars still open at the end, in their last state, below the lines (as a terminal ends).
-            out.extend(prefix + bar.text
+            out.extend(prefix + bar.terminal_line
                        for bar in sorted(self.bars.get(ranks[0], {}).values(), key=lambda b: b.pos))
         return "\n".join(out) + ("\n" if out else "")

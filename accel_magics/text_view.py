@@ -151,7 +151,7 @@ class TextView:
         if e.closed:
             return
         if self._throttled(e.rank):
-            self.live.write([f"[rank {e.rank}] {e.text}"])
+            self.live.write([f"[rank {e.rank}] {e.terminal_line}"])
 
     def on_RankExited(self, e: ev.RankExited) -> None:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):

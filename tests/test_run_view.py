@@ -18,7 +18,7 @@ for epoch in tqdm(range(3), desc='epoch'):
         time.sleep(0.002)
     print(f'rank {{rank}} epoch {{epoch}} loss {{0.5 / (epoch + 1):.3f}}')
 """
-BAR_DONE = r"epoch: 100% 3/3 \[\d\d:\d\d<00:00, +[\d.]+it/s\]"
+BAR_DONE = r"epoch: 100%\|██████████\| 3/3 \[\d\d:\d\d<00:00, +[\d.]+it/s\]"   # as tqdm draws it
 
 
 def _record(res) -> tuple[str, str]:
@@ -62,7 +62,7 @@ def test_a_print_inside_a_bar_loop_is_a_line_of_its_own(clean_kernel, mode):
     text, page = _record(res)
     lines = [line for line in text.splitlines() if line.startswith("[rank 1] ")]
     assert lines[:3] == [f"[rank 1] rank 1 step {i} loss 0.0196" for i in (0, 100, 200)], text
-    assert re.fullmatch(r"\[rank 1\] train: 100% 300/300 \[.*\]", lines[3]), lines
+    assert re.fullmatch(r"\[rank 1\] train: 100%\|██████████\| 300/300 \[.*\]", lines[3]), lines
     if mode == "widget":
         # The row's latest line is the latest *print*, not the bar text.
         assert re.search(r"<code class='accel-magics-latest' style='[^']*' title='rank 1 step 200 loss 0.0196'>",
@@ -140,7 +140,7 @@ def test_a_notebook_executed_headless_keeps_no_state_of_closed_views(tmp_path):
     saved = nbformat.writes(nb)
     assert len(saved) < 30_000, len(saved)
     outputs = "".join(o.get("text", "") for o in nb.cells[1].outputs)
-    assert "[rank 1] rank 1 epoch 2 loss 0.167" in outputs and "[rank 1] epoch: 100% 3/3" in outputs, outputs
+    assert "[rank 1] rank 1 epoch 2 loss 0.167" in outputs and "[rank 1] epoch: 100%|██████████| 3/3" in outputs, outputs
 
 
 def test_interrupt_stacks_show_the_users_frames_with_their_lines_and_count_library_threads(clean_kernel):
@@ -194,7 +194,7 @@ def test_a_bar_never_closed_keeps_its_last_state_and_tqdm_write_is_a_line(clean_
     lines = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
     # The loop left with break: its bar closes when the iterator goes, at once
     # (its final line, in order with what is printed after it).
-    assert re.fullmatch(r"\[rank 1\] unfinished: 40% 4/10 \[.*\]", lines[0]), lines
+    assert re.fullmatch(r"\[rank 1\] unfinished:  40%\|████      \| 4/10 \[.*\]", lines[0]), lines
     assert lines[1] == "[rank 1] written", lines
     # Never closed: its last state, below the lines.
     assert re.fullmatch(r"\[rank 1\] stream: 7 \[.*\]", lines[2]), lines
@@ -209,7 +209,7 @@ def test_tqdm_notebook_and_many_finished_inner_bars(clean_kernel):
     text, page = _record(res)
     assert "HBox" not in text + page and "FloatProgress" not in text + page
     rank1 = [line for line in text.splitlines() if line.startswith("[rank 1] ")]
-    assert len(rank1) == 32 and rank1[-1] == "[rank 1] done" and "epoch: 100% 30/30" in rank1[-2], rank1
+    assert len(rank1) == 32 and rank1[-1] == "[rank 1] done" and "epoch: 100%|██████████| 30/30" in rank1[-2], rank1
     row = page[page.index("rank 1 <b"):].split("class='accel-magics-row'")[0]
     assert row.count("class='accel-magics-bar'") <= 2, row    # the newest finished bar per position
 

@@ -318,7 +318,7 @@ class RunView:
             # Left on screen: its final line arrives in the rank's output (in
             # order with its prints); the row keeps only the newest finished
             # bar per position (a leave=True inner bar per epoch stays bounded).
-            state.bar_lines.append(e.text)
+            state.bar_lines.append(e.terminal_line)
             state.latest = state.latest_printed()
             for key, bar in list(state.bars.items()):
                 if key != e.id and bar.pos == e.pos and getattr(bar, "closed", False):

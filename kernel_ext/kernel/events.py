@@ -96,16 +96,22 @@ class Bar:
     stats: str              # tqdm's statistics: "50/300 [00:02<00:12, 19.87it/s, loss=0.1]"
     leave: bool = True
     closed: bool = False
+    line: str = ""          # the bar as tqdm draws it, "epoch: 100%|██████████| 3/3 [...]" (the rank's)
 
     @property
     def fraction(self) -> Optional[float]:
         return min(1.0, self.n / self.total) if self.total else None
 
     @property
+    def terminal_line(self) -> str:
+        """The bar as a terminal keeps it, meter and all (a bar left on screen
+        when closed: the rank writes this line into its output itself, in
+        order with its prints; see ``rank_bars.line``)."""
+        return self.line or self.text
+
+    @property
     def text(self) -> str:
-        """The bar as one plain line, as a terminal would keep it.  (A bar left
-        on screen when closed: the rank writes this line into its output
-        itself, in order with its prints; see ``rank_bars``.)"""
+        """The bar without its meter: what a row shows beside the bar it draws."""
         pct = f"{int(100 * self.fraction)}% " if self.fraction is not None else ""
         return f"{self.desc + ': ' if self.desc else ''}{pct}{self.stats}"
 

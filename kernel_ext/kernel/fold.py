@@ -232,7 +232,7 @@ class RunFold:
 
     def _rank_bar(self, rank: int, event: dict) -> None:
         self.emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],
-                         event["stats"], event["leave"], event["closed"]))
+                         event["stats"], event["leave"], event["closed"], event.get("line", "")))
 
     def _stacks(self, msg: dict) -> None:
         self.stacks[msg["rank"]] = msg["text"]

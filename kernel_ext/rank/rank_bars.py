@@ -69,17 +69,31 @@ def _event(bar, closed: bool = False) -> dict:
         total = None
     if total is not None and (total != total or total == float("inf")):
         total = None
-    return {"kind": "bar", "id": bar._accel_bar, "pos": abs(getattr(bar, "pos", 0) or 0),
-            "desc": str(bar.desc or "").rstrip(": "), "n": _number(bar.n), "total": total,
-            "stats": _stats(bar), "leave": bool(bar.leave if bar.leave is not None else bar.pos == 0),
-            "closed": closed}
+    event = {"kind": "bar", "id": bar._accel_bar, "pos": abs(getattr(bar, "pos", 0) or 0),
+             "desc": str(bar.desc or "").rstrip(": "), "n": _number(bar.n), "total": total,
+             "stats": _stats(bar), "leave": bool(bar.leave if bar.leave is not None else bar.pos == 0),
+             "closed": closed}
+    event["line"] = line(event)   # what a terminal shows: the text views and the record write it
+    return event
+
+
+_BLOCKS = " ▏▎▍▌▋▊▉█"   # tqdm's unicode bar: eighths of a cell
+BAR_WIDTH = 10          # tqdm's bar when it knows no terminal width
 
 
 def line(event: dict) -> str:
-    """A bar as the one plain line a terminal keeps of it (kernel_ext.kernel.events.Bar.text)."""
+    """A bar as the line a terminal keeps of it, as tqdm draws it:
+    ``epoch: 100%|██████████| 3/3 [00:00<00:00, 9.9it/s]`` (no meter without
+    a total).  The view's rows show :attr:`events.Bar.text` beside a drawn bar."""
     total = event.get("total")
-    pct = f"{int(100 * min(1.0, event['n'] / total))}% " if total else ""
-    return f"{event['desc'] + ': ' if event['desc'] else ''}{pct}{event['stats']}"
+    desc = f"{event['desc']}: " if event["desc"] else ""
+    if not total:
+        return f"{desc}{event['stats']}"
+    fraction = max(0.0, min(1.0, event["n"] / total))
+    eighths = int(fraction * BAR_WIDTH * 8)
+    full, part = divmod(eighths, 8)
+    bar = (_BLOCKS[-1] * full + (_BLOCKS[part] if full < BAR_WIDTH else "")).ljust(BAR_WIDTH)
+    return f"{desc}{100 * fraction:3.0f}%|{bar}| {event['stats']}"
 
 
 def _number(value) -> float:

@@ -81,7 +81,7 @@ class RankEvent(_Text):
     FAILED = "failed"          # exc_type, message, traceback, timestamp, secondary
     RESULT = "result"          # value, returns, missing, new_modules, exited, in_world, rounds, timestamp
     PROGRESS = "progress"      # n, total, desc
-    BAR = "bar"                # id, pos, desc, n, total, stats, leave, closed
+    BAR = "bar"                # id, pos, desc, n, total, stats, leave, closed, line (as tqdm draws it)
     NAMES = "names"            # assigned, deleted (a session cell)
     SESSION_READY = "session_ready"
     JOINING = "joining"        # round: entered the round-th init_process_group for the run's world
