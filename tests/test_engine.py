@@ -328,15 +328,14 @@ def _open_memfds():
     """The globals memfds this process still holds open.  Counting every fd
     would be noise: the launcher's own threads open and close sockets and
     pipes while idle (the next run's supervisor is forked ahead)."""
-    held = []
+    held = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:accel_magics-globals"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)   # a kept one: its fd and its mapping's
         except OSError:                  # closed between listdir and readlink
             continue
-        if target.startswith("/memfd:accel_magics-globals"):
-            held.append(target)
-    return held
+    return sorted(held)
 
 
 def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
@@ -360,7 +359,44 @@ def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
     assert result.value == (1000.0, float(4 * 1024 * 1024 - 1), 0.0, 5.0)   # rank 0 saw only its own writes
     assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
     assert payload.shared is None                       # released after the run
-    assert _open_memfds() == []                         # the memfd is closed
+    assert len(_open_memfds()) == 2                     # kept while the kernel holds the arrays...
+    del tensor, array
+    assert _open_memfds() == []                         # ...and closed when it drops them
+
+
+def _memfd_inodes(payload) -> list:
+    return [os.fstat(fd).st_ino for fd in payload.shared.fds]
+
+
+def test_an_unchanged_big_global_is_sent_once_across_cells_and_a_change_anywhere_is_seen(launcher):
+    """Issue 27 item 2: every cell wrote 1 GB of globals into fresh shared
+    memory (0.7x the data in extra memory per cell).  An unchanged array's
+    memfd is reused; a change is seen whatever made it (a write through
+    .data or .numpy() does not move torch's version counter); a memfd a run
+    was given is never written again."""
+    import numpy as np
+    import torch
+    from accel_magics.kernel_ext.wire.payload import SHARED
+
+    tensor = torch.zeros(4 * 1024 * 1024, dtype=torch.float32)       # 16 MB
+    array = np.zeros(2 * 1024 * 1024 + 3, dtype=np.float64)          # not a multiple of 8 words
+    code = "(float(tensor.sum()), float(array[-1]))"
+    ns = {"tensor": tensor, "array": array}
+    first = build_payload(code, ns)
+    second = build_payload(code, ns)
+    assert _memfd_inodes(first) == _memfd_inodes(second)   # the same memory, sent once
+    tensor.data[5] = 1.0        # no version bump
+    array.reshape(-1)[-1] = 2.0   # the last, odd bytes
+    third = build_payload(code, ns)
+    assert all(a != b for a, b in zip(_memfd_inodes(second), _memfd_inodes(third)))   # both changed: new memory
+    assert execute(launcher, LaunchConfig(num_processes=2), third).value == (1.0, 2.0)
+    assert execute(launcher, LaunchConfig(num_processes=2), first).value == (0.0, 0.0)   # its memory unchanged
+    for payload in (first, second, third):
+        payload.release()
+    assert len(SHARED) == 2 and len(_open_memfds()) == 2
+    ns.clear()
+    del tensor, array
+    assert len(SHARED) == 0 and _open_memfds() == []
 
 
 def test_progress_helper_reports_structured_progress(launcher):

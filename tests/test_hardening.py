@@ -198,11 +198,15 @@ def test_interrupting_while_a_big_global_is_shipped_frees_its_shared_memory(clea
             seen.append(memfds(k.pid))   # 'big' is in shared memory by now
             k.interrupt()
 
-    res = k.run("%%distributed -n 2 --output text\nprint(big.sum(), slow)\n", on_output=on_output, timeout=60)
-    assert seen == [1], "the test did not interrupt while the big global was in shared memory"
-    assert res.error["ename"] == "KeyboardInterrupt", res.error_text
-    assert memfds(k.pid) == 0, "the shared memory of the big global leaked"
+    for _ in range(3):
+        res = k.run("%%distributed -n 2 --output text\nprint(big.sum(), slow)\n", on_output=on_output, timeout=60)
+        assert seen[:1] == [1], "the test did not interrupt while the big global was in shared memory"
+        assert res.error["ename"] == "KeyboardInterrupt", res.error_text
+        # one memfd kept for big while the kernel holds it (the next cell reuses it), none per stop
+        assert memfds(k.pid) == 1, "the shared memory of the big global leaked"
+        seen.clear()
     k.ok("del big, slow, SlowToSend")
+    assert memfds(k.pid) == 0, "the kept shared memory outlived the name"
 
 
 @pytest.mark.parametrize("raised", ["SystemExit(3)", "KeyboardInterrupt()"])

@@ -72,3 +72,28 @@ def test_annotations_and_defaults_are_shipped():
     p = build_payload("def f(x: MyType = DEFAULT) -> Out:\n    return x\n",
                       {"MyType": int, "DEFAULT": 4, "Out": str})
     assert p.shipped_names == ["DEFAULT", "MyType", "Out"]
+
+
+def test_kept_shared_memory_stays_within_its_budget():
+    """A kept array's shared memory stays taken between cells, so the cache
+    keeps at most its budget (a quarter of the machine's memory); beyond it
+    an array's memory is its run's alone, as before."""
+    import numpy as np
+
+    from accel_magics.kernel_ext.wire.payload import SharedArena, SharedCache
+
+    cache = SharedCache(budget=40 << 20)
+    first, second = np.ones(3 << 20), np.ones(3 << 20)   # 24 MB each
+    for _ in range(2):
+        arena = SharedArena(cache)
+        arena.add(memoryview(first).cast("B"), first)
+        arena.add(memoryview(second).cast("B"), second)
+        assert len(cache) == 1 and cache.kept_bytes() == 24 << 20
+        arena.close()
+    del first
+    arena = SharedArena(cache)
+    arena.add(memoryview(second).cast("B"), second)   # room now
+    assert len(cache) == 1 and cache.kept_bytes() == 24 << 20
+    arena.close()
+    cache.clear()
+    assert len(cache) == 0

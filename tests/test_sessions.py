@@ -597,6 +597,8 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
             k.ok("%%distributed --session --background --output text\nn += 1")
             k.ok("_.wait()")
     assert by_rank(ok_cell(k, "print(n)").stdout) == {0: ["30"], 1: ["30"]}
+    assert memfds(k.pid) == 1   # big's, kept across cells while the kernel holds it (not one per cell)
+    k.ok("del big")
     assert memfds(k.pid) == 0
     k.ok("%distributed_session stop")
     k.assert_no_leaks()

@@ -63,5 +63,6 @@ def test_soak_248_mixed_runs_in_one_kernel(clean_kernel):
         assert now[0] <= base[0] + 2, f"run {i} ({kind}): the kernel's open files grew {base[0]} -> {now[0]}"
         assert now[1] <= base[1], f"run {i} ({kind}): the kernel's threads grew {base[1]} -> {now[1]}"
         assert now[2] == base[2], f"run {i} ({kind}): /dev/shm changed: {now[2] ^ base[2]}"
-        assert now[3] == 0, f"run {i} ({kind}): a shared-memory global leaked"
+        # big's memfd is kept across cells while the kernel holds it: one, never one per run
+        assert now[3] <= 1, f"run {i} ({kind}): a shared-memory global leaked ({now[3]} memfds)"
     print("slowest run of each kind (s):", {kind: round(t, 1) for kind, t in sorted(worst.items())})

@@ -11,13 +11,16 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import mmap
 import os
 import signal
 import sys
 import threading
+import traceback
 from dataclasses import dataclass, field
 import marshal
 import types
+import weakref
 from typing import Callable, Optional
 
 import cloudpickle
@@ -274,7 +277,12 @@ def build_payload(
         except BaseException as exc:
             arena.close()   # whatever happened, the shared memory of big globals is freed now
             if isinstance(exc, KeyboardInterrupt) and interrupts.seen:
-                raise           # the user's interrupt (the stop button): not a pickling problem
+                # The user's interrupt (the stop button): not a pickling problem.  Its
+                # traceback (IPython keeps the last one) must not keep the cell's
+                # values alive in the pickler's frames, nor their kept shared memory.
+                traceback.clear_frames(exc.__traceback__)
+                shipped.clear()   # this frame's own (an executing frame is not cleared)
+                raise
             _raise_for_unpicklable(shipped, interrupts)
             raise PayloadError(f"the cell's variables could not be sent to the ranks: "
                                f"{_exc_text(exc)}") from None
@@ -300,47 +308,154 @@ SHARE_THRESHOLD = 8 * 1024 * 1024   # bytes: smaller arrays are simply pickled
 
 
 class SharedArena:
-    """One memfd holding the run's big arrays, written once by the kernel.
+    """The shared memory of one run's big arrays: one memfd per array,
+    written by the kernel, mapped copy-on-write by the ranks.
 
-    Ranks map it copy-on-write (``MAP_PRIVATE``) through
-    ``/proc/<kernel pid>/fd/<fd>``: no copy per rank, and a rank that writes
-    to its array changes only its own pages, as after notebook_launcher's
-    fork.  Nothing is left behind: the memory is freed when the kernel
-    closes the fd after the run.
+    Ranks map each array ``MAP_PRIVATE`` through ``/proc/<kernel pid>/fd/<fd>``:
+    no copy per rank, and a rank that writes to its array changes only its
+    own pages, as after notebook_launcher's fork.  The memfds come from
+    :data:`SHARED` (kept across cells while the kernel holds the array and
+    it is unchanged); the arena holds its own descriptor of each until the
+    run is over (:meth:`close`), so nothing the cache does meanwhile can
+    pull one from under a rank that has not mapped it yet.
     """
 
     enabled = True   # False: ranks on other machines (nothing is shared, arrays are pickled)
 
-    def __init__(self) -> None:
-        self.fd: Optional[int] = None
+    def __init__(self, cache: Optional["SharedCache"] = None) -> None:
+        self.cache = cache if cache is not None else SHARED
+        self.fds: list[int] = []
         self.size = 0
 
     @property
     def used(self) -> bool:
         return self.size > 0
 
-    def add(self, view: memoryview) -> tuple:
-        if self.fd is None:
-            self.fd = os.memfd_create("accel_magics-globals", os.MFD_CLOEXEC)
-        offset = -(-self.size // 4096) * 4096          # page-aligned, so it can be mapped
-        os.ftruncate(self.fd, offset + view.nbytes)
-        written = 0
-        while written < view.nbytes:
-            written += os.pwrite(self.fd, view[written:], offset + written)
-        self.size = offset + view.nbytes
-        return (os.getpid(), self.fd, offset, view.nbytes)
+    def add(self, view: memoryview, owner=None) -> tuple:
+        """``view``: the bytes of ``owner`` (the kernel's array)."""
+        fd = self.cache.hold(owner, view)
+        self.fds.append(fd)
+        self.size += view.nbytes
+        return (os.getpid(), fd, 0, view.nbytes)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
-    __del__ = close   # a payload dropped without release() still frees its memory
+    __del__ = close   # a payload dropped without release() still lets its memory go
 
     def __getstate__(self) -> dict:
-        # The fd is the kernel's: a copy unpickled in another process (a
-        # supervisor, a session's rank) must never close that number there.
-        return {"fd": None, "size": self.size}
+        # The fds are the kernel's: a copy unpickled in another process (a
+        # supervisor, a session's rank) must never close those numbers there.
+        return {"fds": [], "size": self.size, "cache": None}
+
+
+class SharedCache:
+    """Big arrays already in shared memory, kept across cells (issue 27
+    item 2): a 1 GB global used by cell after cell was written into fresh
+    shared memory for every cell, 0.7x the data in extra memory each time.
+
+    Keyed by the kernel's array object, alive (a weak reference: when the
+    kernel drops the name, its memfd goes), the same size.  Reused only when
+    its bytes are *exactly* the memfd's: a full comparison, no version
+    counter or sampled checksum that a write through ``.data``, ``.numpy()``
+    or a C extension could get past; comparing reads at memory speed, several
+    times faster than writing fresh pages.  A memfd once handed to ranks is
+    never written again: a changed array gets a new one, so a background
+    run's or a session's ranks keep the values they were sent (their mapping
+    keeps the old memory until they let it go).
+    """
+
+    CHUNK = 16 << 20   # bytes compared at a time (a bounded temporary)
+
+    def __init__(self, budget: Optional[int] = None) -> None:
+        # Kept memory stays taken between cells: at most a quarter of the
+        # machine's (beyond it an array's shared memory is its run's only, as before).
+        self.budget = budget if budget is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        self._lock = threading.RLock()   # a weak reference's callback may run inside hold() (a GC there)
+        self._entries: dict[int, tuple] = {}   # id(owner) -> (weakref, memfd, its mapping)
+
+    def hold(self, owner, view: memoryview) -> int:
+        """A descriptor (the caller's, to close) of a memfd holding ``view``'s
+        bytes: the one kept for ``owner`` if they are unchanged, else a new
+        one, kept for ``owner`` from now on."""
+        key = id(owner)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
+                and self._same(view, entry[2]):
+            return os.dup(entry[1])
+        fd, mapping = self._write(view)
+        kept = self.kept_bytes() - (len(entry[2]) if entry is not None and entry[0]() is owner else 0)
+        try:
+            if kept + view.nbytes > self.budget:
+                raise TypeError("over the budget")
+            ref = weakref.ref(owner, lambda _, key=key: self._drop(key))
+        except TypeError:   # no weak reference to it, or too much kept already: this run's alone
+            mapping.close()
+            return fd
+        with self._lock:
+            old, self._entries[key] = self._entries.get(key), (ref, fd, mapping)
+        if old is not None:
+            self._release(old)
+        return os.dup(fd)
+
+    @staticmethod
+    def _write(view: memoryview) -> tuple:
+        fd = os.memfd_create("accel_magics-globals", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, view.nbytes)
+            mapping = mmap.mmap(fd, view.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        memoryview(mapping)[:] = view
+        return fd, mapping
+
+    def _same(self, view: memoryview, mapping) -> bool:
+        import numpy as np
+
+        words = view.nbytes // 8 * 8
+        mine, theirs = np.frombuffer(view, np.uint8), np.frombuffer(mapping, np.uint8)
+        step = self.CHUNK
+        for start in range(0, words, step):
+            stop = min(words, start + step)
+            if not np.array_equal(mine[start:stop].view(np.uint64), theirs[start:stop].view(np.uint64)):
+                return False
+        return bool(np.array_equal(mine[words:], theirs[words:]))
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._release(entry)
+
+    @staticmethod
+    def _release(entry: tuple) -> None:
+        _, fd, mapping = entry
+        try:
+            mapping.close()
+        except BufferError:   # a view of it is still being compared: it closes with its last view
+            pass
+        os.close(fd)
+
+    def clear(self) -> None:
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            self._release(entry)
+
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(len(mapping) for _, _, mapping in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: The kernel's cache of big arrays in shared memory (one per process).
+SHARED = SharedCache()
 
 
 def _map_shared(ref: tuple):
@@ -473,13 +588,13 @@ class _SharingPickler(cloudpickle.Pickler):
                 and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):
             order = "C" if obj.flags.c_contiguous else "F"
             data = memoryview(obj.reshape(-1, order=order)).cast("B")
-            return _rebuild_ndarray, (self.arena.add(data), obj.dtype.str, obj.shape, order)
+            return _rebuild_ndarray, (self.arena.add(data, obj), obj.dtype.str, obj.shape, order)
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" \
                 and obj.is_contiguous() and not obj.is_sparse and obj.is_leaf \
                 and obj.numel() * obj.element_size() >= SHARE_THRESHOLD and type(obj) is torch.Tensor:
             data = obj.detach().view(-1).view(torch.uint8).numpy()
-            return _rebuild_tensor, (self.arena.add(memoryview(data).cast("B")), str(obj.dtype).split(".")[1],
+            return _rebuild_tensor, (self.arena.add(memoryview(data).cast("B"), obj), str(obj.dtype).split(".")[1],
                                      tuple(obj.shape), obj.requires_grad)
         return super().reducer_override(obj)
 
@@ -503,8 +618,14 @@ def _dumps(value, arena: SharedArena, main_ns: Optional[dict] = None,
     buf = io.BytesIO()
     pickler = _SharingPickler(buf, arena, main_ns, code_label)
     pickler.keep_out = keep_out
-    pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
-    return buf.getvalue(), dict(pickler.sources)
+    try:
+        pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
+        return buf.getvalue(), dict(pickler.sources)
+    finally:
+        # The memo holds every value sent, and the _Found objects in it hold
+        # the pickler: a cycle that kept the kernel's arrays alive (and their
+        # kept shared memory) until a garbage collection.
+        pickler.clear_memo()
 
 
 class _Interrupts:
