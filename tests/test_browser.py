@@ -337,7 +337,7 @@ def test_nested_bars_narrow_window_follow_the_tail_and_dark_theme():
         assert "\x1b" not in text and "step:" not in text, text
         # Each rank's row keeps its finished outer bar, and its output ends with the
         # bar's final line (as a terminal keeps it): 6 prints + 1 bar line.
-        assert text.count("epoch: 100% 3/3") == 8, text
+        assert text.count("epoch: 100% 3/3") == 4 and text.count("epoch: 100%|██████████| 3/3") == 4, text
         assert "rank 0 epoch 2 done" in text and "(7 lines)" in text, text
         cell.screenshot(path=str(ARTIFACTS / "8-nested-record.png"))
 
@@ -675,8 +675,10 @@ CLIPPED_JS = """c => {
         if (r.width === 0) continue;
         if (r.right > edge + 1) past.push([what(e), r.right, edge]);
         const s = getComputedStyle(e);
-        if (['hidden', 'clip'].includes(s.overflowX) && e.scrollWidth > e.clientWidth + 1
-                && !e.classList.contains('accel-magics-latest'))
+        // An excerpt cut on purpose (an ellipsis, the whole text in its tooltip) is not clipped.
+        const excerpt = (e.classList.contains('accel-magics-latest') || e.classList.contains('accel-magics-bartext'))
+            && s.textOverflow === 'ellipsis' && e.title === (e.textContent || '');
+        if (['hidden', 'clip'].includes(s.overflowX) && e.scrollWidth > e.clientWidth + 1 && !excerpt)
             clipped.push([what(e), e.scrollWidth, e.clientWidth]);
     }
     const panel = c.closest('.jp-NotebookPanel').getBoundingClientRect();
@@ -687,31 +689,30 @@ CLIPPED_JS = """c => {
 }"""
 # A soft-wrapped line of a <pre> starts after a space (or a hyphen), never inside a word.
 PRE_BREAKS_JS = """c => {
-    const found = [];
-    for (const pre of c.querySelectorAll('.jp-OutputArea .accel-magics-pre')) {
-        if (pre.getBoundingClientRect().width === 0) continue;
-        const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT);
-        let prevTop = null, prev = '\\n', wraps = 0;
+    const pres = [...c.querySelectorAll('.jp-OutputArea .accel-magics-pre')]
+        .filter(p => p.getBoundingClientRect().width > 0);
+    const breaks = [], wraps = [];
+    for (const pre of pres) {
+        const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT), range = document.createRange();
+        let prevTop = null, prev = '\\n', n = 0;
         for (let node = walker.nextNode(); node; node = walker.nextNode()) {
-            const text = node.data, range = document.createRange();
+            const text = node.data;
             for (let i = 0; i < text.length; i++) {
-                const ch = text[i];
-                if (ch === '\\n') { prev = ch; prevTop = null; continue; }
+                if (text[i] === '\\n') { prev = '\\n'; prevTop = null; continue; }
                 range.setStart(node, i); range.setEnd(node, i + 1);
                 const r = range.getClientRects()[0];
                 if (!r) continue;
-                if (prevTop !== null && r.top > prevTop + 2) {
-                    wraps++;
-                    if (!/[\\s-]/.test(prev)) found.push(text.slice(Math.max(0, i - 12), i) + '|' + text.slice(i, i + 12));
+                if (prevTop !== null && r.top > prevTop + 2) {   // a soft-wrapped line starts here
+                    n++;
+                    if (!/[\\s-]/.test(prev))
+                        breaks.push(text.slice(Math.max(0, i - 12), i) + '|' + text.slice(i, i + 12));
                 }
-                prevTop = r.top; prev = ch;
+                prevTop = r.top; prev = text[i];
             }
         }
-        pre.dataset.wraps = wraps;
+        wraps.push(n);
     }
-    return {breaks: found, styles: [...c.querySelectorAll('.jp-OutputArea .accel-magics-pre')]
-        .map(p => getComputedStyle(p).wordBreak),
-            wraps: [...c.querySelectorAll('.jp-OutputArea .accel-magics-pre')].map(p => +(p.dataset.wraps || 0))};
+    return {breaks, wraps, styles: pres.map(p => getComputedStyle(p).wordBreak)};
 }"""
 
 
@@ -751,20 +752,23 @@ def test_narrow_with_side_panels_nothing_is_clipped():
         cell = page.locator(CELL).nth(1)
         # Live, once the rows show the long lines and the pane has a few of them.
         page.wait_for_function("""c => { const r = c.querySelector('.accel-magics-run');
-            return !!r && [...r.querySelectorAll('.accel-magics-latest')].filter(e => /grad-norm/.test(e.title)).length == 2
+            return !!r && [...r.querySelectorAll('.accel-magics-latest')]
+                              .filter(e => /grad-norm/.test(e.title)).length == 2
                    && (r.querySelector('.accel-magics-pane')?.innerText.match(/grad-norm/g) || []).length >= 4; }""",
                                arg=cell.element_handle())
         cell.scroll_into_view_if_needed()
         live = _check_nothing_clipped(cell, "live")
-        assert cell.locator(".accel-magics-run").count() == 1 and _running(cell), "the run ended before it was seen live"
+        assert cell.locator(".accel-magics-run").count() == 1 and _running(cell), "the run ended before seen live"
         assert [t[0] for t in live["tabs"]] == ["all ranks", "rank 0", "rank 1"], live["tabs"]
         assert all(scroll <= client + 1 for _, scroll, client in live["tabs"]), ("a tab title cut", live["tabs"])
         assert live["width"] < 700, f"not narrow: the output area is {live['width']} px (right sidebar {right} px)"
-        cell.screenshot(path=str(ARTIFACTS / "17-narrow-side-panels-live.png"))
+        page.screenshot(path=str(ARTIFACTS / "17-narrow-side-panels-live.png"))
 
         _wait_done(page, 1)
         summary = cell.locator(".accel-magics-summary")
         summary.wait_for()
+        cell.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "18-narrow-side-panels-record.png"))
         closed = summary.locator("details:not([open]) > summary")
         while closed.count():
             closed.first.click()   # the long outputs are collapsed: open them to see their lines
@@ -775,4 +779,140 @@ def test_narrow_with_side_panels_nothing_is_clipped():
         assert pre["styles"] and all(s != "break-all" for s in pre["styles"]), pre
         assert max(pre["wraps"]) > 0, f"the record's lines did not wrap: nothing checked {pre}"
         assert not pre["breaks"], f"<pre> lines broken inside a word: {pre['breaks']}"
-        cell.screenshot(path=str(ARTIFACTS / "18-narrow-side-panels-record.png"))
+        summary.locator("details").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "19-narrow-side-panels-record-opened.png"))
+
+
+# 20,000 lines a rank in bursts of 200 (a burst is far more than a pane keeps).
+# The pause between bursts makes the flood last over 10 s, so the pane is seen
+# 3 and 6 s into it (with 0.01 s pauses it was over in under 2 s here).
+FLOOD_CELL = (
+    "%%distributed -n 2\n"
+    "import os, time\n"
+    "r = os.environ['RANK']\n"
+    "for i in range(20000):\n"
+    "    print(f'rank {r} line {i}')\n"
+    "    if i % 200 == 0:\n"
+    "        time.sleep(0.1)\n"
+)
+SHOWN_PANE_JS = """c => { const p = [...c.querySelectorAll('.accel-magics-run .accel-magics-pane')]
+    .find(e => e.offsetParent !== null && e.getBoundingClientRect().height > 0);
+    if (!p) return null;
+    // The lines on screen: inside the pane's scrolled box (it holds more than it shows).
+    const box = p.getBoundingClientRect(), shown = [], held = [];
+    for (const pre of p.querySelectorAll('pre')) {
+        const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT);
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            let at = 0;
+            for (const line of node.data.split('\\n')) {
+                if (line.trim()) {
+                    const range = document.createRange();
+                    range.setStart(node, at); range.setEnd(node, at + line.length);
+                    held.push(line);
+                    if ([...range.getClientRects()].some(r => r.bottom > box.top + 2 && r.top < box.bottom - 2))
+                        shown.push(line);
+                }
+                at += line.length + 1;
+            }
+        }
+    }
+    const count = (lines, r) => lines.filter(l => l.startsWith(`[rank ${r}]`)).length;
+    return {tab: c.querySelector('.accel-magics-run .lm-TabBar-tab.lm-mod-current').innerText.trim(),
+            rank0: count(shown, 0), rank1: count(shown, 1), held0: count(held, 0), held1: count(held, 1),
+            first: shown[0], last: shown[shown.length - 1]}; }"""
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("app", ["jupyterlab", "notebook"])
+def test_the_all_ranks_pane_shows_both_ranks_under_a_flood(app):
+    """Issue 25 (view round 3): 2 ranks printing 20,000 lines each, in bursts
+    larger than the pane keeps: the "all ranks" pane showed only rank 0's
+    lines.  Sampled through the flood (screenshots 3 and 6 s after its first
+    line): once the pane holds both ranks' lines, the lines on screen (the
+    pane holds more than its 300 px show) are both ranks' every time."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(app)
+    name = "lab" if app == "jupyterlab" else "nb7"
+    _write_notebook(lab, "flood.ipynb", ("%load_ext accel_magics", FLOOD_CELL))
+    with _lab_page(lab, {"width": 1300, "height": 1100}, f"failure-flood-{name}.png") as page:
+        page.goto(lab.url("flood.ipynb"))
+        _wait_kernel(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        page.wait_for_function(f"c => !!({SHOWN_PANE_JS})(c)?.last", arg=cell.element_handle(), polling=100)
+        start = time.monotonic()   # the first line is on screen
+        samples, shots = [], {3: "20", 6: "21"}
+        while shots:
+            seen = cell.evaluate(SHOWN_PANE_JS)
+            at = time.monotonic() - start
+            assert seen is not None, f"the run ended {at:.1f} s into the flood (samples: {samples})"
+            samples.append((round(at, 1), seen))
+            for due in [s for s in shots if at >= s]:
+                cell.locator(".accel-magics-run").screenshot(
+                    path=str(ARTIFACTS / f"{shots.pop(due)}-flood-{due}s-{name}.png"))
+            time.sleep(0.25)
+        assert _running(cell), f"the run ended before 6 s into the flood: {samples}"
+        # Once the pane holds both ranks' lines, both ranks' are on screen.
+        both = [(at, x) for at, x in samples if x["held0"] and x["held1"]]
+        assert len(both) >= 10, f"the pane did not hold both ranks' lines: {samples}"
+        one = [(at, x) for at, x in both if not (x["tab"] == "all ranks" and x["rank0"] and x["rank1"])]
+        assert not one, (f"the pane showed one rank's lines only in {len(one)} of {len(both)} samples "
+                         f"(the pane holds both ranks' lines; its 300 px show its newest): {one}")
+        _wait_done(page, 1)
+        text = cell.locator(".accel-magics-summary").inner_text()
+        assert "rank 0 line 19999" in text and "rank 1 line 19999" in text, text
+
+
+BACKGROUND_VALUE_CELL = (
+    "%%distributed -n 2 --background\n"
+    "import time\n"
+    "time.sleep(3)\n"
+    "'ok'\n"
+)
+
+
+@pytest.mark.timeout(400)
+def test_a_background_cells_out_shows_the_final_state():
+    """Issue 25 (view round 3): a background cell's value said "<background
+    run In[2]: started ...>" for ever, in the notebook and in the saved file.
+    It is a display the run updates in place when it ends: "done in ...: 'ok'",
+    while or after another cell runs; saved so too."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab()
+    _write_notebook(lab, "background-value.ipynb",
+                    ("%load_ext accel_magics", BACKGROUND_VALUE_CELL, "import time; time.sleep(5)"))
+    with _lab_page(lab, {"width": 1300, "height": 1000}, "failure-background-value.png") as page:
+        page.goto(lab.url("background-value.ipynb"))
+        _wait_idle(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+        _run_cell(page, 1)
+        _wait_done(page, 1)                     # returned at once: the handle
+        bg = page.locator(CELL).nth(1)
+        out = bg.locator(".jp-OutputArea")
+        out.filter(has_text="<background run In[2]: started").wait_for()
+        _run_cell(page, 2)                      # another cell runs meanwhile
+        _wait_done(page, 2)
+        page.wait_for_function("o => /done in/.test(o.innerText)", arg=out.element_handle())
+        bg.locator(".accel-magics-summary").wait_for()   # the record replaced the live view
+        text = out.inner_text()
+        assert "'ok'" in text and "started" not in text, text
+        assert text.count("<background run") == 1, f"not updated in place: {text}"
+        bg.screenshot(path=str(ARTIFACTS / "22-background-value-final.png"))
+
+        # Saved, the notebook says how the run ended too.
+        page.keyboard.press("Control+S")
+        path, saved = lab.root / "background-value.ipynb", ""
+        deadline = time.monotonic() + 60
+        while "done in" not in saved:
+            assert time.monotonic() < deadline, f"the saved notebook does not say how the run ended: {saved}"
+            time.sleep(0.25)
+            try:
+                cell = nbformat.read(path, as_version=4).cells[1]
+            except Exception:   # read while it is written
+                continue
+            saved = "\n".join(o.get("data", {}).get("text/plain", "") if o.get("output_type") != "stream"
+                              else o.get("text", "") for o in cell.outputs)
+        assert "'ok'" in saved and "started" not in saved, saved

@@ -65,7 +65,7 @@ def test_a_print_inside_a_bar_loop_is_a_line_of_its_own(clean_kernel, mode):
     assert re.fullmatch(r"\[rank 1\] train: 100%\|██████████\| 300/300 \[.*\]", lines[3]), lines
     if mode == "widget":
         # The row's latest line is the latest *print*, not the bar text.
-        assert re.search(r"<code class='accel-magics-latest' style='[^']*' title='rank 1 step 200 loss 0.0196'>",
+        assert re.search(r"<span class='accel-magics-latest' style='[^']*' title='rank 1 step 200 loss 0.0196'>",
                          page), page
 
 

@@ -259,24 +259,36 @@ def test_the_html_record_keeps_the_head_and_the_tail(n, first, gap):
 
 def test_the_all_ranks_pane_keeps_every_rank_under_a_flood():
     """Issue 25 item 2: 2 ranks printing 20,000 lines each showed only rank 0's
-    lines in "all ranks" (each batch of one rank pushed the other out)."""
+    lines in "all ranks" (each batch of one rank pushed the other out), and
+    then, holding 50 of each, still only one rank's on screen: the pane shows
+    its newest 19 lines, which were the last batch's rank's."""
     from accel_magics.kernel_ext.kernel import events as ev
     from accel_magics.widgets.progress_view import RunView
 
     view = RunView()
     view(ev.Output(1, "\n".join(f"r1 line {i}" for i in range(30))))
-    for batch in range(5):   # rank 0 floods after rank 1's last batch
+    for batch in range(5):   # rank 0 floods after rank 1's last batch, between the same two refreshes
         view(ev.Output(0, "\n".join(f"r0 line {batch * 500 + i}" for i in range(500))))
     merged = view.merged_lines()
     assert len(merged) == 100
     ones = [line for line in merged if line.startswith("[rank 1] ")]
+    zeros = [line for line in merged if line.startswith("[rank 0] ")]
     assert ones == [f"[rank 1] r1 line {i}" for i in range(30)]          # all it had: a share of 50 unused
-    assert merged[30:] == [f"[rank 0] r0 line {i}" for i in range(2430, 2500)]   # arrival order
+    assert zeros == [f"[rank 0] r0 line {i}" for i in range(2430, 2500)]  # its newest, in its order
+    on_screen = merged[-19:]
+    assert any(line.startswith("[rank 1] ") for line in on_screen) and \
+        any(line.startswith("[rank 0] ") for line in on_screen), on_screen
     view(ev.Output(1, "\n".join(f"r1 late {i}" for i in range(200))))
     merged = view.merged_lines()
     assert sum(line.startswith("[rank 0] ") for line in merged) == 50 == sum(
         line.startswith("[rank 1] ") for line in merged)
-    assert merged[-1] == "[rank 1] r1 late 199" and merged[0] == "[rank 0] r0 line 2450"
+    assert merged[-1] == "[rank 1] r1 late 199" and merged[-2] == "[rank 0] r0 line 2499", merged[-3:]
+    for rank in (0, 1):   # interleaved: each rank about every other line
+        assert max(len(run) for run in "".join(line[6] for line in merged).replace(str(1 - rank), " ").split()) <= 3
+    # Across refreshes, arrival order holds: what came after a refresh is below.
+    view._refresh_panes(force=True)
+    view(ev.Output(0, "after the refresh"))
+    assert view.merged_lines()[-1] == "[rank 0] after the refresh"
     view.close()
 
 
@@ -341,6 +353,20 @@ def test_many_ranks_get_the_compact_form_and_the_record_folds_identical_ranks():
     assert "ranks 0-4, 6-7 output (2 lines, the same on each)" in record and "rank 5 output (1 line)" in record
     assert record.count("config: lr 0.1") == 1 and "largest peak: rank 0 100.0 MB" in record
     assert "<details><summary>each of the 8 ranks' rows</summary>" in record
+    view.close()
+
+
+def test_when_all_ranks_are_level_the_aggregate_bar_gives_no_one_ranks_times():
+    """Browser review: "ranks 0-7: train: 100% 60/60 [00:06<00:00, 9.90it/s]"
+    gave rank 0's times for all, while rank 5 took 00:12."""
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView()
+    for rank in range(6):
+        view(ev.Bar(rank, 1, 0, "train", 60, 60, f"60/60 [00:{6 + 6 * (rank == 5):02d}<00:00, 9.90it/s]", True, True))
+    rows = view._rows_html(final=True)
+    assert "ranks 0-5: train: 100% 60/60<" in rows and "00:06" not in rows.split("class='accel-magics-row'")[0]
     view.close()
 
 

@@ -59,9 +59,9 @@ STYLE = {
     "track": ("flex:0 0 auto;width:30%;min-width:60px;max-width:160px;height:9px;border-radius:2px;"
               "background-color:rgba(128,128,128,0.3);overflow:hidden"),
     "fill": "height:100%",
-    # A bar's text wraps in a narrow window (its ETA is what one reads); the
-    # latest line is an excerpt: cut with an ellipsis, whole in its title and the pane.
-    "bartext": f"flex:1 1 8em;min-width:0;overflow-wrap:anywhere;{_MONO}",
+    # A bar's text and the latest line are cut with an ellipsis where there is
+    # no room (a narrow window), whole in their tooltips (and the pane).
+    "bartext": f"flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO}",
     "latest": (f"flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO};"
                "opacity:0.75"),
     # word-break:normal: JupyterLab's output CSS breaks <pre> lines anywhere ("loss 0.3 | 0").
@@ -128,7 +128,7 @@ class _RankState:
     pane_dirty: bool = False
     bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
     head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
-    seqs: deque = field(default_factory=deque)    # each of ``lines``' place in arrival order (all ranks)
+    seqs: deque = field(default_factory=deque)    # each of ``lines``' arrival window (RunView._window)
     node: str = ""                                # the node it runs on (one kernel driving every node)
     usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
     peak_rss: int = 0
@@ -150,7 +150,8 @@ def _bar_html(bar: BarState, color: str) -> str:
     width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
     fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
     return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
-               + _el("span", "bartext", html.escape(bar.text[-300:])))
+               + _el("span", "bartext", html.escape(bar.text[-300:]),
+                     attrs=f" title='{html.escape(bar.text[-300:], quote=True)}'"))
 
 
 def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
@@ -177,8 +178,9 @@ def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
                _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
                + _usage_html(s, final, behind)
                + (_el("div", "bars", bars) if bars else "")
-               + _el("code", "latest", html.escape(latest[-300:]),
-                     attrs=f" title='{html.escape(latest[-300:], quote=True)}'"))
+               # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
+               + (_el("span", "latest", html.escape(latest[-300:]),
+                      attrs=f" title='{html.escape(latest[-300:], quote=True)}'") if latest else ""))
 
 
 def _plural(n: int, word: str) -> str:
@@ -195,7 +197,7 @@ class RunView:
         self.pane_interval = pane_interval
         self.log_dir = log_dir
         self.ranks: dict[int, _RankState] = {}
-        self._seq = 0   # a line's place in arrival order, over all ranks (the merged pane)
+        self._window = 0   # pane refreshes so far: lines arriving between two are one window (the merged pane)
         self.status = "starting"
         self.world = ""
         self.attempt = ""
@@ -289,8 +291,7 @@ class RunView:
         if room > 0 and not e.omitted and state.count == len(state.head):   # the head: the first lines, in a row
             state.head.extend(e.text.split("\n", room)[:room])
         state.lines.extend(lines)
-        state.seqs.extend(range(self._seq, self._seq + len(lines)))
-        self._seq += len(lines)
+        state.seqs.extend([self._window] * len(lines))
         state.count += e.count
         state.latest = state.latest_printed()
         state.pane_dirty = self._all_dirty = True
@@ -430,9 +431,10 @@ class RunView:
         fast = max(outer, key=lambda r: (outer[r].fraction, -r))
         if outer[slow].fraction < outer[fast].fraction:
             picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
-        else:
-            picks = [(slow, f"{ranks_label(outer)}: ")]
-        return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+            return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+        # All level: no one rank's times and rate stand for the others'
+        return _bar_html(BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}"),
+                         color)
 
     def _usage_now_text(self) -> str:
         now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
@@ -512,6 +514,7 @@ class RunView:
         if not force and now - self._last_pane_refresh < self.pane_interval:
             return
         self._last_pane_refresh = now
+        self._window += 1
         all_pane = self._pane("all", "all ranks")
         if self._all_dirty:
             self._all_dirty = False
@@ -523,12 +526,15 @@ class RunView:
                 pane.value = _pre(state.lines)
 
     def merged_lines(self) -> list[str]:
-        """The "all ranks" pane: the newest lines in arrival order, each rank
-        with a fair share of them.  A rank printing a 1,000-line batch must
-        not push the others out of the pane (2 ranks x 20,000 lines showed
-        only rank 0's): every rank that printed keeps at least
-        ``max_lines // ranks`` of its newest lines, and a share a quiet rank
-        leaves unused goes to the others."""
+        """The "all ranks" pane: the newest lines, each rank with a fair share
+        of them, interleaved.  A rank printing a 1,000-line batch must not
+        push the others out of the pane (2 ranks x 20,000 lines showed only
+        rank 0's): every rank that printed keeps at least ``max_lines //
+        ranks`` of its newest lines (a share a quiet rank leaves unused goes to
+        the others); and lines that arrived between the same two refreshes
+        are interleaved rank by rank in proportion (each rank's in its own
+        order), so the newest lines on screen are every printing rank's, not
+        the last batch's rank.  Across refreshes, arrival order holds."""
         printing = [s for s in self.ranks.values() if s.lines]
         if not printing:
             return []
@@ -539,7 +545,14 @@ class RunView:
         picked = []
         for s in printing:
             n = quota[s.rank]
-            picked.extend(zip(list(s.seqs)[-n:], (f"[rank {s.rank}] {line}" for line in list(s.lines)[-n:])))
+            windows, lines = list(s.seqs)[-n:], list(s.lines)[-n:]
+            in_window: dict[int, int] = {}
+            for window in windows:
+                in_window[window] = in_window.get(window, 0) + 1
+            seen: dict[int, int] = {}
+            for window, line in zip(windows, lines):
+                seen[window] = seen.get(window, 0) + 1
+                picked.append(((window, seen[window] / in_window[window], s.rank), f"[rank {s.rank}] {line}"))
         return [line for _, line in sorted(picked)]
 
     def close(self) -> None:
