@@ -75,6 +75,18 @@ def alive(pids) -> list:
     return alive
 
 
+def memfd_links(pid: int) -> int:
+    """How many descriptors of big-globals memfds ``pid`` has open (a run's
+    own descriptor of a kept one counts too)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:accel_magics-globals")
+        except OSError:
+            pass
+    return count
+
+
 def memfds(pid: int) -> int:
     """How many big-globals memfds ``pid`` holds (distinct memory: a kept
     one is open twice, its descriptor and its mapping's)."""
@@ -188,8 +200,10 @@ def run_case(k, kind: str) -> float:
         assert res.error["ename"] == "RunInterrupted", res.error_text
         return 15
     if kind == "big_global_interrupt":
-        kept = memfds(k.pid)   # big's own, once a cell sent it: the run's descriptor comes on top
-        presser = press_stop_when(k, lambda: memfds(k.pid) > kept, "the big global in shared memory")
+        # big's memory is kept across cells once a cell sent it: the sign that this
+        # run is sending it is the run's own descriptor of it, on top of the kept ones
+        kept = memfd_links(k.pid)
+        presser = press_stop_when(k, lambda: memfd_links(k.pid) > kept, "the big global in shared memory")
         res = k.run("%%distributed -n 2 --output text\nprint(big.sum(), slow)\n", timeout=60)
         presser.join()
         assert res.error["ename"] == "KeyboardInterrupt", res.error_text
