@@ -16,6 +16,7 @@ import time
 import pytest
 
 from cases import SETUP, memfds, run_case
+from kernel_harness import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -60,6 +61,11 @@ def test_soak_248_mixed_runs_in_one_kernel(clean_kernel):
         now = (_fds(k.pid), _threads(k.pid), _shm(), memfds(k.pid))
         if base is None:
             base = now
+        if now[0] > base[0] + 2:
+            # A background run's sockets are closed by ZMQ's I/O thread, a moment
+            # after the run is over (CI, once in 248 runs): a leak stays, that does not.
+            wait_until(lambda: _fds(k.pid) <= base[0] + 2, 10, "the kernel's open files to settle")
+            now = (_fds(k.pid), *now[1:])
         assert now[0] <= base[0] + 2, f"run {i} ({kind}): the kernel's open files grew {base[0]} -> {now[0]}"
         assert now[1] <= base[1], f"run {i} ({kind}): the kernel's threads grew {base[1]} -> {now[1]}"
         assert now[2] == base[2], f"run {i} ({kind}): /dev/shm changed: {now[2] ^ base[2]}"
