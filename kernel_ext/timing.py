@@ -65,7 +65,9 @@ BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
 WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the session), how often its view moves on
 
 # -- the launcher process ---------------------------------------------------------------
-END_WAIT = 15.0           # how long a new run waits for the processes of earlier runs to end
+END_WAIT = 15.0           # how long a new run waits for the ranks of earlier runs to end
+COLLAPSE_AT_START = 0.1   # at start, how long the launcher moves its heap into huge pages (hugepages.py)
+COLLAPSE_IDLE = 0.5       # ... the rest a huge page at a time, once nothing happened for this long
 
 # -- Slurm: the kernel over every node, the agents ---------------------------------------
 SLURM_START_WAIT = 180.0  # srun and every agent to start (each imports torch)

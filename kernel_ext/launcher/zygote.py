@@ -34,8 +34,10 @@ from ..supervisor import session_supervisor, supervisor  # noqa: F401
 from ..supervisor import spare as spare_supervisor  # noqa: F401
 from ..wire import payload, transport  # noqa: F401
 from ..process_tree import children, kill_orphans, running
+from ..supervisor.run_state import RunState
 # The ladders' order: see timing.py.
-from ..timing import END_WAIT
+from ..timing import COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT
+from .hugepages import Collapser
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
@@ -99,6 +101,10 @@ class Zygote:
         self.reply_fd = reply_fd
         self.supervisors: dict[int, str] = {}   # pid -> run_id, runs in progress
         self.keep: set[int] = set()              # supervisors of live sessions and background runs
+        # Each supervisor's status pipe (see run_state): a one-shot run's
+        # supervisor says there when its ranks are gone.
+        self.status_fds: dict[int, int] = {}     # pid -> read end of its status pipe
+        self.ranks_gone: set[int] = set()        # every rank reaped: it holds nothing a new run needs
         self.spare: Optional[tuple[int, int, int]] = None  # (pid, control fd, ranks) forked ahead
         self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
@@ -107,6 +113,8 @@ class Zygote:
         self.failed_preload: dict[str, str] = {}
         self.terminating = False
         self.kernel_gone = False
+        self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
+        self.quiet_since = time.monotonic()        # the last control message, signal or status
 
     def preload(self, modules) -> dict:
         """Import ``modules``; returns {file: (mtime_ns, size)} of every module
@@ -123,6 +131,7 @@ class Zygote:
         pg_guard.install()   # inherited by every rank (see pg_guard)
         gc.collect()
         gc.freeze()
+        self.collapser.plan()   # the heap changed: its pages move to huge pages while idle
         files = {}
         for name in set(sys.modules) - before:
             path = getattr(sys.modules.get(name), "__file__", None)
@@ -178,6 +187,7 @@ class Zygote:
             while os_threads() > threads_before and time.monotonic() < deadline:
                 time.sleep(0.005)
         self.baseline_threads = os_threads()
+        self.collapser.run_for(COLLAPSE_AT_START)   # the first spare's fork is cheaper already
         try:
             try:
                 self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
@@ -188,16 +198,28 @@ class Zygote:
                 # after %load_ext): the same clean-up as any other end.
                 return
             while not self.terminating:
-                if self.spare is None and not set(self.supervisors) - self.keep:
-                    self.fork_spare()   # idle time: the next run's fork is done now
-                for key, _ in self.sel.select():
+                idle = not set(self.supervisors) - self.keep
+                if self.spare is None and idle:
+                    self.fork_spare()   # idle time: the next run's fork is done now, not in its cell
+                timeout = None
+                if idle and self.collapser.pending:
+                    timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
+                ready = self.sel.select(timeout)
+                if not ready:
+                    self.collapser.step()   # idle and quiet: one huge page, then look again
+                    continue
+                self.quiet_since = time.monotonic()
+                for key, _ in ready:
+                    if isinstance(key.data, tuple):   # ("status", pid): a supervisor's status pipe
+                        self.on_status(key.data[1])
+                        continue
                     if key.data == "kernel":
                         self.kernel_gone = True
                         return
                     if key.data == "signal":
                         try:
                             data = os.read(r, 512)
-                        except BlockingIOError:   # read meanwhile by wait_supervisors
+                        except BlockingIOError:   # read meanwhile by wait_previous_runs
                             data = b""
                         if signal.SIGTERM in data:
                             return
@@ -236,17 +258,24 @@ class Zygote:
     def dispatch(self, msg: dict) -> int:
         """Hand the run to the spare supervisor (forking one now if none is ready).
 
+        The earlier runs' ends and the spare's fork overlap (a cell sent as
+        soon as the last one ended, as "Run All" does, finds the last run's
+        ranks still parked): the earlier runs are told to end, the spare is
+        forked meanwhile (its ranks idle, running nothing of the user's),
+        and the spec goes to it only once the earlier runs' ranks are gone.
+
         The key comes in the next control frame, read only once the spare
         exists: the spare gets it after it forked its ranks, and it is never
         in this process's memory at a fork, so no rank (which runs user code)
         ever holds it.
         """
         self.keep = set(msg.get("keep", ()))
-        self.end_previous_runs()
+        ending = self.end_previous_runs()
         if self.spare is not None and self.spare[2] < msg["num_processes"]:
             self.drop_spare()
         if self.spare is None:
             self.fork_spare(msg["num_processes"])
+        self.wait_previous_runs(ending, time.monotonic() + END_WAIT)
         pid, control, _ = self.spare
         self.spare = None
         key = wire.read_frame(self.control_fd)
@@ -265,18 +294,76 @@ class Zygote:
         self.expected_ranks = msg["num_processes"]
         return pid
 
-    def end_previous_runs(self) -> None:
-        """A run starts only once every process of the earlier runs is gone.
+    def end_previous_runs(self) -> set[int]:
+        """Tell the earlier runs to end now; the supervisors to wait for.
 
-        The kernel sends a run only after the previous one reported
-        "finished", so a supervisor still alive now is past its run (its
-        ranks parked or exiting, see ``Supervisor._reap_rest``), unless the
-        kernel says it is still live (``keep``: a session, a background run).
-        Ending it first means the new ranks never compete for the memory (GPU
-        memory included) that the old ones still hold.
+        A run starts only once the ranks of the earlier runs are gone.  The
+        kernel sends a run only after the previous one reported "finished",
+        so a supervisor still alive now is past its run (its ranks parked or
+        exiting, see ``Supervisor._reap_rest``), unless the kernel says it is
+        still live (``keep``: a session, a background run).  Ending it first
+        means the new ranks never compete for the memory (GPU memory
+        included) that the old ones still hold.  SIGTERM makes it kill its
+        ranks at once instead of after their parking (see
+        :meth:`wait_previous_runs`).
         """
-        if set(self.supervisors) - self.keep:
-            self.stop_supervisors(END_WAIT, spare=self.keep)
+        ending = set(self.supervisors) - self.keep
+        for pid in ending:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        return ending
+
+    def wait_previous_runs(self, ending: set[int], deadline: float) -> None:
+        """Until every supervisor in ``ending`` has said its ranks are gone or
+        has exited, for at most until ``deadline``.
+
+        Its ranks are what holds memory, ports and GPUs; the supervisor's own
+        exit (tearing down a torch-sized process) may overlap the next run.
+        """
+        while True:
+            self.reap()
+            for pid in ending & set(self.status_fds):
+                self.on_status(pid)
+            waiting = ending & set(self.supervisors) - self.ranks_gone
+            if not waiting or time.monotonic() >= deadline:
+                return
+            with selectors.DefaultSelector() as waiter:
+                waiter.register(self.wakeup_r, selectors.EVENT_READ)   # SIGCHLD's wake-up byte
+                for pid in waiting & set(self.status_fds):
+                    waiter.register(self.status_fds[pid], selectors.EVENT_READ)
+                if not waiter.select(deadline - time.monotonic()):
+                    return
+            try:
+                if signal.SIGTERM in os.read(self.wakeup_r, 512):
+                    self.terminating = True   # served by the main loop
+            except BlockingIOError:
+                pass
+
+    def on_status(self, pid: int) -> None:
+        """Read what a supervisor said on its status pipe (see RunState)."""
+        fd = self.status_fds.get(pid)
+        if fd is None:
+            return
+        try:
+            data = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if RunState.RANKS_GONE.value in data or not data:   # EOF: it exited (its ranks reaped, or orphans here)
+            self.ranks_gone.add(pid)
+            self.forget_status(pid)
+
+    def forget_status(self, pid: int) -> None:
+        fd = self.status_fds.pop(pid, None)
+        if fd is not None:
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
 
     def stop_supervisors(self, wait: float, spare: frozenset | set = frozenset()) -> None:
         """Stop every supervisor but those in ``spare`` (on SIGTERM each kills its
@@ -312,6 +399,8 @@ class Zygote:
 
         ranks = ranks or self.expected_ranks
         control_r, control_w = os.pipe()
+        status_r, status_w = os.pipe()
+        os.set_blocking(status_r, False)
         parent = os.getpid()
         # Signals sent to the child before it has its own handlers must not
         # run the zygote's (inherited) handlers and wake-up fd: block them
@@ -324,14 +413,17 @@ class Zygote:
                 os.setpgid(0, 0)
                 signal.set_wakeup_fd(-1)
                 self.sel.close()
-                for fd in {self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w,
-                           *self.extra_fds}:
+                for fd in {self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w, status_r,
+                           *self.extra_fds, *self.status_fds.values()}:
                     os.close(fd)
-                serve_spare(control_r, ranks, self.events_addr, self.events_keys)
+                serve_spare(control_r, status_w, ranks, self.events_addr, self.events_keys)
             finally:
                 os._exit(70)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(control_r)
+        os.close(status_w)
+        self.status_fds[pid] = status_r
+        self.sel.register(status_r, selectors.EVENT_READ, ("status", pid))
         self.spare = (pid, control_w, ranks)
 
     def drop_spare(self) -> None:
@@ -351,6 +443,8 @@ class Zygote:
             if pid == 0:
                 break
             self.supervisors.pop(pid, None)
+            self.forget_status(pid)
+            self.ranks_gone.discard(pid)
             if self.spare is not None and self.spare[0] == pid:
                 os.close(self.spare[1])
                 self.spare = None

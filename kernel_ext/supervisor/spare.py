@@ -31,8 +31,9 @@ from .supervisor import PR_SET_CHILD_SUBREAPER, SIGNALS, Supervisor
 class Spare:
     """What a supervisor holds before it knows its run (see the module doc)."""
 
-    def __init__(self, control_fd: int) -> None:
+    def __init__(self, control_fd: int, status_fd: int = -1) -> None:
         self.control_fd = control_fd
+        self.status_fd = status_fd            # to the launcher: see run_state
         self.idle: list[RankProcess] = []     # forked ahead, pipes registered; numbered at the run
         self.sel = selectors.DefaultSelector()
         self.fds: list[int] = []              # every fd a rank must not inherit
@@ -53,7 +54,7 @@ class Spare:
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
-        self.fds = [self.control_fd, r, w, self.sel.fileno()]
+        self.fds = [self.control_fd, r, w, self.sel.fileno(), *([self.status_fd] if self.status_fd >= 0 else [])]
         # Orphans of the ranks (children that escaped their process group)
         # become this process's children, so none can outlive the run.
         try:
@@ -100,9 +101,9 @@ class Spare:
         self.idle = []
 
 
-def serve_spare(control_fd: int, prefork: int, events_addr: str, events_keys=None) -> NoReturn:
+def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str, events_keys=None) -> NoReturn:
     """Entry point in a supervisor forked ahead by the zygote. Never returns."""
-    spare = Spare(control_fd)
+    spare = Spare(control_fd, status_fd)
     try:
         spare.install_signals()
         spare.prefork(prefork)

@@ -37,6 +37,7 @@ from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
 from .resources import ResourceSampler
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
+from .run_state import RunState, tell
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
@@ -73,6 +74,7 @@ class Supervisor:
         self.wakeup_r, self.wakeup_w = spare.wakeup_r, spare.wakeup_w
         self.ctx, self.sock, self.session, self.events_addr = spare.ctx, spare.sock, spare.session, spare.events_addr
         self.events_keys = spare.events_keys
+        self.status_fd = spare.status_fd   # to the launcher (run_state)
         self._discarded: set[int] = spare.discarded
         self.ranks: list[RankProcess] = []
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
@@ -155,6 +157,8 @@ class Supervisor:
         if self.rdzv is not None:
             self.rdzv.close()   # stop listening (joins the store's thread: after "finished")
         self._reap_rest()
+        if all(r.status is not None for r in self.ranks):
+            tell(self.status_fd, RunState.RANKS_GONE)   # else the launcher waits for this process's exit
 
     def _reap_rest(self) -> None:
         """After "finished": let the parked ranks go, wait (bounded) for every

@@ -1,0 +1,98 @@
+"""The launcher's heap in huge pages (kernel_ext/launcher/hugepages.py), and
+the overlap of one run's end with the next one's start (zygote.dispatch)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from accel_magics.kernel_ext.launcher import hugepages
+from accel_magics.kernel_ext.launcher.hugepages import HUGE, Collapser, chunks, collapsible
+from accel_magics.kernel_ext.timing import COLLAPSE_IDLE
+
+from test_engine import run
+
+MAPS = """\
+55d0c0a00000-55d0c5e19000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0000021000 rw-p 00000000 00:00 0
+7f0000100000-7f0000700000 rw-p 00000000 00:00 0
+7f0000800000-7f0000a00000 r--p 00000000 00:00 0
+7f1000000000-7f1000600000 rw-s 00000000 00:01 17388                      /dev/zero (deleted)
+7f2000000000-7f2000600000 rw-p 001e2000 08:01 4242                       /usr/lib/libtorch_cpu.so
+7f3000001000-7f3000401000 rw-p 00000000 00:00 0
+7f4000000000-7f4000200000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def test_only_private_anonymous_writable_memory_is_collapsed_in_whole_huge_pages():
+    ranges = collapsible(MAPS)
+    # The heap (aligned up and down), the 6 MB anonymous mapping (to 4 MB: its
+    # 2 MB-aligned part), the unaligned 4 MB one (one whole huge page inside);
+    # not a 132 KB one, read-only or shared memory, a library's data, the stack.
+    assert ranges == [(0x55d0c0a00000, 0x55d0c5e00000), (0x7f0000200000, 0x7f0000600000),
+                      (0x7f3000200000, 0x7f3000400000)]
+    assert all(start % HUGE == 0 and end % HUGE == 0 for start, end in ranges)
+    pages = chunks(ranges)
+    assert pages[:2] == [0x55d0c0a00000, 0x55d0c0c00000]
+    assert len(pages) == (0x55d0c5e00000 - 0x55d0c0a00000) // HUGE + 2 + 1
+    assert collapsible("") == [] and collapsible("garbage\n") == []
+
+
+def test_a_collapser_moves_its_process_heap_into_huge_pages():
+    if not hugepages.supported():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1) or transparent huge pages are off")
+    buf = bytearray(8 * HUGE)   # a fresh anonymous mapping of this process, in small pages
+    buf[::4096] = b"x" * len(buf[::4096])
+    c = Collapser()
+    c.plan()
+    assert c.pending, "nothing planned in a process with an 8 huge pages' buffer"
+    before = _anon_huge_kb(os.getpid())
+    c.run_for(60.0)
+    assert not c.pending and c.collapsed > 0
+    assert _anon_huge_kb(os.getpid()) >= before + 4 * HUGE // 1024   # the buffer at least, in huge pages
+    assert buf[::4096] == b"x" * len(buf[::4096])
+
+
+def test_the_idle_launcher_has_its_heap_in_huge_pages_and_runs_still_work(launcher):
+    # The launcher moves its heap while idle: a fork of it (each run's
+    # supervisor, then its ranks) copies a few hundred page-table entries.
+    if not hugepages.supported():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1) or transparent huge pages are off")
+    pid = launcher.info["pid"]
+    deadline = time.monotonic() + 90
+    while _anon_huge_kb(pid) < 32 * 1024 and time.monotonic() < deadline:
+        time.sleep(COLLAPSE_IDLE)   # a poll with a deadline: the launcher works while idle
+    assert _anon_huge_kb(pid) >= 32 * 1024, "the launcher's heap is not in huge pages after 90 s idle"
+    result, _ = run(launcher, "import torch\nfloat(torch.ones(1000).sum())")
+    assert result.value == 1000.0
+
+
+def test_cells_back_to_back_each_start_after_the_last_ones_ranks_are_gone(launcher):
+    # "Run All": each run is sent the moment the last one finished, while its
+    # ranks are still parked; its spare is forked while they end, and its
+    # ranks start only once they are gone.  Each rank holds 256 MB, which
+    # takes a while to free: a rank that looked first thing would see the
+    # last ones still there if the launcher did not wait.
+    previous: list[int] = []
+    for _ in range(6):
+        result, _ = run(launcher,
+                        "import os\n"
+                        f"alive = [p for p in {previous!r} if os.path.exists(f'/proc/{{p}}')]\n"
+                        "import torch, torch.distributed as dist\n"
+                        "held = torch.ones(64 * 1024 * 1024)\n"
+                        "dist.init_process_group('gloo')\n"
+                        "pids = [None] * dist.get_world_size()\n"
+                        "dist.all_gather_object(pids, (os.getpid(), alive))\n"
+                        "dist.destroy_process_group()\n"
+                        "pids", n=2)
+        assert all(alive == [] for _, alive in result.value), result.value
+        previous = [pid for pid, _ in result.value]
+
+
+def _anon_huge_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
