@@ -96,3 +96,20 @@ def _anon_huge_kb(pid: int) -> int:
             if line.startswith("AnonHugePages:"):
                 return int(line.split()[1])
     return 0
+
+
+def test_a_page_is_collapsed_once_a_later_plan_lists_only_new_ones():
+    # After an import the launcher plans again: pages it tried already (done,
+    # or split since by its own writes) are not worked on again.
+    if not hugepages.supported():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1) or transparent huge pages are off")
+    c = Collapser()
+    c.plan()
+    first = list(c.pending)
+    c.run_for(60.0)
+    c.plan()
+    assert not set(c.pending) & set(first)
+    grown = bytearray(6 * HUGE)   # new memory: only its pages are planned
+    grown[::4096] = b"y" * len(grown[::4096])
+    c.plan()
+    assert c.pending and not set(c.pending) & set(first)
