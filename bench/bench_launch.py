@@ -163,6 +163,15 @@ class MemWatch:
         self.peak_extra = max(0, self.base - self.low)
 
 
+def settle(seconds: float) -> None:
+    """A pause before timing, as a person makes after a kernel's first cells:
+    each launcher moves its heap into huge pages while idle
+    (kernel_ext/launcher/hugepages.py), about 1.5 s of CPU each on a VM that
+    is slow to hand out fresh pages; timed cells must not share the cores
+    with that, nor a reference arm with another kernel's."""
+    time.sleep(seconds)
+
+
 def timed(k: KernelSession, code: str, timeout: float = 300) -> float:
     start = time.perf_counter()
     k.ok(code, timeout=timeout)
@@ -274,6 +283,7 @@ def _main() -> None:
     try:
         ours.ok(TRAINING_DEFS)
         theirs.ok(TRAINING_DEFS + "\nfrom accelerate import notebook_launcher\n")
+        settle(8)
 
         if want("empty"):
             # 1. Empty cell, warm, A/B; then the tail over many runs.
@@ -340,7 +350,7 @@ def _main() -> None:
             if why:
                 print(f"slurm: skipped ({why})", flush=True)
             else:
-                cluster = SlurmCluster(nodes=2, cpus=2)
+                cluster = SlurmCluster(nodes=8, cpus=2)
                 try:
                     alloc = cluster.allocate(2)
                     # A kernel per arm, so each launcher keeps the spare its arm needs (2 or 4 ranks).
@@ -354,6 +364,7 @@ def _main() -> None:
                         first = timed(sk, arms[0][1], 300)
                         for k, code, _ in arms:
                             timed(k, code), timed(k, code)
+                        settle(6)
                         for _ in range(max(reps, 10)):
                             # Cells 1 s apart, as a person runs them: each launcher has its next
                             # run's processes forked ahead, for every arm alike.
@@ -371,6 +382,37 @@ def _main() -> None:
                         k4.shutdown()
                         k2.shutdown()
                         cluster.release(alloc["SLURM_JOB_ID"])
+                    # The cost per node: 2, 4 and 8 nodes of one rank each, against one
+                    # node with the same world (all on this machine's cores), A/B.
+                    per_node = {}
+                    for nodes in (2, 4, 8):
+                        alloc = cluster.allocate(nodes)
+                        sk = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", **alloc})
+                        lk = loaded_kernel()
+                        try:
+                            sk.ok("%load_ext accel_magics")
+                            arms = [(sk, "%%distributed --launcher slurm -n 1 --output text\npass\n", []),
+                                    (lk, f"%%distributed -n {nodes} --output text --oversubscribe\npass\n", [])]
+                            for k, code, _ in arms:
+                                timed(k, code, 300), timed(k, code), timed(k, code)
+                            settle(4 + 2 * nodes)
+                            for _ in range(max(reps, 10)):
+                                for k, code, times in arms:
+                                    time.sleep(1.0)
+                                    times.append(timed(k, code))
+                            per_node[nodes] = tuple(statistics.median(times) for _, _, times in arms)
+                        finally:
+                            sk.shutdown()
+                            lk.shutdown()
+                            cluster.release(alloc["SLURM_JOB_ID"])
+                    slope = (per_node[8][0] - per_node[2][0]) / 6
+                    row("a warm --launcher slurm cell on 2 / 4 / 8 nodes of one rank each, cells 1 s apart; "
+                        "every node shares this machine's 2 cores",
+                        " / ".join(f"{per_node[n][0] * 1000:.1f}" for n in (2, 4, 8)) + " ms",
+                        "one node, same world: " + " / ".join(f"{per_node[n][1] * 1000:.1f}" for n in (2, 4, 8))
+                        + " ms", " / ".join(f"{per_node[n][0] / per_node[n][1]:.2f}x" for n in (2, 4, 8))
+                        + f"; {slope * 1000:.1f} ms per added node", "8 nodes <= 1.5x one node",
+                        per_node[8][0] <= 1.5 * per_node[8][1])
                 finally:
                     cluster.stop()
 

@@ -165,11 +165,35 @@ def test_forged_and_replayed_messages_are_dropped_unpickled(launcher, tmp_path):
 def test_replayed_message_is_dropped():
     key = wire.new_key()
     sender, receiver = wire.signed_session(key), wire.signed_session(key)
-    msg = sender.serialize(sender.msg("run_event", {"kind": "output"}))
-    _, frames = receiver.feed_identities(msg)
-    receiver.deserialize(frames)
-    with pytest.raises(ValueError, match="Duplicate Signature"):
-        receiver.deserialize(frames)
+    frames = sender.serialize(sender.msg("run_event", {"kind": "output"}), ident=b"node-1")
+    assert wire.verified_content(receiver, frames) == {"kind": "output"}
+    with pytest.raises(ValueError, match="duplicate signature"):
+        wire.verified_content(receiver, frames)
+
+
+def test_a_forged_or_tampered_message_is_refused_before_its_content_is_unpickled(tmp_path):
+    canary = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    key = wire.new_key()
+    sender, receiver = wire.signed_session(key), wire.signed_session(key)
+    good = sender.serialize(sender.msg("run_event", {"kind": "output"}))
+    tampered = good[:-1] + [pickle.dumps(Exploit())]                  # the signed content swapped
+    forged = wire.signed_session(wire.new_key()).serialize(sender.msg("run_event", {"event": Exploit()}))
+    unsigned = [b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", pickle.dumps(Exploit())]
+    for frames, why in ((tampered, "invalid signature"), (forged, "invalid signature"),
+                        (unsigned, "unsigned message"), (good[:3], "malformed")):
+        with pytest.raises(ValueError, match=why):
+            wire.verified_content(receiver, frames)
+    assert not canary.exists(), "a refused message was unpickled"
+    assert wire.verified_content(receiver, good) == {"kind": "output"}   # refusals left the real one good
+    receiver.digest_history_size = 10
+    for i in range(25):   # the replay history stays bounded
+        wire.verified_content(receiver, sender.serialize(sender.msg("run_event", {"i": i})))
+    assert len(receiver.digest_history) <= 10
 
 
 def test_channel_is_a_private_ipc_path(launcher):

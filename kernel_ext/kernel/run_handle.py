@@ -47,8 +47,7 @@ def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:
             except zmq.Again:
                 return None, dropped
             try:
-                _, frames = session.feed_identities(frames)
-                content = session.deserialize(frames)["content"]
+                content = wire.verified_content(session, frames)
             except Exception:
                 content = None
         if content is None or content.get("run_id") != run_id:

@@ -203,8 +203,7 @@ class DistributedSession:
         while self.events is not None and self.events[0].poll(0):
             frames = self.events[0].recv_multipart()
             try:
-                _, frames = self.verifier.feed_identities(frames)
-                content = self.verifier.deserialize(frames)["content"]
+                content = wire.verified_content(self.verifier, frames)
             except Exception:
                 continue
             if content.get("kind") == "session_lost":

@@ -296,8 +296,7 @@ class SlurmAgents:
             return None
         frames = self.sock.recv_multipart()
         try:
-            _, frames = self.session.feed_identities(frames[1:])
-            return self.session.deserialize(frames)["content"]
+            return wire.verified_content(self.session, frames[1:])
         except Exception:
             return {}   # not signed with the allocation's key: dropped unread
 

@@ -149,11 +149,9 @@ class SessionSupervisor(Supervisor):
         while self.cells.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self.cells.recv_multipart(zmq.NOBLOCK)
             try:
-                _, frames = self.verifier.feed_identities(frames)
-                msg = self.verifier.deserialize(frames)
+                content = wire.verified_content(self.verifier, frames)
             except Exception:
                 continue   # not signed with the session's key: never unpickled
-            content = msg["content"]
             if content.get("op") == "cell":
                 self._start_cell(content)
             elif content.get("op") == "stop":

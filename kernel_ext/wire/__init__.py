@@ -48,6 +48,41 @@ def signed_session(key: bytes) -> Session:
     return Session(key=key, packer="pickle", unpacker="pickle", username="accel_magics")
 
 
+def verified_content(session: Session, frames: list):
+    """The content of one signed message as received (identities first):
+    checked as ``Session.deserialize`` checks it, the HMAC compared with
+    ``compare_digest`` before anything is unpickled and a replayed signature
+    refused, but without unpacking the header, parent header and metadata,
+    which no reader here uses.  (``deserialize`` parses their ISO dates with
+    dateutil: two thirds of its time, measured on an 8-node Slurm cell, whose
+    kernel reads ~50 messages.)  Raises ValueError if it is not signed with
+    ``session``'s key, or was seen before."""
+    _, msg = session.feed_identities(frames)
+    if len(msg) < 5:
+        raise ValueError(f"malformed message: {len(msg)} frames")
+    if session.auth is not None:
+        signature = bytes(msg[0])
+        if not signature:
+            raise ValueError("unsigned message")
+        if signature in session.digest_history:
+            raise ValueError("duplicate signature")
+        check = session.sign(msg[1:5])
+        if not hmac.compare_digest(signature, check):
+            raise ValueError("invalid signature")
+        _remember(session, signature)
+    return session.unpack(msg[4])
+
+
+def _remember(session: Session, signature: bytes) -> None:
+    """A verified signature into the session's replay history, kept bounded
+    (at its size, the oldest tenth goes, as Session does)."""
+    history = session.digest_history
+    history.add(signature)
+    if len(history) > session.digest_history_size:
+        for old in list(history)[: max(1, len(history) // 10)]:
+            history.discard(old)
+
+
 def write_frame(fd: int, obj) -> None:
     """Write one pickled, length-prefixed frame to a blocking pipe fd."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
