@@ -315,9 +315,9 @@ class Zygote:
                 pass
         return ending
 
-    def wait_previous_runs(self, ending: set[int], deadline: float) -> None:
+    def wait_previous_runs(self, ending: set[int], deadline: float, exited: bool = False) -> None:
         """Until every supervisor in ``ending`` has said its ranks are gone or
-        has exited, for at most until ``deadline``.
+        has exited (``exited``: has exited), for at most until ``deadline``.
 
         Its ranks are what holds memory, ports and GPUs; the supervisor's own
         exit (tearing down a torch-sized process) may overlap the next run.
@@ -326,12 +326,12 @@ class Zygote:
             self.reap()
             for pid in ending & set(self.status_fds):
                 self.on_status(pid)
-            waiting = ending & set(self.supervisors) - self.ranks_gone
+            waiting = ending & set(self.supervisors) - (set() if exited else self.ranks_gone)
             if not waiting or time.monotonic() >= deadline:
                 return
             with selectors.DefaultSelector() as waiter:
                 waiter.register(self.wakeup_r, selectors.EVENT_READ)   # SIGCHLD's wake-up byte
-                for pid in waiting & set(self.status_fds):
+                for pid in waiting & set(self.status_fds) - self.ranks_gone:
                     waiter.register(self.status_fds[pid], selectors.EVENT_READ)
                 if not waiter.select(deadline - time.monotonic()):
                     return
@@ -365,34 +365,11 @@ class Zygote:
                 pass
             os.close(fd)
 
-    def stop_supervisors(self, wait: float, spare: frozenset | set = frozenset()) -> None:
-        """Stop every supervisor but those in ``spare`` (on SIGTERM each kills its
-        ranks and exits); reap them for at most ``wait`` seconds."""
-        for pid in list(self.supervisors):
-            if pid in spare:
-                continue
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        self.wait_supervisors(time.monotonic() + wait, spare)
-
-    def wait_supervisors(self, deadline: float, spare: frozenset | set = frozenset()) -> None:
-        """Reap supervisors until none is left (but those in ``spare``) or ``deadline`` passes."""
-        waiter = selectors.DefaultSelector()  # only SIGCHLD's wake-up byte
-        waiter.register(self.wakeup_r, selectors.EVENT_READ)
-        try:
-            while True:
-                self.reap()
-                if not set(self.supervisors) - set(spare) or not waiter.select(deadline - time.monotonic()):
-                    return
-                try:
-                    if signal.SIGTERM in os.read(self.wakeup_r, 512):
-                        self.terminating = True   # served by the main loop
-                except BlockingIOError:
-                    pass
-        finally:
-            waiter.close()
+    def stop_supervisors(self, wait: float) -> None:
+        """Stop every supervisor (on SIGTERM each kills its ranks and exits);
+        reap them for at most ``wait`` seconds."""
+        self.keep = set()
+        self.wait_previous_runs(self.end_previous_runs(), time.monotonic() + wait, exited=True)
 
     def fork_spare(self, ranks: Optional[int] = None) -> None:
         from ..supervisor.spare import serve_spare
