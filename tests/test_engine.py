@@ -423,6 +423,83 @@ def test_an_unchanged_big_global_is_sent_once_across_cells_and_a_change_anywhere
     assert len(SHARED) == 0 and _open_memfds() == []
 
 
+def _mapped_by_others(inode: int) -> list:
+    """The pids, other than this one, whose address space maps the memfd
+    ``inode``: read from /proc, independent of the locks the cache uses."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if any(line.split()[4:5] == [str(inode)] and "accel_magics-globals" in line for line in f):
+                    pids.append(int(pid))
+        except OSError:   # gone, or not ours
+            continue
+    return pids
+
+
+def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(launcher):
+    """Issue 27 item 2: ``big[0] += 1`` wrote 512 MB into fresh shared memory
+    (1.9x notebook_launcher's fork).  Now the kept memfd is brought up to
+    date in place, chunk by chunk, but only when no process maps it: a
+    process that holds the array (a session's rank, a background run, ranks
+    still exiting) keeps the values it was sent, and the change goes to a new
+    memfd.  The mapping process here is a real one using the ranks' own
+    function, told the descriptor as a rank is."""
+    import subprocess
+    import numpy as np
+    from kernel_harness import wait_until
+    from accel_magics.kernel_ext.wire.payload import SHARED
+
+    array = np.zeros(2 * 1024 * 1024 + 3, dtype=np.float64)   # 16 MB, not a multiple of 8 words
+    ns = {"array": array}
+    code = "(float(array[0]), float(array[-1]))"
+    first = build_payload(code, ns)
+    (inode,) = _memfd_inodes(first)
+    ref = (os.getpid(), first.shared.fds[0], 0, array.nbytes)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, gc\n"
+         "from accel_magics.kernel_ext.wire.payload import _rebuild_ndarray\n"
+         f"a = _rebuild_ndarray({ref!r}, '<f8', ({array.size},), 'C')\n"
+         "print('mapped', a[0], a[-1], flush=True)\n"
+         "sys.stdin.readline(); print('still', a[0], a[-1], flush=True)\n"
+         "del a; gc.collect(); print('dropped', flush=True)\n"
+         "sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().split() == ["mapped", "0.0", "0.0"]
+        first.release()                      # the run is over; the holder still maps the memory
+        array[-1] = 1.0
+        second = build_payload(code, ns)
+        assert _memfd_inodes(second) != [inode]            # seen by someone: a new memfd
+        holder.stdin.write("\n"); holder.stdin.flush()
+        assert holder.stdout.readline().split() == ["still", "0.0", "0.0"]   # it kept what it was sent
+        (inode,) = _memfd_inodes(second)
+        assert execute(launcher, LaunchConfig(num_processes=2), second).value == (0.0, 1.0)
+        holder.stdin.write("\n"); holder.stdin.flush()
+        assert holder.stdout.readline().split() == ["dropped"]
+        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go")
+        array[0], array[-1] = 2.0, 3.0       # the first chunk and the last, odd bytes
+        third = build_payload(code, ns)
+        assert _memfd_inodes(third) == [inode]             # nobody maps it: written in place
+        assert execute(launcher, LaunchConfig(num_processes=2), third).value == (2.0, 3.0)
+        third.release()
+        array[1024 * 1024] = 4.0             # a chunk in the middle, after ranks that mapped it
+        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go")
+        fourth = build_payload("float(array[1024 * 1024])", ns)
+        assert _memfd_inodes(fourth) == [inode]
+        assert execute(launcher, LaunchConfig(num_processes=2), fourth).value == 4.0
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert len(SHARED) == 1
+    ns.clear()
+    del array
+    assert len(SHARED) == 0 and _open_memfds() == []
+
+
 def test_progress_helper_reports_structured_progress(launcher):
     _, events = run(launcher, "import accel_magics\nfor step in range(1, 4):\n    accel_magics.progress(step, 3, 'epoch')")
     for rank in (0, 1):

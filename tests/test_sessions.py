@@ -609,6 +609,26 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
     assert not [p for p in os.listdir("/dev/shm") if "accel" in p or "torch" in p]
 
 
+def test_a_sessions_rank_keeps_the_big_global_it_was_sent_when_the_kernel_changes_it(session):
+    """A changed big global's shared memory is updated in place only when no
+    process maps it (issue 27 item 2); a session's rank that keeps the old
+    value under a name of its own must go on seeing what it was sent, while
+    the next cell sees the change, and one-shot cells beside it too."""
+    from cases import memfds
+    k = session
+    k.ok("import numpy as np\nbig = np.zeros(2_000_000)")   # 16 MB: shipped through shared memory
+    assert by_rank(ok_cell(k, "kept = big\nprint(float(big[0]))").stdout) == {0: ["0.0"], 1: ["0.0"]}
+    k.ok("big[0] = 1.0")
+    assert by_rank(ok_cell(k, "print(float(kept[0]), float(big[0]))").stdout) == {0: ["0.0 1.0"], 1: ["0.0 1.0"]}
+    k.ok("big[0] = 2.0")
+    res = k.ok("%%distributed -n 2 --output text\nprint(float(big[0]))")
+    assert by_rank(res.stdout) == {0: ["2.0"], 1: ["2.0"]}
+    assert by_rank(ok_cell(k, "print(float(kept[0]), float(big[0]))").stdout) == {0: ["0.0 2.0"], 1: ["0.0 2.0"]}
+    assert memfds(k.pid) == 1   # the kernel keeps the latest only; the old ones live in the ranks' mappings
+    k.ok("del big")
+    assert memfds(k.pid) == 0
+
+
 def test_one_shot_cells_run_beside_a_session_and_leave_it_alone(session):
     k = session
     ok_cell(k, "import os\nmine = 'session ' + os.environ['RANK']")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import fcntl
 import mmap
 import os
 import signal
@@ -315,9 +316,10 @@ class SharedArena:
     no copy per rank, and a rank that writes to its array changes only its
     own pages, as after notebook_launcher's fork.  The memfds come from
     :data:`SHARED` (kept across cells while the kernel holds the array and
-    it is unchanged); the arena holds its own descriptor of each until the
-    run is over (:meth:`close`), so nothing the cache does meanwhile can
-    pull one from under a rank that has not mapped it yet.
+    it is unchanged, or can be updated in place); the arena holds its own
+    descriptor of each, with a shared lock, until the run is over
+    (:meth:`close`), so nothing the cache does meanwhile can pull one from
+    under a rank that has not mapped it yet, nor write into it.
     """
 
     enabled = True   # False: ranks on other machines (nothing is shared, arrays are pickled)
@@ -361,10 +363,18 @@ class SharedCache:
     its bytes are *exactly* the memfd's: a full comparison, no version
     counter or sampled checksum that a write through ``.data``, ``.numpy()``
     or a C extension could get past; comparing reads at memory speed, several
-    times faster than writing fresh pages.  A memfd once handed to ranks is
-    never written again: a changed array gets a new one, so a background
-    run's or a session's ranks keep the values they were sent (their mapping
-    keeps the old memory until they let it go).
+    times faster than writing fresh pages.
+
+    A changed array's memfd is brought up to date in place (only the chunks
+    that differ are written: ``big[0] += 1`` costs a comparison, not 512 MB
+    of fresh pages) when nobody can see it change.  Who can is told by
+    ``flock``: every run's arena and every process that maps the memfd (a
+    rank, the workers it forks, a session's rank that keeps the value) holds
+    a shared lock on it, on an open file of its own, released when that
+    process exits or its mapping goes.  The kernel writes only under an
+    exclusive lock taken without waiting; while anyone holds a shared one
+    (a background run, a session's value, ranks still exiting) the changed
+    array gets a new memfd, and they keep the values they were sent.
     """
 
     CHUNK = 16 << 20   # bytes compared at a time (a bounded temporary)
@@ -378,17 +388,19 @@ class SharedCache:
 
     def hold(self, owner, view: memoryview) -> int:
         """A descriptor (the caller's, to close) of a memfd holding ``view``'s
-        bytes: the one kept for ``owner`` if they are unchanged, else a new
-        one, kept for ``owner`` from now on."""
+        bytes, with a shared lock on it (see the class): the one kept for
+        ``owner``, brought up to date if it can be, else a new one, kept for
+        ``owner`` from now on."""
         key = id(owner)
         with self._lock:
             entry = self._entries.get(key)
-        if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
-                and self._same(view, entry[2]):
-            return os.dup(entry[1])
+            if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
+                    and self._up_to_date(view, entry[1], entry[2]):
+                return self._lease(entry[1])
         if entry is not None:
-            # Changed: its old memory goes first (unless a run still maps it),
-            # so the new copy reuses those pages rather than asking for fresh ones.
+            # Changed and still seen by a run: its old memory goes first (the
+            # memfd itself lives on in whoever maps it), so the new copy reuses
+            # those pages rather than asking for fresh ones.
             self._drop(key)
         fd, mapping = self._write(view)
         kept = self.kept_bytes()
@@ -401,9 +413,18 @@ class SharedCache:
             return fd
         with self._lock:
             old, self._entries[key] = self._entries.get(key), (ref, fd, mapping)
+            leased = self._lease(fd)
         if old is not None:   # another thread's meanwhile
             self._release(old)
-        return os.dup(fd)
+        return leased
+
+    @staticmethod
+    def _lease(fd: int) -> int:
+        """A new open file of the memfd (``/proc/self/fd``: its own lock
+        owner, unlike a ``dup``) holding a shared lock, for a run's arena."""
+        leased = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(leased, fcntl.LOCK_SH)
+        return leased
 
     @staticmethod
     def _write(view: memoryview) -> tuple:
@@ -423,17 +444,36 @@ class SharedCache:
             raise
         return fd, mapping
 
-    def _same(self, view: memoryview, mapping) -> bool:
+    def _up_to_date(self, view: memoryview, fd: int, mapping) -> bool:
+        """Compare ``view`` with the memfd chunk by chunk; at the first chunk
+        that differs, go on only if nobody holds a shared lock (then write
+        every differing chunk in place).  True: the memfd now holds
+        ``view``'s bytes; False: it differs and someone may see it."""
         import numpy as np
 
-        words = view.nbytes // 8 * 8
         mine, theirs = np.frombuffer(view, np.uint8), np.frombuffer(mapping, np.uint8)
         step = self.CHUNK
-        for start in range(0, words, step):
-            stop = min(words, start + step)
-            if not np.array_equal(mine[start:stop].view(np.uint64), theirs[start:stop].view(np.uint64)):
-                return False
-        return bool(np.array_equal(mine[words:], theirs[words:]))
+        locked = False
+        try:
+            for start in range(0, view.nbytes, step):
+                stop = min(view.nbytes, start + step)
+                words = start + (stop - start) // 8 * 8
+                if np.array_equal(mine[start:words].view(np.uint64), theirs[start:words].view(np.uint64)) \
+                        and np.array_equal(mine[words:stop], theirs[words:stop]):
+                    continue
+                if not locked:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        return False
+                    locked = True
+                written = start
+                while written < stop:
+                    written += os.pwrite(fd, view[written:stop], written)
+            return True
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _drop(self, key: int) -> None:
         with self._lock:
@@ -474,6 +514,11 @@ def _map_shared(ref: tuple):
 
     pid, fd, offset, nbytes = ref
     with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+        # The shared lock tells the kernel this memory is seen (SharedCache):
+        # it stays with the mapping's own descriptor (mmap keeps a dup of
+        # it, and a forked worker inherits that), so it goes when the array
+        # does, or when the last process that maps it exits.
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         mm = mmap.mmap(f.fileno(), offset + nbytes, flags=mmap.MAP_PRIVATE,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return memoryview(mm)[offset:offset + nbytes]
