@@ -267,6 +267,7 @@ class DistributedMagics(Magics):
         launched); the wait for it, and the checks that need the GPUs it
         counts, happen in the run's thread: their error is the run's (its view
         and ``h.wait()``)."""
+        payload = None
         try:
             self.launch_config(args, wait=False)
             return_names = return_names_of(args.return_names)
@@ -274,6 +275,8 @@ class DistributedMagics(Magics):
             payload = self.make_payload(self.cell_source(line, cell), return_names)
             self.launcher.start()
         except BaseException:
+            if payload is not None:
+                payload.release()   # its shared memory (and its lock on it) now, not at a collection
             presenter.discard()
             raise
 

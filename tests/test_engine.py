@@ -500,6 +500,37 @@ def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(la
     assert len(SHARED) == 0 and _open_memfds() == []
 
 
+def test_a_process_forked_from_the_kernel_during_a_run_does_not_keep_its_shared_memory_locked():
+    """A fork pool started while a run is open (a background run's) inherits
+    the run's descriptors and their shared locks: they are closed in the
+    child, or the kernel could never update that memory in place again."""
+    import numpy as np
+
+    array = np.zeros(2 * 1024 * 1024, dtype=np.float64)   # 16 MB
+    ns = {"array": array}
+    first = build_payload("array", ns)
+    (inode,) = _memfd_inodes(first)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:   # a pool worker: alive, doing nothing with the run
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        first.release()
+        array[0] = 1.0
+        second = build_payload("array", ns)
+        assert _memfd_inodes(second) == [inode], "the forked child kept the run's lock"
+        second.release()
+    finally:
+        os.close(w)
+        os.waitpid(child, 0)
+    ns.clear()
+    del array
+    assert _open_memfds() == []
+
+
 def test_progress_helper_reports_structured_progress(launcher):
     _, events = run(launcher, "import accel_magics\nfor step in range(1, 4):\n    accel_magics.progress(step, 3, 'epoch')")
     for rank in (0, 1):

@@ -99,6 +99,36 @@ def test_cells_back_to_back_each_start_after_the_last_ones_ranks_are_gone(launch
         previous = [pid for pid, _ in result.value]
 
 
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(launcher):
+    # A cell sent as soon as the last one ended found no spare: it was forked
+    # only once the last run's supervisor had exited, so its fork, its ranks'
+    # forks and its connection were in the new cell's time.  Now the
+    # supervisor says "finished" to the launcher before it tells the kernel,
+    # and the spare is forked while the old run ends.  The old supervisor is
+    # frozen here the moment its run is reported: its ranks stay parked, it
+    # never exits, and the spare must appear all the same.
+    import signal
+    from kernel_harness import wait_until
+
+    zygote = launcher.proc.pid
+    result, _ = run(launcher, "import os\nos.getppid()", n=2)
+    old = result.value
+    os.kill(old, signal.SIGSTOP)
+    try:
+        wait_until(lambda: _children(zygote) - {old}, 30, "the next run's spare while the last run ends")
+        (spare,) = _children(zygote) - {old}
+        assert old in _children(zygote)   # still there, its ranks parked: the spare did not wait for it
+    finally:
+        os.kill(old, signal.SIGCONT)
+    result, _ = run(launcher, "import os\nos.getppid()", n=2)
+    assert result.value == spare
+
+
 def _anon_huge_kb(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:

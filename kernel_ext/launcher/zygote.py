@@ -105,6 +105,7 @@ class Zygote:
         # supervisor says there when its ranks are gone.
         self.status_fds: dict[int, int] = {}     # pid -> read end of its status pipe
         self.ranks_gone: set[int] = set()        # every rank reaped: it holds nothing a new run needs
+        self.finished: set[int] = set()          # its run is over: the next run's spare may be forked
         self.spare: Optional[tuple[int, int, int]] = None  # (pid, control fd, ranks) forked ahead
         self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
@@ -198,9 +199,11 @@ class Zygote:
                 # after %load_ext): the same clean-up as any other end.
                 return
             while not self.terminating:
-                idle = not set(self.supervisors) - self.keep
+                idle = not set(self.supervisors) - self.keep - self.finished
                 if self.spare is None and idle:
-                    self.fork_spare()   # idle time: the next run's fork is done now, not in its cell
+                    # Idle time (or the last run just finished, its ranks ending): the
+                    # next run's fork is done now, not in its cell.
+                    self.fork_spare()
                 timeout = None
                 if idle and self.collapser.pending:
                     timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
@@ -352,6 +355,8 @@ class Zygote:
             return
         except OSError:
             data = b""
+        if RunState.FINISHED.value in data:
+            self.finished.add(pid)
         if RunState.RANKS_GONE.value in data or not data:   # EOF: it exited (its ranks reaped, or orphans here)
             self.ranks_gone.add(pid)
             self.forget_status(pid)
@@ -422,6 +427,7 @@ class Zygote:
             self.supervisors.pop(pid, None)
             self.forget_status(pid)
             self.ranks_gone.discard(pid)
+            self.finished.discard(pid)
             if self.spare is not None and self.spare[0] == pid:
                 os.close(self.spare[1])
                 self.spare = None

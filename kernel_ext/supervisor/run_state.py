@@ -1,11 +1,15 @@
 """What a one-shot run's supervisor tells the launcher about its run.
 
 The kernel hears a run's story over ZMQ.  The launcher (the zygote) needs
-one fact, for the next run: this run's ranks are gone, so nothing of it holds
-memory, ports or a GPU and the next run's ranks may start, while the
-supervisor's own exit (the teardown of a torch-sized process) overlaps that
-run.  It is one byte on the supervisor's status pipe; the pipe's EOF (the
-supervisor exited, by any path) means it too.
+two facts, for the next run, each one byte on the supervisor's status pipe:
+
+* FINISHED: the run is over (its ranks parked or ending), so the launcher
+  forks the next run's spare now, while the kernel shows the result: a cell
+  sent as soon as this one ended ("Run All") finds it forked, its ranks too.
+* RANKS_GONE: this run's ranks are gone, so nothing of it holds memory,
+  ports or a GPU and the next run's ranks may start, while the supervisor's
+  own exit (the teardown of a torch-sized process) overlaps that run.  The
+  pipe's EOF (the supervisor exited, by any path) means it too.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import os
 
 
 class RunState(enum.Enum):
+    FINISHED = b"f"
     RANKS_GONE = b"g"
 
 

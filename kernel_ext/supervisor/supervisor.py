@@ -147,6 +147,9 @@ class Supervisor:
         if not together:
             self._finish_nodes()
         self.logs.close()   # complete on disk before the kernel hears "finished"
+        # First the launcher (it forks the next run's spare while the kernel
+        # shows this result), so the kernel never hears "finished" before it.
+        tell(self.status_fd, RunState.FINISHED)
         self._send({"kind": "finished", "reason": self.stopping,
                     "elapsed": time.time() - self.started})
         log.info("run %s node %s attempt %s: finished (%s) in %.3fs", self.spec.get("run_id"),

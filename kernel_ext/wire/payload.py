@@ -323,6 +323,7 @@ class SharedArena:
     """
 
     enabled = True   # False: ranks on other machines (nothing is shared, arrays are pickled)
+    open_arenas: "weakref.WeakSet[SharedArena]" = weakref.WeakSet()   # holding descriptors now
 
     def __init__(self, cache: Optional["SharedCache"] = None) -> None:
         self.cache = cache if cache is not None else SHARED
@@ -337,11 +338,13 @@ class SharedArena:
         """``view``: the bytes of ``owner`` (the kernel's array)."""
         fd = self.cache.hold(owner, view)
         self.fds.append(fd)
+        SharedArena.open_arenas.add(self)
         self.size += view.nbytes
         return (os.getpid(), fd, 0, view.nbytes)
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
+        SharedArena.open_arenas.discard(self)
         for fd in fds:
             os.close(fd)
 
@@ -388,9 +391,11 @@ class SharedCache:
 
     def hold(self, owner, view: memoryview) -> int:
         """A descriptor (the caller's, to close) of a memfd holding ``view``'s
-        bytes, with a shared lock on it (see the class): the one kept for
-        ``owner``, brought up to date if it can be, else a new one, kept for
-        ``owner`` from now on."""
+        bytes: the one kept for ``owner``, brought up to date if it can be,
+        else a new one, kept for ``owner`` from now on, each with a shared
+        lock on it (see the class).  Past the budget (or for an owner without
+        weak references) a new memfd that is this run's alone: the caller's
+        own descriptor, kept nowhere, so never written again and unlocked."""
         key = id(owner)
         with self._lock:
             entry = self._entries.get(key)
@@ -398,9 +403,9 @@ class SharedCache:
                     and self._up_to_date(view, entry[1], entry[2]):
                 return self._lease(entry[1])
         if entry is not None:
-            # Changed and still seen by a run: its old memory goes first (the
-            # memfd itself lives on in whoever maps it), so the new copy reuses
-            # those pages rather than asking for fresh ones.
+            # Changed and still seen (or resized): the kernel lets its memfd go
+            # (it lives on while someone maps it; then old and new both take
+            # memory, as two values do) and writes a new one.
             self._drop(key)
         fd, mapping = self._write(view)
         kept = self.kept_bytes()
@@ -486,7 +491,8 @@ class SharedCache:
         _, fd, mapping = entry
         try:
             mapping.close()
-        except BufferError:   # a view of it is still being compared: it closes with its last view
+        except BufferError:   # a comparison's frame still holds a view (an error's traceback): it
+                              # closes with its last view
             pass
         os.close(fd)
 
@@ -508,16 +514,30 @@ class SharedCache:
 SHARED = SharedCache()
 
 
+def _forget_leases_in_child() -> None:
+    """A process forked from the kernel (a ``multiprocessing`` fork pool, an
+    ``os.fork`` in a cell) inherits every open run's descriptors, their
+    shared locks included: it never uses them (it has its own copy of the
+    arrays), and holding them would keep the kernel from updating that memory
+    in place for as long as it lives."""
+    for arena in list(SharedArena.open_arenas):
+        arena.close()
+
+
+os.register_at_fork(after_in_child=_forget_leases_in_child)
+
+
 def _map_shared(ref: tuple):
     """In a rank: a private, writable, copy-on-write view of one shared array."""
     import mmap
 
     pid, fd, offset, nbytes = ref
     with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
-        # The shared lock tells the kernel this memory is seen (SharedCache):
-        # it stays with the mapping's own descriptor (mmap keeps a dup of
-        # it, and a forked worker inherits that), so it goes when the array
-        # does, or when the last process that maps it exits.
+        # The shared lock tells the kernel this memory is seen (SharedCache).
+        # It belongs to this open file, which the mapping itself keeps open
+        # (in this process and in every worker forked from it, whatever
+        # descriptors they close), so it goes when the last mapping does:
+        # the array dropped, or the last process that maps it gone.
         fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         mm = mmap.mmap(f.fileno(), offset + nbytes, flags=mmap.MAP_PRIVATE,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
