@@ -2,6 +2,7 @@
 section, so a control frame or a received message is never cut in half."""
 from __future__ import annotations
 
+import _signal   # the C functions: signal.signal wraps each call in enum conversions
 import contextlib
 import os
 import signal
@@ -26,11 +27,13 @@ def sigint_deferred():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    # About twenty blocks a cell (each received message): the C calls, not
+    # signal.signal, whose enum conversions cost the kernel 0.4 ms a cell.
+    previous = _signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if caught:
             if callable(previous):
                 previous(signal.SIGINT, caught[-1])   # ipykernel's: raises KeyboardInterrupt here
