@@ -531,6 +531,40 @@ def test_a_process_forked_from_the_kernel_during_a_run_does_not_keep_its_shared_
     assert _open_memfds() == []
 
 
+def test_the_modules_a_cell_imported_are_read_from_the_end_of_sys_modules(monkeypatch):
+    """A rank reports the installed modules its cell imported (the launcher
+    preloads them).  It used to compare two sets of every module name, and
+    each walk over the names wrote their reference counts: 700 page faults
+    in a freshly forked rank.  Now only the end of ``sys.modules`` is read."""
+    import sys
+    from accel_magics.kernel_ext.rank import worker
+
+    mark = worker._modules_mark()
+    assert worker._new_modules(mark) == []
+    import colorsys   # noqa: F401  (stdlib: installed code)
+    assert worker._new_modules(mark) == ["colorsys"]
+    monkeypatch.setattr(worker, "_launcher_modules", frozenset({"colorsys"}))
+    assert worker._new_modules(mark) == []              # the launcher has it already
+    monkeypatch.setattr(worker, "_launcher_modules", frozenset())
+    # The name that was last at the mark is gone (the cell deleted it): the
+    # growth and some slack are read back instead.
+    mark = worker._modules_mark()
+    last = mark[1]
+    gone = sys.modules.pop(last)
+    try:
+        import tabnanny   # noqa: F401
+        assert "tabnanny" in worker._new_modules(mark)
+    finally:
+        sys.modules[last] = gone
+
+
+def test_a_cell_reports_what_it_imported_so_the_launcher_can_preload_it(launcher):
+    result, _ = run(launcher, "import fractions\nimport os\nos.getpid()")
+    assert "fractions" in result.new_modules, result.new_modules
+    result, _ = run(launcher, "import fractions\n1")
+    assert "fractions" not in result.new_modules   # preloaded since
+
+
 def test_progress_helper_reports_structured_progress(launcher):
     _, events = run(launcher, "import accel_magics\nfor step in range(1, 4):\n    accel_magics.progress(step, 3, 'epoch')")
     for rank in (0, 1):

@@ -130,6 +130,7 @@ class Zygote:
             except BaseException as exc:  # a module that fails here may work in a rank
                 self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
         pg_guard.install()   # inherited by every rank (see pg_guard)
+        worker.note_launcher_modules()
         gc.collect()
         gc.freeze()
         self.collapser.plan()   # the heap changed: its pages move to huge pages while idle
