@@ -31,7 +31,7 @@ from typing import Optional
 from .. import logs, wire  # noqa: F401
 from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
 from ..supervisor import session_supervisor, supervisor  # noqa: F401
-from ..supervisor import spare as spare_supervisor  # noqa: F401
+from ..supervisor import spare as spare_supervisor
 from ..wire import payload, transport  # noqa: F401
 from ..process_tree import children, kill_orphans, running
 from ..supervisor.run_state import RunState
@@ -131,6 +131,7 @@ class Zygote:
                 self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
         pg_guard.install()   # inherited by every rank (see pg_guard)
         worker.note_launcher_modules()
+        spare_supervisor.make_session_ahead()
         gc.collect()
         gc.freeze()
         self.collapser.plan()   # the heap changed: its pages move to huge pages while idle
