@@ -428,7 +428,9 @@ def test_an_unchanged_big_global_is_sent_once_across_cells_and_a_change_anywhere
 
 def _mapped_by_others(inode: int) -> list:
     """The pids, other than this one, whose address space maps the memfd
-    ``inode``: read from /proc, independent of the locks the cache uses."""
+    ``inode``, and the locks anyone holds on it: read from /proc/*/maps and
+    /proc/locks, not through the cache.  (An exiting process drops its
+    mappings a moment before its files, whose locks go with them.)"""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) == os.getpid():
@@ -439,7 +441,9 @@ def _mapped_by_others(inode: int) -> list:
                     pids.append(int(pid))
         except OSError:   # gone, or not ours
             continue
-    return pids
+    with open("/proc/locks") as f:
+        locks = [line for line in f if line.split()[5:6] and line.split()[5].endswith(f":{inode}")]
+    return pids + locks
 
 
 def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(launcher):
@@ -483,14 +487,14 @@ def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(la
         assert execute(launcher, LaunchConfig(num_processes=2), second).value == (0.0, 1.0)
         holder.stdin.write("\n"); holder.stdin.flush()
         assert holder.stdout.readline().split() == ["dropped"]
-        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go")
+        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go (maps, locks)")
         array[0], array[-1] = 2.0, 3.0       # the first chunk and the last, odd bytes
         third = build_payload(code, ns)
         assert _memfd_inodes(third) == [inode]             # nobody maps it: written in place
         assert execute(launcher, LaunchConfig(num_processes=2), third).value == (2.0, 3.0)
         third.release()
         array[1024 * 1024] = 4.0             # a chunk in the middle, after ranks that mapped it
-        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go")
+        wait_until(lambda: not _mapped_by_others(inode), 30, "the run's ranks to let the memory go (maps, locks)")
         fourth = build_payload("float(array[1024 * 1024])", ns)
         assert _memfd_inodes(fourth) == [inode]
         assert execute(launcher, LaunchConfig(num_processes=2), fourth).value == 4.0
