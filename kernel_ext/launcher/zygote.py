@@ -99,6 +99,12 @@ class Zygote:
     def __init__(self, control_fd: int, reply_fd: int) -> None:
         self.control_fd = control_fd
         self.reply_fd = reply_fd
+        # Replies wait here while the kernel's pipe is full: the kernel reads a
+        # preload's reply (every file it imported: 676 modules after an FSDP
+        # cell, over a pipe's 64 KB) only at its next cell, and a launcher
+        # blocked in that write reaped nothing, so every ended run's process
+        # stayed a zombie until then.
+        self.outbox = bytearray()
         self.supervisors: dict[int, str] = {}   # pid -> run_id, runs in progress
         self.keep: set[int] = set()              # supervisors of live sessions and background runs
         # Each supervisor's status pipe (see run_state): a one-shot run's
@@ -221,6 +227,12 @@ class Zygote:
                     if key.data == "kernel":
                         self.kernel_gone = True
                         return
+                    if key.data == "reply":
+                        try:
+                            self.flush_replies()
+                        except OSError:   # the kernel closed its end
+                            return
+                        continue
                     if key.data == "signal":
                         try:
                             data = os.read(r, 512)
@@ -235,7 +247,24 @@ class Zygote:
             self.shutdown()
 
     def reply(self, obj) -> None:
-        wire.write_frame(self.reply_fd, obj)
+        """Send ``obj`` to the kernel, in order, never blocking (see outbox)."""
+        self.outbox += wire.frame(obj)
+        self.flush_replies()
+
+    def flush_replies(self) -> None:
+        """Write what the pipe takes now; the rest when it is writable again
+        (the main loop watches it).  OSError: the kernel is gone."""
+        while self.outbox:
+            try:
+                written = os.write(self.reply_fd, self.outbox)
+            except BlockingIOError:
+                break
+            del self.outbox[:written]
+        watching = self.reply_fd in self.sel.get_map()
+        if self.outbox and not watching:
+            self.sel.register(self.reply_fd, selectors.EVENT_WRITE, "reply")
+        elif not self.outbox and watching:
+            self.sel.unregister(self.reply_fd)
 
     def on_control(self) -> bool:
         msg = wire.read_frame(self.control_fd)
@@ -471,6 +500,7 @@ def main() -> None:
     os.dup2(null, 0)
     os.close(null)
     os.set_inheritable(reply_fd, False)
+    os.set_blocking(reply_fd, False)   # its own description (fd 1 is the log now): see Zygote.outbox
     os.set_inheritable(control_fd, False)
     logs.to_log_file(2)   # launcher.log: this process, the supervisors and ranks it forks
     init = wire.read_frame(control_fd)

@@ -83,10 +83,15 @@ def _remember(session: Session, signature: bytes) -> None:
             history.discard(old)
 
 
+def frame(obj) -> bytes:
+    """One pickled, length-prefixed frame (what :func:`read_frame` reads)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(data)) + data
+
+
 def write_frame(fd: int, obj) -> None:
     """Write one pickled, length-prefixed frame to a blocking pipe fd."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    write_all(fd, _LEN.pack(len(data)) + data)
+    write_all(fd, frame(obj))
 
 
 def write_all(fd: int, data: bytes) -> None:
