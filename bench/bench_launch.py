@@ -189,6 +189,29 @@ def tree_cpu(k: KernelSession) -> float:
     return total / tick + me.user + me.system
 
 
+def kernel_cpu(k: KernelSession) -> float:
+    """CPU seconds the kernel process itself has used (every thread, to the
+    nanosecond: schedstat): on a real cluster the one process all nodes
+    share, so its work per node is the part of a cell's cost that grows
+    with the node count whatever each node's own cores are."""
+    total = 0
+    for task in os.listdir(f"/proc/{k.pid}/task"):
+        try:
+            with open(f"/proc/{k.pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):   # a thread that just ended
+            pass
+    return total / 1e9
+
+
+def machine_cpu() -> float:
+    """CPU seconds every process on this machine has used (all cores, /proc/stat):
+    over a cell's window, against cores x its time, how busy the cores were."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(k: KernelSession, code: str, timeout: float = 300) -> float:
     start = time.perf_counter()
     k.ok(code, timeout=timeout)
@@ -407,7 +430,7 @@ def _main() -> None:
                         cluster.release(alloc["SLURM_JOB_ID"])
                     # The cost per node: 2, 4 and 8 nodes of one rank each, against one
                     # node with the same world (all on this machine's cores), A/B.
-                    per_node = {}
+                    per_node, kernel_per_node, cores_busy = {}, {}, {}
                     for nodes in (2, 4, 8):
                         alloc = cluster.allocate(nodes)
                         sk = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", **alloc})
@@ -419,23 +442,35 @@ def _main() -> None:
                             for k, code, _ in arms:
                                 timed(k, code, 300), timed(k, code), timed(k, code)
                             settle(4 + 2 * nodes)
+                            kcpu, busy = {sk: [], lk: []}, {sk: 0.0, lk: 0.0}
                             for _ in range(max(reps, 10)):
                                 for k, code, times in arms:
                                     time.sleep(1.0)
+                                    before, machine_before = kernel_cpu(k), machine_cpu()
                                     times.append(timed(k, code))
+                                    kcpu[k].append(kernel_cpu(k) - before)
+                                    busy[k] += machine_cpu() - machine_before
                             per_node[nodes] = tuple(statistics.median(times) for _, _, times in arms)
+                            kernel_per_node[nodes] = (statistics.median(kcpu[sk]), statistics.median(kcpu[lk]))
+                            cores_busy[nodes] = busy[sk] / sum(arms[0][2])
                         finally:
                             sk.shutdown()
                             lk.shutdown()
                             cluster.release(alloc["SLURM_JOB_ID"])
                     slope = (per_node[8][0] - per_node[2][0]) / 6
+                    kslope = (kernel_per_node[8][0] - kernel_per_node[2][0]) / 6
+                    ms = lambda xs: " / ".join(f"{x * 1000:.1f}" for x in xs)   # noqa: E731
                     row("a warm --launcher slurm cell on 2 / 4 / 8 nodes of one rank each, cells 1 s apart; "
                         "every node shares this machine's 2 cores",
-                        " / ".join(f"{per_node[n][0] * 1000:.1f}" for n in (2, 4, 8)) + " ms",
-                        "one node, same world: " + " / ".join(f"{per_node[n][1] * 1000:.1f}" for n in (2, 4, 8))
-                        + " ms", " / ".join(f"{per_node[n][0] / per_node[n][1]:.2f}x" for n in (2, 4, 8))
-                        + f"; {slope * 1000:.1f} ms per added node", "8 nodes <= 1.5x one node",
-                        per_node[8][0] <= 1.5 * per_node[8][1])
+                        ms(per_node[n][0] for n in (2, 4, 8)) + " ms",
+                        "one node, same world: " + ms(per_node[n][1] for n in (2, 4, 8)) + " ms",
+                        " / ".join(f"{per_node[n][0] / per_node[n][1]:.2f}x" for n in (2, 4, 8))
+                        + f"; {slope * 1000:.1f} ms per added node. The kernel's own CPU a cell: "
+                        + ms(kernel_per_node[n][0] for n in (2, 4, 8)) + " ms (one node: "
+                        + ms(kernel_per_node[n][1] for n in (2, 4, 8)) + f" ms), {kslope * 1000:.2f} ms per added "
+                        "node; cores busy during the cell (every process): "
+                        + " / ".join(f"{cores_busy[n]:.1f}" for n in (2, 4, 8)) + f" of {os.cpu_count()}",
+                        "8 nodes <= 1.5x one node", per_node[8][0] <= 1.5 * per_node[8][1])
                 finally:
                     cluster.stop()
 
