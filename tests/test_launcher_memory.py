@@ -121,6 +121,9 @@ def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(l
     # saw that replacement here.  The same cell once before, so that the
     # observed run teaches the launcher nothing.
     run(launcher, "import os\nos.getppid()", n=2)
+    # Earlier runs' supervisors end while the next run goes on (slowly on a
+    # loaded machine): only the spare is left before the observed run.
+    wait_until(lambda: len(_children(zygote)) == 1, 30, "the earlier runs' supervisors to end")
     result, _ = run(launcher, "import os\nos.getppid()", n=2)
     assert result.new_modules == [], result.new_modules
     old = result.value
