@@ -452,7 +452,7 @@ def _main() -> None:
                                     busy[k] += machine_cpu() - machine_before
                             per_node[nodes] = tuple(statistics.median(times) for _, _, times in arms)
                             kernel_per_node[nodes] = (statistics.median(kcpu[sk]), statistics.median(kcpu[lk]))
-                            cores_busy[nodes] = busy[sk] / sum(arms[0][2])
+                            cores_busy[nodes] = tuple(busy[k] / sum(times) for k, _, times in arms)
                         finally:
                             sk.shutdown()
                             lk.shutdown()
@@ -469,7 +469,8 @@ def _main() -> None:
                         + ms(kernel_per_node[n][0] for n in (2, 4, 8)) + " ms (one node: "
                         + ms(kernel_per_node[n][1] for n in (2, 4, 8)) + f" ms), {kslope * 1000:.2f} ms per added "
                         "node; cores busy during the cell (every process): "
-                        + " / ".join(f"{cores_busy[n]:.1f}" for n in (2, 4, 8)) + f" of {os.cpu_count()}",
+                        + " / ".join(f"{cores_busy[n][0]:.1f}" for n in (2, 4, 8)) + " (one node: "
+                        + " / ".join(f"{cores_busy[n][1]:.1f}" for n in (2, 4, 8)) + f") of {os.cpu_count()}",
                         "8 nodes <= 1.5x one node", per_node[8][0] <= 1.5 * per_node[8][1])
                 finally:
                     cluster.stop()
