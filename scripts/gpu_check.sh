@@ -35,20 +35,30 @@ if [ "$gpus" -eq 0 ]; then
 else
     if [ ! -x "$VENV/bin/python" ]; then
         if has_cuda_torch "$PY"; then
-            "$PY" -m venv --system-site-packages "$VENV"
+            # --system-site-packages reaches the *base* interpreter's packages:
+            # where $PY is itself a venv (a CUDA image's /opt/.../.venv, a
+            # conda env) its torch would be lost, so its own site-packages go
+            # into a .pth file of the new venv, after the venv's own.
+            "$PY" -m venv --system-site-packages "$VENV" \
+                || "$PY" -m venv --system-site-packages --without-pip "$VENV"   # no ensurepip (Debian's python3 without python3-venv)
+            "$PY" -c "import site, sysconfig; print('\n'.join(dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib']])))" \
+                > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/accel_magics_gpu_base.pth"
         else
             "$PY" -m venv "$VENV"
         fi
     fi
     . "$VENV/bin/activate"
+    # The venv's own pip, else the creating interpreter's pip aimed at it.
+    if python -m pip --version >/dev/null 2>&1; then pip=(python -m pip); else pip=("$PY" -m pip --python "$VENV/bin/python"); fi
     if ! has_cuda_torch python; then
         echo "== installing a CUDA build of torch (the index's default Linux wheel)"
-        python -m pip install -q "torch>=2.1,<3" || echo "could not install torch: the tests will say why they skip"
+        "${pip[@]}" install -q "torch>=2.1,<3" || echo "could not install torch: the tests will say why they skip"
     fi
-    python -m pip install -q -e ".[test]" 2>/dev/null \
-        || python -m pip install -q --no-deps --no-build-isolation -e . \
+    # Offline (an air-gapped GPU box): PIP_NO_INDEX=1 PIP_FIND_LINKS=<a folder of wheels>.
+    "${pip[@]}" install -q -e ".[test]" \
+        || "${pip[@]}" install -q --no-deps --no-build-isolation -e . \
         || echo "could not install accel_magics into $VENV"
-    python -m pip install -q nvidia-ml-py timm 2>/dev/null || true   # optional: NVML's rows, the tutorial's model
+    "${pip[@]}" install -q nvidia-ml-py timm 2>/dev/null || true   # optional: NVML's rows, the tutorial's model
 fi
 
 times="$OUT/accel_magics-gpu-times.jsonl"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,32 @@ def by_rank(text: str) -> dict[int, str]:
             rank, rest = line[6:].split("] ", 1)
             out.setdefault(int(rank), rest)
     return out
+
+
+_UNITS = {"B": 1, "kB": 1 << 10, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+
+
+def gpu_memory_by_rank(status: str) -> dict[int, int]:
+    """The rank table of ``%distributed_session status``: rank -> its GPU
+    memory in bytes (the second size on the row, after RSS)."""
+    out = {}
+    for line in status.splitlines():
+        fields = line.split()
+        if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
+            continue            # a rank row starts with its rank and pid
+        sizes = re.findall(r"(\d+(?:\.\d+)?) (B|kB|KB|MB|GB|TB)\b", line)
+        if len(sizes) >= 2:
+            out[int(fields[0])] = int(float(sizes[1][0]) * _UNITS[sizes[1][1]])
+    return out
+
+
+def line_of(text: str, rank: int, prefix: str) -> str:
+    """Rank ``rank``'s first line that starts with ``prefix`` (a rank's output
+    may hold library warnings before it)."""
+    for line in text.splitlines():
+        if line.startswith(f"[rank {rank}] {prefix}"):
+            return line.split("] ", 1)[1]
+    raise AssertionError(f"rank {rank} printed no line starting {prefix!r}:\n{text}")
 
 
 def test_the_default_is_one_rank_per_gpu_each_on_its_local_rank(kernel):
@@ -143,8 +170,9 @@ def test_a_session_shows_gpu_memory_per_rank_and_stop_frees_it(kernel):
     try:
         kernel.ok("%%distributed --session --output text\nimport torch\nheld = torch.empty(1 << 28, device='cuda')")
         status = kernel.ok("%distributed_session status").stdout
-        rows = [line for line in status.splitlines() if "MiB" in line or "GiB" in line]
-        assert len(rows) >= GPUS, status       # each rank's GPU memory, from NVML
+        gpu_mem = gpu_memory_by_rank(status)
+        assert sorted(gpu_mem) == list(range(GPUS)), status      # each rank's GPU memory, from NVML
+        assert all(held >= 1 << 30 for held in gpu_mem.values()), status   # the 1 GiB tensor, and CUDA's context
     finally:
         kernel.ok("%distributed_session stop")
     import pynvml
@@ -189,6 +217,32 @@ def test_the_stop_during_an_nccl_collective_stops_every_rank_within_seconds(kern
     _record("stop during an NCCL collective (s)", took)
 
 
+def test_the_stop_of_a_rank_busy_on_the_gpu_is_quick_and_the_next_cell_gets_its_memory(kernel):
+    """One GPU is enough: the rank holds 60% of the device and spins on
+    matrix products; the stop must end it within seconds, and the next cell's
+    rank must be able to take the same 60% (freed before it starts)."""
+    fired = []
+
+    def on_output(text):
+        if "busy" in text and not fired:
+            fired.append(time.monotonic())
+            kernel.interrupt()
+
+    take = ("import torch\n"
+            "held = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.6), dtype=torch.uint8,"
+            " device='cuda')\n")
+    res = kernel.run("%%distributed -n 1 --output text\n" + take +
+                     "x = torch.randn(8192, 8192, device='cuda')\nprint('busy', flush=True)\n"
+                     "while True:\n    y = x @ x\n    torch.cuda.synchronize()\n",
+                     on_output=on_output, timeout=120)
+    assert fired, res.stdout + res.error_text
+    took = time.monotonic() - fired[0]
+    assert res.error is not None and res.error["ename"] == "RunInterrupted", res.error_text
+    assert took < 20, f"the stop took {took:.1f}s"
+    _record("stop of a rank busy on the GPU (s)", took)
+    assert "taken" in kernel.ok("%%distributed -n 1 --output text\n" + take + "print('taken')", timeout=120).stdout
+
+
 TUTORIAL = """%%distributed --output text {flags}
 import torch, timm, time
 from accelerate import Accelerator
@@ -224,8 +278,9 @@ print("accuracy", round(correct / total, 3), "seconds", round(time.monotonic() -
 def test_the_seed_tutorials_training_on_every_gpu_matches_cpu(kernel):
     pytest.importorskip("timm", reason="timm is not installed")
     pytest.importorskip("accelerate", reason="accelerate is not installed")
-    gpu = by_rank(kernel.ok(TUTORIAL.format(flags="", cpu=False), timeout=600).stdout)[0].split()
-    cpu = by_rank(kernel.ok(TUTORIAL.format(flags="-n 2 --oversubscribe", cpu=True), timeout=600).stdout)[0].split()
+    gpu = line_of(kernel.ok(TUTORIAL.format(flags="", cpu=False), timeout=600).stdout, 0, "accuracy").split()
+    cpu = line_of(kernel.ok(TUTORIAL.format(flags="-n 2 --oversubscribe", cpu=True), timeout=600).stdout,
+                  0, "accuracy").split()
     assert abs(float(gpu[1]) - float(cpu[1])) < 0.15, (gpu, cpu)   # the same task learnt, within noise
     _record("tutorial on every GPU (s)", float(gpu[3]))
     _record("tutorial on 2 CPU ranks (s)", float(cpu[3]))
