@@ -13,6 +13,7 @@ ranks.  Medians; ratio < 1 means accel_magics is faster.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import random
@@ -94,6 +95,33 @@ dist.barrier(); t0 = time.perf_counter()
 for _ in range(__STEPS__):
     step()
 dist.barrier(); elapsed = time.perf_counter() - t0
+if dist.get_rank() == 0:
+    print(f"DDP_STEPS_PER_S {__STEPS__ / elapsed:.2f}", flush=True)
+dist.destroy_process_group()
+'''
+
+DDP_GPU_BODY = '''
+import os, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl")
+torch.manual_seed(0)
+# Small on purpose: a step of well under a millisecond of GPU work, so the
+# rank's Python (launch overhead) sets the pace and any CPU the rank's
+# surroundings take shows.
+model = DDP(torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda(),
+            device_ids=[local])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(256, 1024, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+def step():
+    opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
+for _ in range(50):
+    step()
+torch.cuda.synchronize(); dist.barrier(); t0 = time.perf_counter()
+for _ in range(__STEPS__):
+    step()
+torch.cuda.synchronize(); dist.barrier(); elapsed = time.perf_counter() - t0
 if dist.get_rank() == 0:
     print(f"DDP_STEPS_PER_S {__STEPS__ / elapsed:.2f}", flush=True)
 dist.destroy_process_group()
@@ -241,12 +269,99 @@ def machine() -> str:
 def loaded_kernel(env=None) -> KernelSession:
     k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", **(env or {})})
     k.ok("%load_ext accel_magics")
-    k.ok("%%distributed -n 2 --output text\npass\n", timeout=300)
+    k.ok(f"%%distributed -n 2{oversubscribe(2)} --output text\npass\n", timeout=300)
     return k
 
 
-SECTIONS = ("first", "runall", "empty", "session", "slurm", "training", "globals", "scale", "output", "ddp")
+def oversubscribe(nproc: int) -> str:
+    """The flag a CPU row's cell needs on a machine with fewer GPUs than its
+    ranks (a one-GPU box refuses 2 ranks otherwise); nothing elsewhere."""
+    return " --oversubscribe" if 0 < cuda_devices() < nproc else ""
+
+
+SECTIONS = ("first", "runall", "empty", "session", "slurm", "training", "globals", "scale", "output", "ddp",
+            "ddp_gpu")
 PAUSE = 0.5   # seconds between paced cells: a person's pace is slower still
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_devices() -> int:
+    """GPUs torch sees, asked in a subprocess: CUDA is never initialised in
+    the bench itself (its kernels fork ranks)."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
+                          "if torch.cuda.is_available() else 0)"], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+
+
+def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, steps: int, rounds: int) -> None:
+    """DDP throughput in a cell vs torchrun (measured inside rank 0), with a
+    third arm: the same script in ranks that a plain os.fork() of a
+    torch-loaded process starts (bench/fork_ranks.py).  Single runs vary
+    +-15% on a small VM, so the arms alternate (A B C, then C B A) and each
+    ratio is the median over rounds of the per-round ratio."""
+    body = template.replace("__STEPS__", str(steps))
+    rates = {"cell": [], "torchrun": [], "fork": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "ddp.py")
+        with open(script, "w") as f:
+            f.write(body)
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
+
+        def steps_per_s(out: str) -> float:
+            return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
+
+        crashed_after = {"torchrun": 0, "fork": 0}
+
+        def run(name: str, cmd: list, **kw) -> str:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+            if "DDP_STEPS_PER_S" not in res.stdout:
+                raise RuntimeError(f"{cmd} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+            # torch 2.13 sometimes aborts a rank at exit ("terminate
+            # called without an active exception"); rank 0 printed its
+            # rate after the last barrier, so the measurement is whole.
+            crashed_after[name] += res.returncode != 0
+            return res.stdout
+
+        arms = {
+            "cell": lambda: ours.ok(f"%%distributed -n {nproc}{oversubscribe(nproc)} --output text\n" + body, timeout=600).stdout,
+            # torchrun's default port is fixed (29500): a free one each
+            # time, so no round depends on that port being free
+            "torchrun": lambda: run("torchrun", [sys.executable, "-m", "torch.distributed.run",
+                                                 "--nproc_per_node", str(nproc), f"--master_port={free_port()}",
+                                                 script], env=env),
+            "fork": lambda: run("fork", [sys.executable, os.path.join(HERE, "fork_ranks.py"), str(nproc), script]),
+        }
+        order = list(arms)
+        for i in range(rounds):
+            for name in (order if i % 2 == 0 else order[::-1]):
+                rates[name].append(steps_per_s(arms[name]()))
+            print(f"  {label} round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()),
+                  flush=True)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    def interval(a: str, b: str) -> str:
+        """95% bootstrap interval of that median (fixed seed): how
+        finely this machine can tell the arms apart at all."""
+        pairs = [x / y for x, y in zip(rates[a], rates[b])]
+        rnd = random.Random(0)
+        meds = sorted(statistics.median(rnd.choices(pairs, k=len(pairs))) for _ in range(2000))
+        return f"95% interval {meds[len(meds) // 40]:.3f}-{meds[len(meds) - 1 - len(meds) // 40]:.3f}"
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    row(label, f"{med['cell']:.1f} steps/s",
+        f"torchrun {med['torchrun']:.1f} steps/s",
+        f"{ratio('cell', 'torchrun'):.3f}x ({interval('cell', 'torchrun')}), median of {len(rates['cell'])} "
+        f"rounds' ratios (spread: cell "
+        f"{min(rates['cell']):.0f}-{max(rates['cell']):.0f}, torchrun {min(rates['torchrun']):.0f}-"
+        f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script: "
+        f"{med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun; cell vs that fork "
+        f"{ratio('cell', 'fork'):.3f}x ({interval('cell', 'fork')})"
+        + (f". Runs where torch aborted a rank at exit, after measuring: torchrun "
+           f"{crashed_after['torchrun']}, fork {crashed_after['fork']}" if any(crashed_after.values()) else ""),
+        ">= 0.98x torchrun and >= 0.99x the plain fork (issue 27)",
+        ratio("cell", "torchrun") >= 0.98 and ratio("cell", "fork") >= 0.99)
 
 
 def main() -> None:
@@ -266,6 +381,7 @@ def _main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="where to write the table (default: bench/RESULTS.md, "
                                                     "or nowhere with --only)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds of the DDP rows (default 14, 4 with --quick)")
     parser.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(SECTIONS))
     args = parser.parse_args()
     reps = 5 if args.quick else 15
@@ -598,73 +714,15 @@ def _main() -> None:
                 worst <= 1.2 and complete and all(m / max(t, 1) < 50 for m, t in rates))
 
         if want("ddp"):
-            # 4. DDP throughput in a cell vs torchrun (measured inside rank 0),
-            # with a third arm: the same script in ranks that a plain os.fork()
-            # of a torch-loaded process starts (bench/fork_ranks.py).  Single
-            # runs vary +-15% here, so the arms alternate (A B C, then C B A)
-            # and each ratio is the median over rounds of the per-round ratio.
-            steps = 100 if args.quick else 300
-            body = DDP_BODY.replace("__STEPS__", str(steps))
-            rates = {"cell": [], "torchrun": [], "fork": []}
-            with tempfile.TemporaryDirectory() as tmp:
-                script = os.path.join(tmp, "ddp.py")
-                with open(script, "w") as f:
-                    f.write(body)
-                env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))
-
-                def steps_per_s(out: str) -> float:
-                    return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
-
-                crashed_after = {"torchrun": 0, "fork": 0}
-
-                def run(name: str, cmd: list, **kw) -> str:
-                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
-                    if "DDP_STEPS_PER_S" not in res.stdout:
-                        raise RuntimeError(f"{cmd} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-                    # torch 2.13 sometimes aborts a rank at exit ("terminate
-                    # called without an active exception"); rank 0 printed its
-                    # rate after the last barrier, so the measurement is whole.
-                    crashed_after[name] += res.returncode != 0
-                    return res.stdout
-
-                arms = {
-                    "cell": lambda: ours.ok("%%distributed -n 2 --output text\n" + body, timeout=600).stdout,
-                    # torchrun's default port is fixed (29500): a free one each
-                    # time, so no round depends on that port being free
-                    "torchrun": lambda: run("torchrun", [sys.executable, "-m", "torch.distributed.run",
-                                                         "--nproc_per_node", "2", f"--master_port={free_port()}",
-                                                         script], env=env),
-                    "fork": lambda: run("fork", [sys.executable, os.path.join(HERE, "fork_ranks.py"), "2", script]),
-                }
-                order = list(arms)
-                for i in range(4 if args.quick else 14):
-                    for name in (order if i % 2 == 0 else order[::-1]):
-                        rates[name].append(steps_per_s(arms[name]()))
-
-            def ratio(a: str, b: str) -> float:
-                return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
-
-            def interval(a: str, b: str) -> str:
-                """95% bootstrap interval of that median (fixed seed): how
-                finely this machine can tell the arms apart at all."""
-                pairs = [x / y for x, y in zip(rates[a], rates[b])]
-                rnd = random.Random(0)
-                meds = sorted(statistics.median(rnd.choices(pairs, k=len(pairs))) for _ in range(2000))
-                return f"95% interval {meds[50]:.3f}-{meds[1949]:.3f}"
-
-            med = {k: statistics.median(v) for k, v in rates.items()}
-            row("DDP training throughput (inside rank 0)", f"{med['cell']:.1f} steps/s",
-                f"torchrun {med['torchrun']:.1f} steps/s",
-                f"{ratio('cell', 'torchrun'):.3f}x ({interval('cell', 'torchrun')}), median of {len(rates['cell'])} "
-                f"rounds' ratios (spread: cell "
-                f"{min(rates['cell']):.0f}-{max(rates['cell']):.0f}, torchrun {min(rates['torchrun']):.0f}-"
-                f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script: "
-                f"{med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun; cell vs that fork "
-                f"{ratio('cell', 'fork'):.3f}x ({interval('cell', 'fork')})"
-                + (f". Runs where torch aborted a rank at exit, after measuring: torchrun "
-                   f"{crashed_after['torchrun']}, fork {crashed_after['fork']}" if any(crashed_after.values()) else ""),
-                ">= 0.98x torchrun and >= 0.99x the plain fork (issue 27)",
-                ratio("cell", "torchrun") >= 0.98 and ratio("cell", "fork") >= 0.99)
+            ddp_row(ours, row, "DDP training throughput (inside rank 0)", DDP_BODY, nproc=2,
+                    steps=100 if args.quick else 300, rounds=args.rounds or (4 if args.quick else 14))
+        if want("ddp_gpu"):
+            gpus = cuda_devices()
+            if not gpus:
+                print("ddp_gpu: skipped, torch sees no CUDA device here", flush=True)
+            else:
+                ddp_row(ours, row, f"DDP training throughput on {gpus} GPU(s), NCCL (inside rank 0)", DDP_GPU_BODY,
+                        nproc=gpus, steps=500 if args.quick else 2000, rounds=args.rounds or (4 if args.quick else 14))
     finally:
         ours.shutdown()
         theirs.shutdown()

@@ -205,8 +205,13 @@ def rank_environment(
 ) -> dict[str, str]:
     """The variables torchrun would set for this rank, plus Accelerate's.
 
-    ``OMP_NUM_THREADS`` is divided between the local ranks on CPU (as torchrun
-    does when it is unset), so N ranks do not each start a thread per core.
+    ``OMP_NUM_THREADS``, where the user set none, is the machine's cores
+    divided between the local ranks, on GPU machines too: otherwise N ranks
+    each start a thread per core.  (torchrun sets 1 whenever it starts more
+    than one rank; a share of the cores keeps that guarantee and leaves each
+    rank its part of the CPU.  Measured on a 16-core, one-GPU machine before
+    this: a 2-rank CPU DDP cell ran 7 steps/s against torchrun's 161, every
+    rank's 16 OpenMP threads spinning against the other's.)
     ``ACCELERATE_USE_CPU`` makes ``Accelerator()`` really run MULTI_CPU when
     there is no GPU, instead of N independent copies.
     """
@@ -233,8 +238,8 @@ def rank_environment(
     }
     if not gpu_count:
         env["ACCELERATE_USE_CPU"] = "true"
-        if "OMP_NUM_THREADS" not in cfg.extra_env and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
+    if "OMP_NUM_THREADS" not in cfg.extra_env and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
     if cfg.mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     env.update({k: str(v) for k, v in cfg.extra_env.items()})

@@ -31,6 +31,25 @@ def test_cpu_threads_are_divided_between_local_ranks(monkeypatch):
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
 
 
+@pytest.mark.parametrize("gpu_count", [0, 1, 8])
+def test_threads_are_divided_between_local_ranks_on_gpu_machines_too(monkeypatch, gpu_count):
+    """A one-GPU machine with 2 oversubscribed CPU ranks ran DDP 20x slower
+    than torchrun when each rank kept a thread per core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for n in (1, 2, 8):
+        env = rank_environment(LaunchConfig(num_processes=n), 0, 1, run_id="r", attempt=0, gpu_count=gpu_count)
+        assert env["OMP_NUM_THREADS"] == str(max(1, cpu_count() // n))
+
+
+def test_the_users_thread_count_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=1)
+    assert "OMP_NUM_THREADS" not in env    # the kernel's own value reaches the ranks as it is
+    env = rank_environment(LaunchConfig(num_processes=2, extra_env={"OMP_NUM_THREADS": "5"}), 0, 1, run_id="r",
+                           attempt=0, gpu_count=1)
+    assert env["OMP_NUM_THREADS"] == "5"
+
+
 def test_gpu_machine_does_not_force_cpu():
     env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=2)
     assert "ACCELERATE_USE_CPU" not in env
