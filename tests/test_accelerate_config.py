@@ -67,6 +67,10 @@ def test_an_fsdp_config_gives_the_ranks_what_accelerate_launch_gives(clean_kerne
     script.write_text(PROBE)
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable))
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU",)}
+    # accelerate launch runs torch elastic's agent, which keeps a log directory
+    # (torchelastic_*) in the temp dir: the test's own, not the user's.
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
     ref = subprocess.run([accelerate, "launch", "--config_file", str(config), str(script)], env=env,
                          capture_output=True, text=True, timeout=180, cwd=tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -62,7 +62,10 @@ def torchrun(script: str, tmp_path, nproc: int = 2) -> dict[int, list[str]]:
     tmp_path.mkdir()
     path = tmp_path / "script.py"
     path.write_text(MERGE_STDERR + script + END_LIKE_A_RANK)
-    env = {**os.environ, **COMMON_ENV}
+    # torch elastic's agent makes a log directory (torchelastic_*) in the temp
+    # dir and keeps it: the test's own, not the user's.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, **COMMON_ENV, "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                            "--tee", "1", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=400)
