@@ -1,6 +1,7 @@
 """Payload building: which globals travel, and the errors before launch."""
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 
@@ -97,3 +98,94 @@ def test_kept_shared_memory_stays_within_its_budget():
     arena.close()
     cache.clear()
     assert len(cache) == 0
+
+
+def _memfds() -> int:
+    """Descriptors of this process open on a big global's shared memory."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "accel_magics-globals" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.parametrize("case", ["new array", "kept, unchanged", "kept, changed in place", "over the budget"])
+def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(case):
+    """The stop button can land between any two lines of the kernel's work on
+    a big global (a memfd made, its lock taken, the run's descriptor handed
+    to the arena): each line is tried in turn, with a real SIGINT sent to
+    this process at that line, and afterwards every descriptor of shared
+    memory left open is one the cache keeps (one per kept array), none lost.
+    Before descriptors changed hands under ``sigint_deferred`` an interrupt
+    between ``hold()`` and the arena's list leaked the run's descriptor, and
+    its lock kept that memory from being updated in place ever again."""
+    import signal
+    import sys
+
+    import numpy as np
+
+    from accel_magics.kernel_ext.wire.payload import SharedArena, SharedCache
+
+    watched = ("wire/payload.py", "kernel_ext/sigint.py")
+    probe = SharedCache()
+    arena = SharedArena(probe)
+    owner = np.ones(1 << 17)
+    arena.add(memoryview(owner).cast("B"), owner)
+    arena.close()
+    per_entry = _memfds()   # the memfd, and its mapping's own descriptor
+    probe.clear()
+    del owner
+    assert per_entry >= 1 and _memfds() == 0
+    cache = SharedCache(budget=0 if case == "over the budget" else 64 << 20)
+    kept = np.ones(1 << 17)   # 1 MB
+    if case.startswith("kept"):
+        arena = SharedArena(cache)
+        arena.add(memoryview(kept).cast("B"), kept)
+        arena.close()
+        assert len(cache) == 1
+
+    def attempt(interrupt_at: int) -> tuple[int, bool]:
+        array = np.ones(1 << 17) if case in ("new array", "over the budget") else kept
+        if case == "kept, changed in place":
+            array[0] += 1
+        lines = [0]
+
+        def tracer(frame, event, arg):
+            if not frame.f_code.co_filename.endswith(watched):
+                return None
+            if event == "line":
+                lines[0] += 1
+                if lines[0] == interrupt_at:
+                    os.kill(os.getpid(), signal.SIGINT)
+            return tracer
+
+        arena = SharedArena(cache)
+        interrupted = False
+        sys.settrace(tracer)
+        try:
+            arena.add(memoryview(array).cast("B"), array)
+            for _ in range(1000):   # bytecodes: a signal sent at the last line is handled by here
+                pass
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+            arena.close()
+        del array
+        return lines[0], interrupted
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        total, interrupted = attempt(0)
+        assert not interrupted and total > 10, total
+        assert _memfds() == per_entry * len(cache)
+        for at in range(1, total + 1):
+            _, interrupted = attempt(at)
+            assert interrupted, f"the interrupt at line event {at} of {total} was lost"
+            assert _memfds() == per_entry * len(cache), f"an interrupt at line event {at} of {total} leaked a descriptor"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        cache.clear()
+    assert _memfds() == 0

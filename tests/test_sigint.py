@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from accel_magics.kernel_ext.kernel.sigint import sigint_deferred
+from accel_magics.kernel_ext.sigint import sigint_deferred
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,3 +82,22 @@ def test_outside_the_main_thread_it_is_a_plain_block():
     t.start()
     t.join()
     assert done == [True]
+
+
+def test_a_safe_point_raises_the_held_interrupt_there_and_the_block_end_does_not_again(threaded_process):
+    """``held.deliver()``: a long block (the first write of a 1 GB global)
+    lets the stop through between two chunks instead of at its end."""
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred() as held:
+            held.deliver()                      # nothing held yet: nothing happens
+            done.append("chunk 1")
+            assert _interrupt_from_another_thread_and_wait_for_its_c_handler(), "the SIGINT never arrived"
+            for _ in range(1000):
+                pass
+            done.append("chunk 2")              # still held
+            held.deliver()                      # raised here
+            done.append("chunk 3")
+    assert done == ["chunk 1", "chunk 2"]
+    assert held.caught == [], "a frame kept by the handler (a cycle holding the cell's values)"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -33,7 +33,7 @@ from ..environment import LaunchConfig, free_port, rank_base_environment, rank_e
 from .errors import LauncherError
 from ..wire.payload import Payload
 from .run_handle import RunHandle
-from .sigint import sigint_deferred
+from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
 from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
 

@@ -28,7 +28,7 @@ import zmq
 from .. import wire
 from .errors import LauncherError
 from .placement import Attempt
-from .sigint import sigint_deferred
+from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
 from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN
 

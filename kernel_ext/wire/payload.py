@@ -26,6 +26,8 @@ from typing import Callable, Optional
 
 import cloudpickle
 
+from ..sigint import sigint_deferred
+
 
 class PayloadError(Exception):
     """The cell cannot be shipped; the message says which name and what to do."""
@@ -336,9 +338,8 @@ class SharedArena:
 
     def add(self, view: memoryview, owner=None) -> tuple:
         """``view``: the bytes of ``owner`` (the kernel's array)."""
-        fd = self.cache.hold(owner, view)
-        self.fds.append(fd)
         SharedArena.open_arenas.add(self)
+        fd = self.cache.hold(owner, view, into=self.fds)   # in self.fds before an interrupt can land
         self.size += view.nbytes
         return (os.getpid(), fd, 0, view.nbytes)
 
@@ -380,7 +381,8 @@ class SharedCache:
     array gets a new memfd, and they keep the values they were sent.
     """
 
-    CHUNK = 16 << 20   # bytes compared at a time (a bounded temporary)
+    CHUNK = 16 << 20          # bytes compared at a time (a bounded temporary)
+    WRITE_CHUNK = 128 << 20   # bytes written by one pwrite (between two, a stop is let through)
 
     def __init__(self, budget: Optional[int] = None) -> None:
         # Kept memory stays taken between cells: at most a quarter of the
@@ -389,39 +391,50 @@ class SharedCache:
         self._lock = threading.RLock()   # a weak reference's callback may run inside hold() (a GC there)
         self._entries: dict[int, tuple] = {}   # id(owner) -> (weakref, memfd, its mapping)
 
-    def hold(self, owner, view: memoryview) -> int:
-        """A descriptor (the caller's, to close) of a memfd holding ``view``'s
-        bytes: the one kept for ``owner``, brought up to date if it can be,
-        else a new one, kept for ``owner`` from now on, each with a shared
-        lock on it (see the class).  Past the budget (or for an owner without
-        weak references) a new memfd that is this run's alone: the caller's
-        own descriptor, kept nowhere, so never written again and unlocked."""
+    def hold(self, owner, view: memoryview, into: list) -> int:
+        """A descriptor of a memfd holding ``view``'s bytes, appended to
+        ``into`` (the caller's, to close): the memfd kept for ``owner``,
+        brought up to date if it can be, else a new one, kept for ``owner``
+        from now on, each with a shared lock on it (see the class).  Past the
+        budget (or for an owner without weak references) a new memfd that is
+        this run's alone: the caller's own descriptor, kept nowhere, so never
+        written again and unlocked.
+
+        The kernel's interrupt (the stop button) is held while descriptors
+        change hands and let through between chunks of the long comparisons
+        and writes: every descriptor opened here is in ``into`` or in the
+        cache whenever it can land, so an interrupted cell leaks none (one
+        left open, with its lock, would also have kept its memfd from ever
+        being updated in place again)."""
         key = id(owner)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
-                    and self._up_to_date(view, entry[1], entry[2]):
-                return self._lease(entry[1])
-        if entry is not None:
-            # Changed and still seen (or resized): the kernel lets its memfd go
-            # (it lives on while someone maps it; then old and new both take
-            # memory, as two values do) and writes a new one.
-            self._drop(key)
-        fd, mapping = self._write(view)
-        kept = self.kept_bytes()
-        try:
-            if kept + view.nbytes > self.budget:
-                raise TypeError("over the budget")
-            ref = weakref.ref(owner, lambda _, key=key: self._drop(key))
-        except TypeError:   # no weak reference to it, or too much kept already: this run's alone
-            mapping.close()
-            return fd
-        with self._lock:
-            old, self._entries[key] = self._entries.get(key), (ref, fd, mapping)
-            leased = self._lease(fd)
-        if old is not None:   # another thread's meanwhile
-            self._release(old)
-        return leased
+        with sigint_deferred() as held:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
+                        and self._up_to_date(view, entry[1], entry[2], held):
+                    into.append(self._lease(entry[1]))
+                    return into[-1]
+            if entry is not None:
+                # Changed and still seen (or resized): the kernel lets its memfd go
+                # (it lives on while someone maps it; then old and new both take
+                # memory, as two values do) and writes a new one.
+                self._drop(key)
+            fd, mapping = self._write(view, held)
+            kept = self.kept_bytes()
+            try:
+                if kept + view.nbytes > self.budget:
+                    raise TypeError("over the budget")
+                ref = weakref.ref(owner, lambda _, key=key: self._drop(key))
+            except TypeError:   # no weak reference to it, or too much kept already: this run's alone
+                mapping.close()
+                into.append(fd)
+                return fd
+            with self._lock:
+                old, self._entries[key] = self._entries.get(key), (ref, fd, mapping)
+                into.append(self._lease(fd))
+            if old is not None:   # another thread's meanwhile
+                self._release(old)
+            return into[-1]
 
     @staticmethod
     def _lease(fd: int) -> int:
@@ -431,17 +444,19 @@ class SharedCache:
         fcntl.flock(leased, fcntl.LOCK_SH)
         return leased
 
-    @staticmethod
-    def _write(view: memoryview) -> tuple:
+    def _write(self, view: memoryview, held) -> tuple:
         fd = os.memfd_create("accel_magics-globals", os.MFD_CLOEXEC)
         try:
             # pwrite, not a copy into a mapping: one page fault per 4 kB page
             # made 1 GB take 5 s; the read-only mapping (for later comparisons)
-            # is populated by the kernel in one go.
+            # is populated by the kernel in one go.  In chunks: a stop
+            # between two is let through at once (the first write of 1 GB
+            # takes seconds).
             os.ftruncate(fd, view.nbytes)
             written = 0
             while written < view.nbytes:
-                written += os.pwrite(fd, view[written:], written)
+                held.deliver()
+                written += os.pwrite(fd, view[written:written + self.WRITE_CHUNK], written)
             mapping = mmap.mmap(fd, view.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                 prot=mmap.PROT_READ)
         except BaseException:
@@ -449,7 +464,7 @@ class SharedCache:
             raise
         return fd, mapping
 
-    def _up_to_date(self, view: memoryview, fd: int, mapping) -> bool:
+    def _up_to_date(self, view: memoryview, fd: int, mapping, held) -> bool:
         """Compare ``view`` with the memfd chunk by chunk; at the first chunk
         that differs, go on only if nobody holds a shared lock (then write
         every differing chunk in place).  True: the memfd now holds
@@ -461,6 +476,7 @@ class SharedCache:
         locked = False
         try:
             for start in range(0, view.nbytes, step):
+                held.deliver()   # a stop, between two chunks
                 stop = min(view.nbytes, start + step)
                 words = start + (stop - start) // 8 * 8
                 if np.array_equal(mine[start:words].view(np.uint64), theirs[start:words].view(np.uint64)) \
