@@ -12,7 +12,7 @@ import re
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -249,7 +249,7 @@ class DistributedMagics(Magics):
             raise
         if args.background:
             return self.start_background(presenter, lambda control: self._execute_background(
-                cfg, payload, presenter, control), label=f"In[{self.cell_number()}]")
+                cfg, payload, presenter, control), label=f"In[{self.cell_number()}]", release=payload.release)
         try:
             try:
                 result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
@@ -291,7 +291,7 @@ class DistributedMagics(Magics):
                 presenter.not_started(exc)
                 raise
             return self._execute_background(cfg, payload, presenter, control)
-        return self.start_background(presenter, target, label=f"In[{self.cell_number()}]")
+        return self.start_background(presenter, target, label=f"In[{self.cell_number()}]", release=payload.release)
 
     def presenter(self, args, started: float, background: bool = False, note: str = "",
                   context: str = "") -> Presenter:
@@ -324,18 +324,39 @@ class DistributedMagics(Magics):
                 events[0].close(linger=0)
             presenter.finish()
 
-    def start_background(self, presenter, target, label: str, where: str = "", owner: object = None):
+    def start_background(self, presenter, target, label: str, where: str = "", owner: object = None,
+                         release: Optional[Callable[[], None]] = None):
         """Start ``target(control)`` in its own thread; the handle the cell returns.
         ``owner``: the session whose ranks it runs on (stopping that session stops
-        it, and no other background run)."""
+        it, and no other background run).  ``release``: what ``target`` frees
+        when it ends (its payload's shared memory of big globals).
+
+        Nothing is left over if this fails: a run that never started (no
+        thread to be had) has ``release`` called here and its view taken
+        away; the stop button pressed while it starts is held back until the
+        run and its handle exist, then stops that run (it ends by itself, as
+        after ``h.stop()``, and frees its payload) and interrupts the cell.
+        """
         from accel_magics.kernel_ext.kernel.background import BackgroundRun
+        from accel_magics.kernel_ext.sigint import sigint_deferred
 
         from .background_handle import BackgroundCell
 
-        run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run), owner=owner,
-                            started=presenter.started)
-        self.background_runs.add(run)
-        return BackgroundCell(run, label, self.deliver, where)
+        run = None
+        try:
+            with sigint_deferred():
+                run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run),
+                                    owner=owner, started=presenter.started)
+                self.background_runs.add(run)
+                return BackgroundCell(run, label, self.deliver, where)
+        except BaseException:
+            if run is None:
+                if release is not None:
+                    release()
+                presenter.discard()
+            else:
+                run.stop()
+            raise
 
     def deliver(self, result):
         """A finished run's outcome in the notebook: the --return names

@@ -102,7 +102,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             presenter.finish()
 
     if args.background:
-        handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session)
+        handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session,
+                                         release=payload.release)
         if on_slurm:
             magics.slurm_busy = handle
         return handle

@@ -43,7 +43,7 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
         label = f"In[{magics.cell_number()}]"
         handle = magics.start_background(presenter, lambda control: _run(
             magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse, control), label=label,
-            where=f"on Slurm job {alloc['job']}")
+            where=f"on Slurm job {alloc['job']}", release=payload.release)
         magics.slurm_busy = handle
         return handle
     return magics.deliver(_run(magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cases import alive
+from cases import alive, memfd_links
 from kernel_harness import descendants, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -352,6 +352,43 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
     assert time.monotonic() - started >= 6
     assert k.ok("total, h.returned, h.status").result == "(2.0, ['total'], 'done')"
     assert "done in" in k.ok("repr(h)").result and "returned total" in k.ok("repr(h)").result
+
+
+@pytest.mark.parametrize("fault", ["no thread to be had", "the stop button as it starts"])
+def test_a_background_cell_that_fails_to_start_leaves_nothing_behind(clean_kernel, fault):
+    """The moment a --background cell starts its thread: where no thread can
+    be had the cell says why, and where the stop button lands just then the
+    run is stopped and the cell interrupted.  Either way nothing is left: its
+    descriptor of the big global's shared memory is closed (before, it stayed
+    open, with a lock that kept that memory from being updated in place),
+    nothing keeps running, and the next cell works."""
+    k = clean_kernel
+    k.ok("import numpy as np, os, signal, threading\nbig = np.ones(2 << 20)   # 16 MB: shared, not pickled")
+    assert "sum 2097152.0" in k.ok("%%distributed -n 2 --output text\nprint('sum', big.sum())").stdout
+    kept = memfd_links(k.pid)   # the kernel's own, kept for `big` across cells
+    action = ("raise RuntimeError(\"can't start new thread\")" if fault == "no thread to be had"
+              else "os.kill(os.getpid(), signal.SIGINT)   # the stop button, this moment")
+    k.ok("_start = threading.Thread.start\n"
+         "def _start_or_not(thread):\n"
+         "    if thread.name.startswith('accel_magics background'):\n"
+         f"        {action}\n"
+         "    return _start(thread)\n"
+         "threading.Thread.start = _start_or_not")
+    try:
+        res = k.run("%%distributed -n 2 --background --output text\nimport time\nprint('sum', big.sum())\n"
+                    "time.sleep(60)")
+    finally:
+        k.ok("threading.Thread.start = _start")
+    assert res.error is not None, res.stdout
+    if fault == "no thread to be had":
+        assert "can't start new thread" in res.error_text, res.error_text
+    else:
+        assert res.error["ename"] == "KeyboardInterrupt", res.error_text
+    wait_until(lambda: memfd_links(k.pid) == kept, 30, "the cell's descriptor of the shared memory closed")
+    wait_until(lambda: k.ok("len(get_ipython().magics_manager.registry['DistributedMagics'].background_runs)")
+               .result == "0", 30, "no background run left")
+    assert "sum 2097152.0" in k.ok("%%distributed -n 2 --output text\nprint('sum', big.sum())").stdout
+    k.ok("del big")
 
 
 def test_a_background_cells_value_is_updated_in_place_when_the_run_ends(clean_kernel):
