@@ -137,7 +137,8 @@ def use_big():
 '''
 
 
-RUNALL_OURS = ["%load_ext accel_magics"] + ["%%distributed -n 2 --output text\npass"] * 19
+def runall_ours() -> list[str]:
+    return ["%load_ext accel_magics"] + [dist(2) + "pass"] * 19
 RUNALL_THEIRS = (["import os\nos.environ['ACCELERATE_USE_CPU'] = '1'\nfrom accelerate import notebook_launcher\n"
                   "def empty():\n    pass"] + ["notebook_launcher(empty, num_processes=2)"] * 19)
 
@@ -271,6 +272,11 @@ def loaded_kernel(env=None) -> KernelSession:
     k.ok("%load_ext accel_magics")
     k.ok(f"%%distributed -n 2{oversubscribe(2)} --output text\npass\n", timeout=300)
     return k
+
+
+def dist(nproc: int) -> str:
+    """A CPU row's ``%%distributed`` line (with its newline)."""
+    return f"%%distributed -n {nproc}{oversubscribe(nproc)} --output text\n"
 
 
 def oversubscribe(nproc: int) -> str:
@@ -411,7 +417,7 @@ def _main() -> None:
             k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1"})
             t = time.perf_counter()
             k.ok("%load_ext accel_magics")
-            k.ok("%%distributed -n 2 --output text\npass\n", timeout=300)
+            k.ok(dist(2) + "pass\n", timeout=300)
             firsts.append(time.perf_counter() - t)
             k.shutdown()
         fi, im = statistics.median(firsts), statistics.median(imports)
@@ -426,7 +432,7 @@ def _main() -> None:
         # median cell from nbclient's own timing.
         a, b, ca, cb = [], [], [], []
         for _ in range(2 if args.quick else 3):
-            for cells, totals, per_cell in ((RUNALL_OURS, a, ca), (RUNALL_THEIRS, b, cb)):
+            for cells, totals, per_cell in ((runall_ours(), a, ca), (RUNALL_THEIRS, b, cb)):
                 took, cell_times = run_notebook(cells)
                 totals.append(took)
                 per_cell.extend(cell_times)
@@ -447,7 +453,7 @@ def _main() -> None:
 
         if want("empty"):
             # 1. Empty cell, warm, A/B; then the tail over many runs.
-            a_code, b_code = "%%distributed -n 2 --output text\npass\n", "notebook_launcher(empty, num_processes=2)\n"
+            a_code, b_code = dist(2) + "pass\n", "notebook_launcher(empty, num_processes=2)\n"
             timed(ours, a_code), timed(theirs, b_code)
             a, b = [], []
             for _ in range(max(reps, 10)):
@@ -529,8 +535,8 @@ def _main() -> None:
                     try:
                         sk.ok("%load_ext accel_magics")
                         arms = [(sk, "%%distributed --launcher slurm -n 2 --output text\npass\n", []),
-                                (k4, "%%distributed -n 4 --output text\npass\n", []),
-                                (k2, "%%distributed -n 2 --output text\npass\n", [])]
+                                (k4, dist(4) + "pass\n", []),
+                                (k2, dist(2) + "pass\n", [])]
                         first = timed(sk, arms[0][1], 300)
                         for k, code, _ in arms:
                             timed(k, code), timed(k, code)
@@ -601,7 +607,7 @@ def _main() -> None:
 
         if want("training"):
             # 3. The Accelerate training cell, A/B.
-            a_code, b_code = ("%%distributed -n 2 --output text\ntraining_loop()\n",
+            a_code, b_code = (dist(2) + "training_loop()\n",
                               "notebook_launcher(training_loop, num_processes=2)\n")
             timed(ours, a_code), timed(ours, a_code), timed(theirs, b_code)
             a, b = [], []
@@ -619,7 +625,7 @@ def _main() -> None:
             # no rank maps it between cells).
             ours.ok(BIG_DEFS)
             theirs.ok(BIG_DEFS)
-            big_a = "%%distributed -n 4 --output text\nuse_big()\n"
+            big_a = dist(4) + "use_big()\n"
             big_b = "notebook_launcher(use_big, num_processes=4)\n"
             change = "big_array[0] += 1\n"
             with MemWatch() as first_mem:
@@ -670,7 +676,7 @@ def _main() -> None:
             # the same contention), seven times; per rank, median print time
             # over median file time.
             lines, rounds = 200_000, 7
-            code = ("%%distributed -n 2 --output text\n"
+            code = (dist(2) + ""
                     "import os, sys, time, tempfile, statistics, torch.distributed as dist\n"
                     "dist.init_process_group('gloo')\n"
                     f"N, ROUNDS = {lines}, {rounds}\n"
