@@ -4,49 +4,61 @@ just opened is always somebody's to close."""
 from __future__ import annotations
 
 import _signal   # the C functions: signal.signal wraps each call in enum conversions
-import contextlib
 import os
 import signal
 import threading
 
 
 class Deferred:
-    """What :func:`sigint_deferred` yields: :meth:`deliver` is a safe point
-    inside a long block (a loop over chunks), where an interrupt that came
-    meanwhile is raised now instead of at the block's end."""
+    """SIGINT held from ``__enter__`` to ``__exit__`` (see :func:`sigint_deferred`).
+
+    :meth:`deliver` is a safe point inside a long block (a loop over
+    chunks): an interrupt that came meanwhile is raised there, not at the
+    block's end.  A class, not a ``contextlib`` generator: about twenty
+    blocks a cell, each would make and finish a generator.
+    """
+
+    __slots__ = ("caught", "previous")
 
     def __init__(self) -> None:
         self.caught: list = []       # the frames the signal arrived in
-        self.previous = None         # the handler the block replaced (None: no swap, not the main thread)
+        self.previous = None         # the handler the block replaced (None: no swap, or delivered)
 
-    def deliver(self) -> None:
+    def __enter__(self) -> "Deferred":
+        if threading.current_thread() is threading.main_thread():
+            # About twenty blocks a cell (each received message): the C calls, not
+            # signal.signal, whose enum conversions cost the kernel 0.4 ms a cell.
+            self.previous = _signal.signal(signal.SIGINT, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:   # not delivered at a safe point already
+            self.deliver(always_restore=True)
+
+    def _record(self, signum, frame) -> None:
+        self.caught.append(frame)
+
+    def deliver(self, always_restore: bool = False) -> None:
         """Raise the held interrupt now, if one came (the block is over for it)."""
-        if self.caught and self.previous is not None:
-            _signal.signal(signal.SIGINT, self.previous)
-            previous, self.previous = self.previous, None
-            _call(previous, self._take())
-
-    def _take(self):
-        """The last frame the signal came in, and none kept here: held
-        frames would make a cycle (the block's frame holds this object), and
-        the cell's values in them would live until a garbage collection."""
-        frame = self.caught[-1]
-        self.caught.clear()
-        return frame
-
-
-def _call(previous, frame) -> None:
-    if callable(previous):
-        previous(signal.SIGINT, frame)   # ipykernel's: raises KeyboardInterrupt here
-    elif previous == signal.SIG_DFL:
-        os.kill(os.getpid(), signal.SIGINT)   # what it would have done
+        if self.previous is None or not (self.caught or always_restore):
+            return
+        previous, self.previous = self.previous, None
+        _signal.signal(signal.SIGINT, previous)
+        if self.caught:
+            # The last frame the signal came in, none kept here: held frames
+            # would make a cycle (the block's frame holds this object).
+            frame = self.caught[-1]
+            self.caught.clear()
+            if callable(previous):
+                previous(signal.SIGINT, frame)   # ipykernel's: raises KeyboardInterrupt here
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)   # what it would have done
 
 
-@contextlib.contextmanager
-def sigint_deferred():
-    """SIGINT is held inside the block and delivered right after it (or at
-    the block's own safe points: ``with sigint_deferred() as held:
-    ... held.deliver()``).
+def sigint_deferred() -> Deferred:
+    """SIGINT is held inside the ``with`` block and delivered right after it
+    (or at the block's own safe points: ``with sigint_deferred() as held:
+    ... held.deliver()``); outside the main thread the block is plain.
 
     Why not ``pthread_sigmask``: it blocks the signal on the calling thread
     only.  A kernel has other threads (ipykernel's iopub, heartbeat, control),
@@ -58,18 +70,4 @@ def sigint_deferred():
     itself is swapped for one that only remembers; the old one gets the
     signal when the block ends.
     """
-    held = Deferred()
-    if threading.current_thread() is not threading.main_thread():
-        yield held
-        return
-    # About twenty blocks a cell (each received message): the C calls, not
-    # signal.signal, whose enum conversions cost the kernel 0.4 ms a cell.
-    held.previous = _signal.signal(signal.SIGINT, lambda signum, frame: held.caught.append(frame))
-    try:
-        yield held
-    finally:
-        if held.previous is not None:   # not delivered at a safe point already
-            previous, held.previous = held.previous, None
-            _signal.signal(signal.SIGINT, previous)
-            if held.caught:
-                _call(previous, held._take())
+    return Deferred()
