@@ -214,7 +214,9 @@ def rank_environment(
     than one rank; a share of the cores keeps that guarantee and leaves each
     rank its part of the CPU.  Measured on a 16-core, one-GPU machine before
     this: a 2-rank CPU DDP cell ran 7 steps/s against torchrun's 161, every
-    rank's 16 OpenMP threads spinning against the other's.)
+    rank's 16 OpenMP threads spinning against the other's.)  An empty value
+    counts as none: libgomp rejects it with a warning and starts a thread
+    per core.
     ``ACCELERATE_USE_CPU`` makes ``Accelerator()`` really run MULTI_CPU when
     there is no GPU, instead of N independent copies.
     """
@@ -241,11 +243,11 @@ def rank_environment(
     }
     if not gpu_count:
         env["ACCELERATE_USE_CPU"] = "true"
-    if "OMP_NUM_THREADS" not in cfg.extra_env and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
     if cfg.mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     env.update({k: str(v) for k, v in cfg.extra_env.items()})
+    if not env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")).strip():
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
     return env
 
 

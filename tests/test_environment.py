@@ -50,6 +50,19 @@ def test_the_users_thread_count_is_kept(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "5"
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_thread_count_counts_as_none(monkeypatch, value):
+    """`OMP_NUM_THREADS=` (set, empty) made libgomp warn in every rank and
+    start a thread per core in each: the cores are divided as if unset."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=1)
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    env = rank_environment(LaunchConfig(num_processes=2, extra_env={"OMP_NUM_THREADS": value}), 0, 1, run_id="r",
+                           attempt=0, gpu_count=1)
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpu_count() // 2))
+
+
 def test_gpu_machine_does_not_force_cpu():
     env = rank_environment(LaunchConfig(num_processes=2), 0, 1, run_id="r", attempt=0, gpu_count=2)
     assert "ACCELERATE_USE_CPU" not in env
