@@ -885,6 +885,30 @@ def test_a_killed_kernel_leaves_no_launcher_directory():
         shutil.rmtree(k.tmpdir, ignore_errors=True)
 
 
+def test_a_launcher_whose_pipe_its_live_owner_closed_removes_its_directory():
+    """Leak found in CI under load: a killed kernel closes its files before it
+    is a zombie, so the launcher that saw its pipe close and then asked whether
+    the kernel still ran could find it running, and left the directory to a
+    kernel that was gone.  The owner closes the pipe only once done with the
+    directory (or as it dies): here it closes it and lives on, without removing
+    the directory itself, and the launcher removes it."""
+    import os
+
+    from accel_magics.kernel_ext.kernel.launcher import Launcher
+
+    lau = Launcher()
+    lau.start()
+    lau.wait_ready()
+    proc, path = lau.proc, lau.dir
+    try:
+        assert os.path.isdir(path)
+        proc.stdin.close()    # EOF from an owner that is still running
+        proc.wait(60)
+        assert not os.path.exists(path), "the launcher left its private directory"
+    finally:
+        lau.close()
+
+
 def test_a_kernel_killed_while_its_launcher_starts_leaves_no_launcher_directory(tmp_path):
     """Leak found in CI: a kernel shut down (killed) right after %load_ext, while
     its launcher was still importing torch: the launcher's "ready" met a closed

@@ -119,7 +119,7 @@ class Zygote:
         self.extra_fds: list[int] = []           # fds a forked child must close
         self.failed_preload: dict[str, str] = {}
         self.terminating = False
-        self.kernel_gone = False
+        self.kernel_gone = False   # the kernel died or closed a pipe to this process: done with it
         self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
         self.quiet_since = time.monotonic()        # the last control message, signal or status
 
@@ -205,6 +205,7 @@ class Zygote:
             except OSError:
                 # The kernel went away while torch was importing (shut down right
                 # after %load_ext): the same clean-up as any other end.
+                self.kernel_gone = True
                 return
             while not self.terminating:
                 idle = not set(self.supervisors) - self.keep - self.finished
@@ -231,6 +232,7 @@ class Zygote:
                         try:
                             self.flush_replies()
                         except OSError:   # the kernel closed its end
+                            self.kernel_gone = True
                             return
                         continue
                     if key.data == "signal":
@@ -242,6 +244,7 @@ class Zygote:
                             return
                         self.reap()
                     elif not self.on_control():
+                        self.kernel_gone = True   # EOF: it closed the pipe (see shutdown)
                         return
         finally:
             self.shutdown()
@@ -482,7 +485,12 @@ class Zygote:
                 break
             time.sleep(0.01)
         # The kernel owns the private directory (its log tells why this
-        # process ended); only when the kernel is gone is nobody left to remove it.
+        # process ended); only when the kernel is gone is nobody left to remove
+        # it.  A pipe it closed says so too: the kernel closes them only once
+        # done with the directory (Launcher.close removes it first), or as it
+        # dies -- and a process being killed closes its files before it is a
+        # zombie, so ``running`` can still say yes then (a leak CI found).
+        # Left for the kernel: a SIGTERM or a crash of this process.
         if self.kernel_gone or not running(self.kernel_pid):
             shutil.rmtree(self.private_dir, ignore_errors=True)
 
