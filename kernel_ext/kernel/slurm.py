@@ -199,7 +199,7 @@ class SlurmAgents:
                 and self._reachable())
 
     def _reachable(self) -> bool:
-        return all(self.connected(node) for node in self.nodes)
+        return not self.send_all(self.nodes, {"op": "ping"})
 
     def connected(self, node: int) -> bool:
         """Is that node's agent still connected?  (ROUTER_MANDATORY: a message to
@@ -289,6 +289,24 @@ class SlurmAgents:
             self.session.send(self.sock, "kernel", content, ident=[f"{self.ident}-{node}".encode()])
         except zmq.ZMQError as exc:   # ROUTER_MANDATORY: that agent is not connected
             raise LauncherError(f"the agent on node {node} is gone ({exc})") from None
+
+    def send_all(self, nodes, content: dict) -> list[int]:
+        """``content`` to each agent of ``nodes``, signed once: what every node of
+        a run gets (the cell's payload, each node's part in it) is pickled and
+        HMAC'd once, not once per node, and a payload over ``copy_threshold``
+        goes out without a copy per node.  Each agent checks the signature
+        against its own replay history, so N agents see it once each.
+        Returns the nodes whose agent is gone (ROUTER_MANDATORY), after
+        sending to every other one."""
+        frames = self.session.serialize(self.session.msg("kernel", content))
+        copy = max(len(f) for f in frames) < self.session.copy_threshold
+        gone = []
+        for node in nodes:
+            try:
+                self.sock.send_multipart([f"{self.ident}-{node}".encode(), *frames], copy=copy)
+            except zmq.ZMQError:
+                gone.append(node)
+        return gone
 
     def receive(self, timeout_ms: int) -> Optional[dict]:
         """The next verified message from any agent (None: nothing within the timeout)."""
@@ -427,18 +445,19 @@ class SlurmRun(Attempt):
     stop_wait = STOP_WAIT
 
     def _dispatch(self, payload, log_dir: str, excerpt, attempt: int) -> None:
-        """Each node its part of the run (as one kernel per node would)."""
+        """Each node its part of the run (as one kernel per node would), in one
+        message for all: every node's part keyed by its node id, the payload
+        once (see ``SlurmAgents.send_all``)."""
         cfg, nodes = self.cfg, self.node_ids
         agents = self.agents
-        for node_rank, node in enumerate(nodes):
-            part = agents.node_part(cfg, node_rank, self.master_port, RUN_FIELDS)
-            try:
-                agents.send(node, {"op": "run", "run_id": self.run_id, "cfg": part, "payload": payload,
-                                   "log_dir": log_dir, "excerpt": excerpt, "attempt": attempt})
-            except LauncherError as exc:
-                # The nodes already sent it kill it (the others ignore a run they never got).
-                self._each({"op": "kill", "run_id": self.run_id})
-                raise AgentGone(str(exc)) from None
+        parts = {node: agents.node_part(cfg, node_rank, self.master_port, RUN_FIELDS)
+                 for node_rank, node in enumerate(nodes)}
+        gone = agents.send_all(nodes, {"op": "run", "run_id": self.run_id, "cfgs": parts, "payload": payload,
+                                       "log_dir": log_dir, "excerpt": excerpt, "attempt": attempt})
+        if gone:
+            # The nodes that got it kill it (the others ignore a run they never got).
+            self._each({"op": "kill", "run_id": self.run_id})
+            raise AgentGone(f"the agent on node {gone[0]} is gone")
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         beat = int((heartbeat or 0.5) * 1000)
@@ -603,11 +622,10 @@ class SlurmRun(Attempt):
     def close(self) -> None:
         """The run is over: node 0 (waiting after its "finished", its store up for
         the others) may end, whatever the way out (done, error, interrupt)."""
-        for node in self.pending:
-            try:
-                self.agents.send(node, {"op": "peers_ended", "run_id": self.run_id})
-            except Exception:
-                pass
+        try:
+            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id})
+        except Exception:
+            pass
 
     def interrupt(self) -> None:
         """The stop button, from any thread (a background run's ``h.stop()``):

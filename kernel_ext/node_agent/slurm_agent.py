@@ -181,7 +181,7 @@ class Agent:
             self.handle.kill()
             self.handle.close()
         self.handle, self.run_id = None, msg["run_id"]
-        cfg = LaunchConfig(**msg["cfg"])
+        cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
         try:
             # Every node got the run at once from one kernel: no count-in before the ranks start.
             self.handle = self.launcher.launch(cfg, msg["payload"], attempt=msg.get("attempt", 0),
