@@ -204,11 +204,7 @@ class SlurmAgents:
     def connected(self, node: int) -> bool:
         """Is that node's agent still connected?  (ROUTER_MANDATORY: a message to
         an agent whose connection is gone fails at once; the agent ignores a ping.)"""
-        try:
-            self.send(node, {"op": "ping"})
-            return True
-        except LauncherError:
-            return False
+        return not self.send_all([node], {"op": "ping"})
 
     def matches(self, num_nodes: int, slurm_args: str) -> bool:
         return self.alive and num_nodes == self.num_nodes and slurm_args == self.slurm_args
@@ -285,27 +281,26 @@ class SlurmAgents:
 
     # -- the channel --------------------------------------------------------------------
     def send(self, node: int, content: dict) -> None:
-        try:
-            self.session.send(self.sock, "kernel", content, ident=[f"{self.ident}-{node}".encode()])
-        except zmq.ZMQError as exc:   # ROUTER_MANDATORY: that agent is not connected
-            raise LauncherError(f"the agent on node {node} is gone ({exc})") from None
+        gone = self.send_all([node], content)
+        if gone:
+            raise LauncherError(f"the agent on node {node} is gone ({gone[node]})")
 
-    def send_all(self, nodes, content: dict) -> list[int]:
+    def send_all(self, nodes, content: dict) -> dict[int, zmq.ZMQError]:
         """``content`` to each agent of ``nodes``, signed once: what every node of
         a run gets (the cell's payload, each node's part in it) is pickled and
         HMAC'd once, not once per node, and a payload over ``copy_threshold``
         goes out without a copy per node.  Each agent checks the signature
         against its own replay history, so N agents see it once each.
-        Returns the nodes whose agent is gone (ROUTER_MANDATORY), after
-        sending to every other one."""
+        Returns the nodes whose agent is gone (ROUTER_MANDATORY: not
+        connected), each with its error, after sending to every other one."""
         frames = self.session.serialize(self.session.msg("kernel", content))
         copy = max(len(f) for f in frames) < self.session.copy_threshold
-        gone = []
+        gone = {}
         for node in nodes:
             try:
                 self.sock.send_multipart([f"{self.ident}-{node}".encode(), *frames], copy=copy)
-            except zmq.ZMQError:
-                gone.append(node)
+            except zmq.ZMQError as exc:
+                gone[node] = exc
         return gone
 
     def receive(self, timeout_ms: int) -> Optional[dict]:
@@ -457,7 +452,8 @@ class SlurmRun(Attempt):
         if gone:
             # The nodes that got it kill it (the others ignore a run they never got).
             self._each({"op": "kill", "run_id": self.run_id})
-            raise AgentGone(f"the agent on node {gone[0]} is gone")
+            node, exc = next(iter(gone.items()))
+            raise AgentGone(f"the agent on node {node} is gone ({exc})")
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         beat = int((heartbeat or 0.5) * 1000)
