@@ -8,6 +8,7 @@ engine (``kernel_ext.kernel.run.execute``); this module only adapts it to IPytho
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -21,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from accel_magics.kernel_ext.kernel import accelerate_config, preflight
 from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
-from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
+from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import PayloadError, build_payload
@@ -461,6 +462,8 @@ class DistributedMagics(Magics):
 
     def effective_defaults(self) -> dict:
         gpus = (self.launcher.info or {}).get("gpu_count", 0)
+        if gpus:   # one rank per GPU the ranks would see
+            gpus = visible_gpus(gpus, LaunchConfig(num_processes=1), os.environ)
         # What the config form shows: its fields' built-in values, the GPUs counted.
         values = {option.name: option.default for option in options.OPTIONS if option.label}
         values["num_processes"] = gpus or 2
@@ -488,7 +491,7 @@ class DistributedMagics(Magics):
         cfg = _launch_config(merged)
         try:
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False,
-                     allow_oversubscribe=bool(merged.get("oversubscribe")))
+                     allow_oversubscribe=bool(merged.get("oversubscribe")), kernel_env=os.environ)
         except ConfigError as exc:
             return str(exc)
         return ""
@@ -522,7 +525,7 @@ class DistributedMagics(Magics):
         cfg = _launch_config(values)
         cfg.extra_env = extra_env
         try:
-            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0),
+            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), kernel_env=os.environ,
                      allow_oversubscribe=bool(values.get("oversubscribe")) or not wait)
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None

@@ -56,21 +56,60 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _visible_devices(cfg: LaunchConfig, kernel_env=None) -> Optional[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` the ranks will have, or None where unset:
+    the run's own (an Accelerate config file's ``gpu_ids``) wins over the
+    kernel's current environment, which the ranks inherit."""
+    if "CUDA_VISIBLE_DEVICES" in cfg.extra_env:
+        return str(cfg.extra_env["CUDA_VISIBLE_DEVICES"])
+    return (kernel_env or {}).get("CUDA_VISIBLE_DEVICES")
+
+
+def visible_gpus(gpu_count: int, cfg: LaunchConfig, kernel_env=None) -> int:
+    """How many of the ``gpu_count`` GPUs the launcher counted the ranks see.
+
+    The launcher counts once, at its start, with the kernel's environment of
+    then.  A ``CUDA_VISIBLE_DEVICES`` the ranks get later (set in the kernel
+    afterwards, or from an Accelerate config's ``gpu_ids``) can hide some or
+    all of them: rank i must not be put on GPU i it cannot see (CUDA's
+    "invalid device ordinal"), and with none visible the run is a CPU run
+    (``ACCELERATE_USE_CPU``).  CUDA's rule: the devices listed before the
+    first invalid entry (empty, or negative such as ``-1``); never more than
+    the launcher counted (it cannot tell more from an index list).
+    """
+    value = _visible_devices(cfg, kernel_env)
+    if value is None or not gpu_count:
+        return gpu_count
+    listed = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        listed += 1
+    return min(listed, gpu_count)
+
+
 def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool = False,
-             check_port: bool = True) -> None:
+             check_port: bool = True, kernel_env=None) -> None:
     """Raise ConfigError for a configuration that cannot run here.
 
     Checks are cheap and local: nothing is bound except when a port is given
-    explicitly for a single-node run (then it must be free now).
+    explicitly for a single-node run (then it must be free now).  ``gpu_count``
+    is what the launcher counted; what the ranks see of it counts
+    (:func:`visible_gpus`, ``kernel_env``: the environment they inherit).
     """
     if cfg.num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1 (got {cfg.num_processes}).")
+    visible = visible_gpus(gpu_count, cfg, kernel_env)
     if not allow_oversubscribe:
-        if gpu_count:
-            if cfg.num_processes > gpu_count:
+        if visible:
+            if cfg.num_processes > visible:
+                seen = (f"the {visible} GPU(s) the ranks see (of {gpu_count} on this machine: "
+                        f"CUDA_VISIBLE_DEVICES={_visible_devices(cfg, kernel_env)})"
+                        if visible < gpu_count else f"the {gpu_count} GPU(s) on this machine")
                 raise ConfigError(
-                    f"--num_processes {cfg.num_processes} is more than the {gpu_count} GPU(s) on this "
-                    "machine; use at most one process per GPU, or pass --oversubscribe to allow it."
+                    f"--num_processes {cfg.num_processes} is more than {seen}; use at most one process "
+                    "per GPU, or pass --oversubscribe to allow it."
                 )
         else:
             cap = 4 * cpu_count()

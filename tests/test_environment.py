@@ -5,7 +5,8 @@ import socket
 
 import pytest
 
-from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate
+from accel_magics.kernel_ext.environment import (ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate,
+                                                 visible_gpus)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -87,6 +88,44 @@ def test_more_processes_than_gpus_needs_oversubscribe():
     with pytest.raises(ConfigError, match="more than the 2 GPU"):
         validate(LaunchConfig(num_processes=3), gpu_count=2)
     validate(LaunchConfig(num_processes=3), gpu_count=2, allow_oversubscribe=True)
+
+
+@pytest.mark.parametrize("value,seen", [
+    ("0,1,2,3", 4), ("2", 1), ("1,3", 2), (" 1 , 0 ", 2),
+    ("", 0), ("-1", 0), ("0,-1,2", 1), ("0,,1", 1),   # CUDA: the devices before the first invalid entry
+    ("GPU-5d3f9e2a-0000", 1),                          # a UUID counts as one device
+    ("0,1,2,3,4,5,6,7", 4),                            # never more than the launcher counted
+])
+def test_the_gpus_ranks_see_follow_their_cuda_visible_devices(value, seen):
+    assert visible_gpus(4, LaunchConfig(num_processes=1), {"CUDA_VISIBLE_DEVICES": value}) == seen
+    # The run's own (an Accelerate config's gpu_ids) wins over the kernel's.
+    cfg = LaunchConfig(num_processes=1, extra_env={"CUDA_VISIBLE_DEVICES": value})
+    assert visible_gpus(4, cfg, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == seen
+    assert visible_gpus(4, LaunchConfig(num_processes=1), {}) == 4
+    assert visible_gpus(0, cfg, {}) == 0
+
+
+def test_ranks_that_see_fewer_gpus_are_refused_before_launch_with_the_reason():
+    """An Accelerate config with gpu_ids: 1 on a 2-GPU machine: 2 ranks would
+    put rank 1 on a GPU it cannot see (invalid device ordinal)."""
+    cfg = LaunchConfig(num_processes=2, extra_env={"CUDA_VISIBLE_DEVICES": "1"})
+    with pytest.raises(ConfigError, match=r"the 1 GPU\(s\) the ranks see \(of 2 on this machine: "
+                                          r"CUDA_VISIBLE_DEVICES=1\)"):
+        validate(cfg, gpu_count=2)
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=0"):
+        validate(LaunchConfig(num_processes=2), gpu_count=2, kernel_env={"CUDA_VISIBLE_DEVICES": "0"})
+    validate(LaunchConfig(num_processes=2), gpu_count=2, kernel_env={"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_gpus_hidden_from_the_ranks_make_a_cpu_run():
+    """`CUDA_VISIBLE_DEVICES=` in the kernel on a one-GPU machine: 2 CPU ranks
+    are a CPU run (Accelerate's MULTI_CPU, not two independent copies), and
+    the CPU cap applies instead of one rank per GPU."""
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    validate(LaunchConfig(num_processes=2), gpu_count=1, kernel_env=hidden)
+    cfg = LaunchConfig(num_processes=2)
+    env = rank_environment(cfg, 0, 1, run_id="r", attempt=0, gpu_count=visible_gpus(1, cfg, hidden))
+    assert env["ACCELERATE_USE_CPU"] == "true"
 
 
 def test_explicit_port_in_use_is_refused():

@@ -29,7 +29,7 @@ import zmq
 
 from .. import child_environment, process_tree
 from .. import wire
-from ..environment import LaunchConfig, free_port, rank_base_environment, rank_environment
+from ..environment import LaunchConfig, free_port, rank_base_environment, rank_environment, visible_gpus
 from .errors import LauncherError
 from ..wire.payload import Payload
 from .run_handle import RunHandle
@@ -474,7 +474,7 @@ class Launcher:
     def _launch(self, cfg, payload, attempt, grace, log_dir, excerpt, events, extra, stop_wait,
                 run_id=None, key=None) -> "RunHandle":
         info = self.ensure_running()
-        gpus = info.get("gpu_count", 0)
+        gpus = visible_gpus(info.get("gpu_count", 0), cfg, os.environ)   # what these ranks see of them
         run_id = run_id or uuid.uuid4().hex[:12]
         port = cfg.master_port or free_port(cfg.master_addr if cfg.num_nodes == 1 else "0.0.0.0")
         key = key or wire.new_key()

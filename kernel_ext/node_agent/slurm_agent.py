@@ -181,8 +181,8 @@ class Agent:
             self.handle.kill()
             self.handle.close()
         self.handle, self.run_id = None, msg["run_id"]
-        cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
         try:
+            cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
             # Every node got the run at once from one kernel: no count-in before the ranks start.
             self.handle = self.launcher.launch(cfg, msg["payload"], attempt=msg.get("attempt", 0),
                                                log_dir=msg.get("log_dir", ""),
