@@ -25,7 +25,7 @@ from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
-from accel_magics.kernel_ext.wire.payload import PayloadError, build_payload
+from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
 from .presenter import Presenter
@@ -604,3 +604,4 @@ class DistributedMagics(Magics):
         if self.slurm_agents is not None:
             self.slurm_agents.close()
         self.launcher.close()
+        SHARED.clear()   # the big globals kept in shared memory for the next cells: nobody will send them

@@ -337,6 +337,29 @@ def test_workers_die_with_the_kernel():
         k.km.cleanup_resources()
 
 
+def test_unloading_the_extension_ends_its_processes_and_frees_the_kept_globals():
+    """`%unload_ext accel_magics`: the launcher (torch-sized) and its spare
+    are gone and the big globals kept in shared memory for the next cells
+    are freed, the kernel's own array untouched; loading it again works."""
+    from cases import memfds
+    from kernel_harness import KernelSession
+    k = KernelSession()
+    try:
+        k.ok("%load_ext accel_magics")
+        k.ok("import numpy as np\nbig = np.arange(4 << 20, dtype=np.float64)")   # 32 MB: kept in shared memory
+        cell = "%%distributed -n 2 --output text\nprint(float(big[-1]))"
+        assert k.ok(cell, timeout=120).stdout.count("4194303.0") == 2
+        assert memfds(k.pid) == 1 and descendants(k.pid)
+        k.ok("%unload_ext accel_magics")
+        assert memfds(k.pid) == 0
+        wait_until(lambda: not descendants(k.pid), 15, "the launcher and its spare to exit after %unload_ext")
+        assert k.ok("float(big[-1])").result == "4194303.0"
+        k.ok("%load_ext accel_magics")
+        assert k.ok(cell, timeout=120).stdout.count("4194303.0") == 2
+    finally:
+        k.shutdown()
+
+
 @pytest.mark.parametrize("code,summary", [
     ("import sys\nsys.exit(3)", "rank 1 failed: SystemExit: sys.exit(3)"),
     ("import os\nos._exit(4)", "rank 1 failed: exited with code 4 without an exception"),
