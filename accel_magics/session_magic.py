@@ -132,6 +132,17 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
 CELL_MODES["session"] = session_cell
 
 
+def _refuse_cell_options(given: dict) -> None:
+    """UsageError for the options a session cannot take (each cell's own, or
+    restarts), before anything is started or stopped."""
+    for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
+                                       "`%distributed_session restart` starts a fresh one"),
+                      ("output", "a cell option: give it on the %%distributed --session cell"),
+                      ("timeout", "a cell option: give it on the %%distributed --session cell")):
+        if given.get(name):
+            raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
+
+
 @magics_class
 class SessionMagics(Magics):
     """``%distributed_session start|stop|restart|status|push``."""
@@ -183,12 +194,7 @@ class SessionMagics(Magics):
         given = self._given(args) if given is None else given
         if given.get("launcher") is None and self.dist.defaults.get("launcher"):
             given["launcher"] = self.dist.defaults["launcher"]
-        for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
-                                           "`%distributed_session restart` starts a fresh one"),
-                          ("output", "a cell option: give it on the %%distributed --session cell"),
-                          ("timeout", "a cell option: give it on the %%distributed --session cell")):
-            if given.get(name):
-                raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
+        _refuse_cell_options(given)
         started = time.monotonic()
         try:
             if given.get("launcher") == "slurm":   # every node of the allocation
@@ -224,7 +230,12 @@ class SessionMagics(Magics):
             run.wait(30)
         started = time.monotonic()
         session.stop()
-        if not quiet:
+        if quiet:
+            return
+        if session.lost:   # it had ended by itself (a rank died at its prompt): say so, not "stopped"
+            print(f"accel_magics: the session had already ended: {session.lost}. What was left of it is gone "
+                  f"({time.monotonic() - started:.2f}s).")
+        else:
             print(f"accel_magics: session stopped ({session.cells_run} cell(s) run); its ranks are gone "
                   f"({time.monotonic() - started:.2f}s).")
 
@@ -232,6 +243,7 @@ class SessionMagics(Magics):
         session = self.dist.session
         given = dict(session.options) if session is not None else {}
         given.update(self._given(args))
+        _refuse_cell_options(given)   # before the running session is stopped: a refusal leaves it running
         self._stop(args, quiet=True)
         self._start(args, given)
 

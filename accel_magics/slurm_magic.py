@@ -90,7 +90,7 @@ def _keep_session(magics, reuse: bool) -> None:
 def start_session(magics, given: dict) -> SlurmSession:
     """``%distributed_session start --launcher slurm``: the session's ranks on
     every node of the allocation, through its agents (started if need be)."""
-    given = {**magics.defaults, **given}
+    asked, given = given, {**magics.defaults, **given}   # restart reuses what was asked: the defaults apply anew
     alloc, num_nodes = _check_flags(magics, given)
     slurm_args = given.get("slurm_args") or ""
     agents = magics.slurm_agents
@@ -105,7 +105,7 @@ def start_session(magics, given: dict) -> SlurmSession:
         cfg = _config(agents, given, num_nodes)
     except ConfigError as exc:
         raise UsageError(f"{exc}\nNothing was started.") from None
-    session = SlurmSession(agents, cfg, options=given)
+    session = SlurmSession(agents, cfg, options=asked)
     try:
         session.start()
     except LauncherError:

@@ -61,6 +61,7 @@ SESSION_START_WAIT = 120.0  # how long a session's ranks get to start and set up
 SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervisor gets
 SESSION_TIMEOUT_SLACK = 12.0  # past a session cell's --timeout, when the kernel steps in
 SESSION_END_WAIT = 15.0   # %distributed_session stop: how long the ranks get to end
+SESSION_SEND_WAIT = 10.0  # a cell or the stop waits this long to be taken (at once by a live supervisor; never: a gone one)
 BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
 WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the session), how often its view moves on
 

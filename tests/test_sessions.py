@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -245,6 +246,30 @@ def test_a_failure_while_a_peer_waits_in_a_collective_loses_the_session_and_rest
     res = ok_cell(k, "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
                      "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'rank' in dir())")
     assert by_rank(res.stdout) == {0: ["2.0 False"], 1: ["2.0 False"]}, res.stdout   # fresh: old names gone
+
+
+@pytest.mark.parametrize("action,victim", [("stop", "rank"), ("restart", "rank"), ("stop", "supervisor")])
+def test_stop_or_restart_after_the_session_died_at_its_prompt_answers_at_once(session, action, victim):
+    """A session rank (or its supervisor) killed while idle (the OOM killer):
+    `%distributed_session stop` / `restart` sent the stop to a supervisor
+    that was gone, and the kernel hung in that send until the stop button."""
+    k = session
+    ok_cell(k, "x = 1")
+    pids = session_pids(k)
+    target = rank_pids(k)[1] if victim == "rank" else (pids - set(rank_pids(k).values())).pop()
+    os.kill(target, signal.SIGKILL)
+    wait_until(lambda: not alive({target}), 10, "the killed process to be gone")
+    started = time.monotonic()
+    res = k.run(f"%distributed_session {action}", timeout=30)
+    assert res.status == "ok", res.error_text
+    assert time.monotonic() - started < 10
+    if action == "stop":
+        why = "rank 1 killed by SIGKILL" if victim == "rank" else "its supervisor process ended"
+        assert re.search(rf"the session had already ended: .*{why}", res.stdout), res.stdout
+    wait_until(lambda: not alive(pids), 10, "what was left of the session to exit")
+    if action == "restart":   # a fresh session, without the old names
+        res = ok_cell(k, "print('x' in dir())")
+        assert by_rank(res.stdout) == {0: ["False"], 1: ["False"]}, res.stdout
 
 
 LOOP = ("import time, torch\n"

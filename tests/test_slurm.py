@@ -267,6 +267,28 @@ def _session_pids(kernel) -> list[int]:
     return [int(lines[-1].split()[-1]) for lines in by_rank(res.stdout).values()]
 
 
+def test_a_slurm_session_restarts_with_the_configs_cell_defaults_set(kernel):
+    """`%distributed_config --launcher slurm --timeout 600 --output text`, then a
+    session and `restart`: the session saved the config's defaults as its own
+    options, so restart refused them as session options (after stopping the
+    running session), leaving none."""
+    kernel.ok("%distributed_config --launcher slurm --timeout 600 --output text")
+    try:
+        kernel.ok("%distributed_session start -n 1", timeout=240)
+        before = _session_pids(kernel)
+        out = kernel.ok("%distributed_session restart", timeout=240).stdout
+        assert "session started: 1 rank(s) on each of 2 node(s)" in out, out
+        after = _session_pids(kernel)
+        assert len(after) == 2 and not set(after) & set(before), (before, after)   # fresh ranks
+        # A refused restart leaves the running session alone.
+        res = kernel.run("%distributed_session restart --max_restarts 1")
+        assert res.error["ename"] == "UsageError", res.error_text
+        assert _session_pids(kernel) == after
+    finally:
+        kernel.run("%distributed_session stop", timeout=120)
+        kernel.ok("%distributed_config --reset")
+
+
 def test_a_slurm_session_cell_stopped_by_the_button_or_in_the_background_lives_on(kernel):
     """The stop button in a session cell on both nodes: every rank is back at its
     prompt with its state (and a cell's --timeout later is still the cell's: the

@@ -39,6 +39,7 @@ from .run_handle import RunHandle
 # The ladders' order: see timing.py.
 from ..timing import (
     SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
+    SESSION_SEND_WAIT as SEND_WAIT,
 )
 
 
@@ -91,6 +92,9 @@ class DistributedSession:
         name = uuid.uuid4().hex[:12]
         self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
         self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
+        # A PUSH with no peer blocks a send for ever: a supervisor that died
+        # between the check and the send must not hang the kernel.
+        self.cells[0].setsockopt(zmq.SNDTIMEO, int(SEND_WAIT * 1000))
         try:
             handle = self.launcher.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
                                           persistent=True,
@@ -142,6 +146,10 @@ class DistributedSession:
         handle = self._handle(run_id, None)
         handle.timeout_at = time.monotonic() + STOP_WAIT
         try:
+            why = self._lost_since()
+            if why is not None:   # it ended by itself (a rank died at its prompt): nobody to ask
+                self.lost = why
+                return            # what is left of it is killed below
             self._send("stop", {"op": "stop", "run_id": run_id})
             for _msg in handle.messages():
                 pass
@@ -153,8 +161,13 @@ class DistributedSession:
             self._forget()
 
     def _send(self, op: str, content: dict) -> None:
-        """A cell or the stop to the session's supervisor, signed with its key."""
-        self.signer.send(self.cells[0], op, content)
+        """A cell or the stop to the session's supervisor, signed with its key
+        (LauncherError: nobody took it, the supervisor is gone)."""
+        try:
+            self.signer.send(self.cells[0], op, content)
+        except zmq.Again:
+            raise LauncherError(f"the session's supervisor did not take the {op} in {SEND_WAIT:g}s: "
+                                "it is gone") from None
 
     def _learn(self, modules: list) -> None:
         self.launcher.learn_modules(modules)
@@ -209,7 +222,7 @@ class DistributedSession:
             if content.get("kind") == "session_lost":
                 why = content.get("lost") or "its ranks ended"
         if why is None and not running(self.supervisor_pid):
-            why = "its processes ended (the launcher was stopped or replaced)"
+            why = "its supervisor process ended (it was killed, or the launcher was stopped or replaced)"
         return why
 
     # -- cells ------------------------------------------------------------------------
@@ -254,8 +267,13 @@ class DistributedSession:
         # Marked current only once there is a handle to close: ``finally`` unmarks it.
         self.current, self.current_control = label, control
         try:
-            self._send("cell", {"op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
-                                "log_dir": log_dir, "excerpt": excerpt})
+            try:
+                self._send("cell", {"op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
+                                    "log_dir": log_dir, "excerpt": excerpt})
+            except LauncherError as exc:   # it ended since the check
+                self.lost = str(exc)
+                self._forget()
+                raise SessionLostError("its supervisor ended before the cell reached it", exc) from None
             if control is not None:
                 control.attach(handle)
             try:
