@@ -337,6 +337,32 @@ def test_workers_die_with_the_kernel():
         k.km.cleanup_resources()
 
 
+def test_a_cell_ends_as_a_script_does_its_threads_then_its_atexit_handlers(clean_kernel, tmp_path):
+    """Under torchrun the cell is a script: its end waits for the threads it
+    started and runs its atexit handlers.  A rank ended with os._exit right
+    after the cell: an async checkpoint writer was killed mid-write, an
+    atexit handler (wandb.finish) never ran, a TemporaryDirectory stayed."""
+    res = clean_kernel.run(f"""%%distributed -n 2 --output text
+import os, threading, time, atexit, tempfile, concurrent.futures
+rank = os.environ['RANK']
+def save():
+    time.sleep(0.3)
+    open(f'{tmp_path}/thread-{{rank}}', 'w').write('saved')
+    print('checkpoint saved', flush=True)
+threading.Thread(target=save).start()
+atexit.register(lambda: open(f'{tmp_path}/atexit-{{rank}}', 'w').write(str(os.path.exists(f'{tmp_path}/thread-{{rank}}'))))
+kept = tempfile.TemporaryDirectory(dir='{tmp_path}')
+pool = concurrent.futures.ThreadPoolExecutor(2)   # left open: its idle workers must not hold the end
+pool.submit(print, 'pool ran', flush=True).result()
+""", timeout=60)
+    assert res.status == "ok", res.error_text
+    for rank in (0, 1):
+        assert (tmp_path / f"thread-{rank}").read_text() == "saved"
+        assert (tmp_path / f"atexit-{rank}").read_text() == "True"   # after the threads, as at a script's end
+        assert f"[rank {rank}] checkpoint saved" in res.stdout, res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1", "thread-0", "thread-1"]
+
+
 def test_unloading_the_extension_ends_its_processes_and_frees_the_kept_globals():
     """`%unload_ext accel_magics`: the launcher (torch-sized) and its spare
     are gone and the big globals kept in shared memory for the next cells

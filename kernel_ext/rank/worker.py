@@ -32,7 +32,7 @@ import cloudpickle
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
 from .. import PACKAGE_DIR, process_tree
-from . import rank_bars
+from . import rank_bars, script_end
 from .. import wire
 from .rank_stdio import RankStderr, RankStdout
 
@@ -503,6 +503,7 @@ def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
     pg_guard.announce = emit
     rank_bars.install(emit)
     threading.excepthook = _thread_excepthook
+    script_end.begin()
     return main
 
 
@@ -640,6 +641,7 @@ def _execute(spec: dict, local_rank: int) -> int:
     if _in_forked_child(event):
         return code
     if event["kind"] == "result":
+        script_end.end()   # the cell ends as a script does: its threads, then its atexit handlers
         _emit_last(event)
     else:
         rank_bars.flush()
@@ -725,7 +727,8 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
     emit({"kind": "session_ready"})
     while True:
         frame = wire.read_frame(go_fd)
-        if frame is None:
+        if frame is None:   # the session's end is its script's end: its threads, its atexit handlers
+            script_end.end()
             return 0
         _interrupt_pending, _cell_begun = False, True
         _steps, _stop_wanted, _stop_step = 0, False, None
