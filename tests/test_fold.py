@@ -56,6 +56,24 @@ def test_the_rank_that_raised_is_the_root_cause_and_the_stopped_one_is_said_so()
     assert "raise ValueError('boom')" in info.value.report()
 
 
+def test_a_rank_that_finished_the_cell_before_the_stop_is_not_called_stopped():
+    """Rank 0 raises, rank 1 had already finished the cell (its result came)
+    and was parked when the run's stop ended its process: it was listed as
+    "stopped (exit code 0)", as if the stop had cut its cell short."""
+    seq = [dict(m) for m in rec.LOCAL["exception_rank1"]]
+    failed = next(m for m in seq if m["kind"] == "rank_event")
+    seq.insert(seq.index(failed), {"kind": "rank_event", "node_rank": 0, "rank": 0,
+                                   "event": {"kind": "result", "timestamp": failed["event"]["timestamp"] - 0.01}})
+    exit0 = next(m for m in seq if m["kind"] == "exit" and m["rank"] == 0)
+    exit0.update(exitcode=0, signal=None)   # released from its parking by the stop
+    _, outcome = replay(seq)
+    assert outcome.finished.root_cause.rank == 1
+    assert outcome.others == {} and outcome.unfinished == []
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert "stopped" not in info.value.report(), info.value.report()
+
+
 def test_a_rank_killed_by_a_signal_is_named():
     _, outcome = replay("sigkill_rank1")
     assert outcome.finished.root_cause.summary == "killed by SIGKILL"
@@ -360,6 +378,17 @@ def test_a_kernel_per_node_stops_its_ranks_waiting_for_a_rank_that_left_on_anoth
         conclude(fold.outcome(), SLURM_CFG, attempt=0, started=0.0)
     assert str(info.value).startswith("rank(s) 0, 1 wait in init_process_group for rank 2 (on node 1), "
                                       "which had already finished the cell (sys.exit(0))")
+
+
+def test_an_unfinished_rank_without_a_stack_is_named_not_left_out():
+    """A SIGSTOP'd rank cannot dump its stack: the interrupt's report listed
+    only rank 0's, with no word of rank 1."""
+    from accel_magics.kernel_ext.kernel.errors import NO_STACK, RunInterrupted
+
+    report = RunInterrupted({0: 'File "Cell In[3]", line 2, in <module>'}, [0, 1]).report()
+    assert 'rank 0:\n    File "Cell In[3]", line 2' in report
+    assert f"rank 1: {NO_STACK}" in report and "SIGSTOP" in report
+    assert "rank 1" not in DistributedTimeoutError(3, {0: "x"}, [0]).report()   # only unfinished ranks
 
 
 def test_no_message_says_rank_s_dash():

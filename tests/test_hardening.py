@@ -2,6 +2,7 @@
 kernel, nothing stale runs, nothing leaks.  Each test failed before its fix."""
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -343,9 +344,44 @@ def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
                 "time.sleep(0.5)   # let the line reach the kernel\n"
                 "os.kill(os.getppid(), signal.SIGKILL)\n"
                 "time.sleep(600)\n", timeout=60)
-    assert res.error is not None and "supervisor" in res.error_text, res.error_text
+    # Said as what happened, in its message alone (no frames of the magic's).
+    assert res.error["ename"] == "LauncherError", res.error_text
+    assert re.match(r"the run's supervisor \(pid \d+\) was killed during the run \(a signal from outside",
+                    res.error["evalue"]), res.error["evalue"]
+    assert "magics.py" not in res.error_text and "Traceback" not in res.error_text, res.error_text
     pid = int(res.stdout.split("daemon", 1)[1].split()[0])
     wait_until(lambda: not alive([pid]), 10, f"the detached child {pid} to be killed")
+
+
+def test_a_launcher_killed_during_a_run_is_named_and_replaced():
+    """kill -9 of the launcher mid-run: the error blamed "the run's supervisor",
+    with the whole traceback of the magic and the log of an earlier run."""
+    import signal
+
+    from conftest import LoadedKernel
+    k = LoadedKernel()
+    try:
+        from accel_magics.kernel_ext.process_tree import marked_processes
+        from kernel_harness import wait_until
+        launcher, token = k.launcher_pid(), k.launcher_token()
+        killed = []
+
+        def kill_once_running(text: str) -> bool:
+            if "running" in text and not killed:
+                os.kill(launcher, signal.SIGKILL)
+                killed.append(launcher)
+            return False
+
+        res = k.run("%%distributed -n 2 --output text\nprint('running', flush=True)\nimport time\ntime.sleep(60)\n",
+                    timeout=60, on_output=kill_once_running)
+        assert killed and res.error["ename"] == "LauncherError", res.error_text
+        assert res.error["evalue"].startswith("the launcher process (it forks every run's supervisor) was killed "
+                                              "during the run"), res.error["evalue"]
+        assert "Traceback" not in res.error_text, res.error_text
+        assert "[rank 1] again" in k.ok("%%distributed -n 2 --output text\nprint('again')").stdout
+        wait_until(lambda: not marked_processes(token), 10, "every process of the killed launcher to be gone")
+    finally:
+        k.shutdown()
 
 
 def test_an_edited_helper_module_runs_its_new_code(tmp_path):

@@ -91,10 +91,17 @@ def ranks_text(ranks, none: str) -> str:
     return f"rank(s) {', '.join(map(str, ranks))}" if ranks else none
 
 
-def format_stacks(stacks: dict[int, str]) -> str:
+#: An unfinished rank whose stack did not come: it could not run to dump it.
+NO_STACK = ("no stack came back: the process did not run when asked (stopped by a signal such as SIGSTOP, "
+            "or blocked in the operating system)")
+
+
+def format_stacks(stacks: dict[int, str], unfinished=()) -> str:
+    """Each rank's stack; an ``unfinished`` rank without one is named too, not left out."""
     parts = ["\n--- where each unfinished rank was (most recent call first) ---\n"]
-    for rank, text in sorted(stacks.items()):
-        parts.append(f"rank {rank}:\n{_indent(text)}")
+    for rank in sorted(set(stacks) | set(unfinished)):
+        text = stacks.get(rank)
+        parts.append(f"rank {rank}: {NO_STACK}\n" if text is None else f"rank {rank}:\n{_indent(text)}")
     return "".join(parts)
 
 
@@ -118,7 +125,7 @@ class DistributedTimeoutError(ReportedError, TimeoutError):
         )
 
     def report(self) -> str:
-        return super().report() + self.note + "\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return super().report() + self.note + "\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
 
 
 class DistributedStallError(ReportedError, TimeoutError):
@@ -170,7 +177,7 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         return cls({}, [], message=f"interrupted: nothing ran; {why}. Run the cell again")
 
     def report(self) -> str:
-        return f"RunInterrupted: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return f"RunInterrupted: {self}{self.note}\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
 
 
 class RunStopped(ReportedError, RuntimeError):
@@ -191,7 +198,7 @@ class RunStopped(ReportedError, RuntimeError):
         super().__init__(f"{label} was stopped: {stopped}")
 
     def report(self) -> str:
-        return f"RunStopped: {self}{self.note}\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return f"RunStopped: {self}{self.note}\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
 
 
 class WaitStopped(ReportedError, KeyboardInterrupt):
@@ -226,5 +233,6 @@ class SessionLostError(ReportedError, RuntimeError):
         return text
 
 
-class LauncherError(RuntimeError):
-    """The launcher process or a supervisor died or could not start."""
+class LauncherError(ReportedError, RuntimeError):
+    """The launcher process or a supervisor died or could not start.  Shown as
+    its message alone: the magic's frames say nothing about what happened."""

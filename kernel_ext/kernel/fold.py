@@ -249,13 +249,16 @@ class RunFold:
             # that followed reached its supervisor before it was reaped).
             self.mid_cell[rank] = msg["timestamp"]
         if msg["stopped"] and failure is None:
-            # Worded in outcome(): where it was comes with its stacks, before or after this
-            # (a session rank back at its prompt says it in its exit).
-            if msg.get("where"):
-                self.where.setdefault(rank, msg["where"])
-            self.stopped_how[rank] = ("KeyboardInterrupt" if msg.get("prompt") else
-                                      msg["signal"] or f"exit code {msg['exitcode']}", bool(msg.get("prompt")))
-            self.unfinished.append(rank)
+            if rank in self.departed:
+                pass   # it had finished the cell (its result came): the run's stop only ended its process
+            else:
+                # Worded in outcome(): where it was comes with its stacks, before or after this
+                # (a session rank back at its prompt says it in its exit).
+                if msg.get("where"):
+                    self.where.setdefault(rank, msg["where"])
+                self.stopped_how[rank] = ("KeyboardInterrupt" if msg.get("prompt") else
+                                          msg["signal"] or f"exit code {msg['exitcode']}", bool(msg.get("prompt")))
+                self.unfinished.append(rank)
         elif failure is None:
             failure = failure_of_exit(rank, msg)
             if failure is not None:

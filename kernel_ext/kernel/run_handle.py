@@ -147,13 +147,26 @@ class RunHandle(Attempt):
                         self.finished = True
                         yield {"kind": "finished", "reason": self._reason, "forced": self.forced}
                         return
-                    raise LauncherError(
-                        "the run's supervisor process exited without finishing the run.\n"
-                        + self.launcher.launch_log_tail()
-                    )
+                    raise self._gone_error()
                 self._escalate(now)
         finally:
             poller.unregister(pull)
+
+    def _gone_error(self) -> LauncherError:
+        """The supervisor exited without a word: blame what is gone (the
+        launcher, killed with its supervisors; or this supervisor alone), and
+        add what the launcher's log says of this run, if anything."""
+        if not self.launcher.alive:
+            what = ("the launcher process (it forks every run's supervisor) was killed during the run, and the "
+                    "run's supervisor and ranks ended with it; the next cell starts a new launcher")
+        else:
+            what = (f"the run's supervisor (pid {self.supervisor_pid}) was killed during the run (a signal from "
+                    "outside accel_magics: kill -9, the out-of-memory killer; see `dmesg`), and its ranks "
+                    "ended with it")
+        about = [line for line in self.launcher.launch_log_tail(200).splitlines(True)
+                 if self.run_id in line or f"pid {self.supervisor_pid}" in line or f"[{self.supervisor_pid}]" in line]
+        return LauncherError(what + "." + ("\nThe launcher's log of this run:\n" + "".join(about[-20:])
+                                           if about else ""))
 
     @property
     def pidfd(self) -> Optional[int]:

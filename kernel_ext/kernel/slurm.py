@@ -48,7 +48,7 @@ import zmq
 from .. import child_environment, wire
 from ..wire import transport
 from ..environment import LaunchConfig, host_address
-from .errors import LauncherError, ReportedError
+from .errors import LauncherError
 from .placement import Attempt, Placement
 from .run_handle import receive_verified
 from ..wire.messages import Kind, RankEvent, StopReason
@@ -161,7 +161,7 @@ def _job_state(job: str) -> Optional[str]:
     return state if state == "COMPLETING" else _ENDED.get(state, f"ended (state {state})")
 
 
-class SlurmJobGone(ReportedError, LauncherError):
+class SlurmJobGone(LauncherError):
     """The allocation ended under a run (scancel, its time limit, preemption):
     Slurm stopped the agents and every rank; said as what happened, not as a
     failure of ours."""
