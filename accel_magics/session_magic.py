@@ -41,8 +41,11 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     """``%%distributed --session``: the cell on the running session's ranks."""
     session = magics.session
     if session is None or not session.alive:
-        lost = f" (the last one was lost: {session.lost})" if session is not None and session.lost else ""
-        raise UsageError(NO_SESSION.replace("no session is running", f"no session is running{lost}"))
+        if session is not None and session.lost:   # the way back is its own options, not a generic start
+            raise UsageError(f"no session is running (the last one was lost: {session.lost}): "
+                             "`%distributed_session restart` starts a new one with the same options, then run "
+                             "this cell again. Nothing was launched.")
+        raise UsageError(NO_SESSION)
     placed = session.options.get("launcher") or "local"
     if args.launcher is not None and args.launcher != placed:
         raise UsageError(f"the session runs with --launcher {placed}: --launcher belongs to the session, fixed "

@@ -70,7 +70,8 @@ OPTIONS: tuple[Option, ...] = (
            choices=MIXED_PRECISION_CHOICES, label="mixed precision", session_fixed=True),
     Option("output", str, "auto", "How the run is shown: a live widget, or [rank N] text lines; auto: the widget "
            "in a notebook", choices=("auto", "widget", "text"), label="output"),
-    Option("timeout", float, None, "Stop the run after this many seconds and show where each rank was.",
+    Option("timeout", float, None, "Stop the run after this many seconds and show where each rank was (each "
+           "attempt's own limit with --max_restarts; a timeout is not restarted).",
            label="timeout (s)"),
     Option("rendezvous_timeout", float, 300.0, "Multi-node: how long the nodes wait for each other before giving up",
            label="rendezvous timeout (s)", session_fixed=True),

@@ -242,6 +242,7 @@ def test_a_failure_while_a_peer_waits_in_a_collective_loses_the_session_and_rest
     wait_until(lambda: not alive(pids), 10, "the lost session's processes to exit")
     res = cell(k, "print('still here?')")
     assert res.status == "error" and "no session is running (the last one was lost" in res.error["evalue"]
+    assert "`%distributed_session restart` starts a new one with the same options" in res.error["evalue"]
     k.ok("%distributed_session restart")
     res = ok_cell(k, "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
                      "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), 'rank' in dir())")
@@ -270,6 +271,23 @@ def test_stop_or_restart_after_the_session_died_at_its_prompt_answers_at_once(se
     if action == "restart":   # a fresh session, without the old names
         res = ok_cell(k, "print('x' in dir())")
         assert by_rank(res.stdout) == {0: ["False"], 1: ["False"]}, res.stdout
+
+
+def test_a_sessions_stop_ends_its_ranks_as_scripts_end(kernel, tmp_path):
+    """`%distributed_session stop` is the end of the session's script: the
+    threads its cells started finish and its atexit handlers run."""
+    k = kernel
+    k.ok(START)
+    try:
+        ok_cell(k, f"import os, threading, time, atexit\nrank = os.environ['RANK']\n"
+                   f"def save():\n    time.sleep(0.3)\n    open(f'{tmp_path}/thread-{{rank}}', 'w').write('saved')\n"
+                   f"atexit.register(lambda: open(f'{tmp_path}/atexit-{{rank}}', 'w').write('ran'))")
+        ok_cell(k, "threading.Thread(target=save).start()")
+    finally:
+        out = k.ok("%distributed_session stop", timeout=60).stdout
+    assert "session stopped" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1", "thread-0", "thread-1"]
+    k.assert_no_leaks()
 
 
 LOOP = ("import time, torch\n"
