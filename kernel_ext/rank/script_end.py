@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 
@@ -34,12 +35,37 @@ def begin() -> None:
     weakref.finalize._registered_with_atexit = False
 
 
+#: How long the end may wait for the cell's threads before the rank says what it waits for.
+WAIT_NOTE_AFTER = 2.0
+
+
+def _waited_for() -> list:
+    main = threading.main_thread()
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+
+def _say_waiting() -> None:
+    names = ", ".join(repr(t.name) for t in _waited_for())
+    if names:   # a cell that seems to hang after its last line says why
+        print(f"accel_magics: the cell's code is done; this rank waits for its thread(s) {names} to end, as a "
+              "Python script does at its end (threads started with daemon=True are not waited for)",
+              file=sys.stderr, flush=True)
+
+
 def end() -> None:
     """After a cell that succeeded, before its result is reported: wait for
     its non-daemon threads, then run its ``atexit`` handlers (an exception in
     one is printed and the others still run, as at a script's end)."""
+    note = None
+    if _waited_for():
+        note = threading.Timer(WAIT_NOTE_AFTER, _say_waiting)
+        note.daemon = True   # not one of the threads waited for
+        note.start()
     try:
         threading._shutdown()
     except Exception:   # pragma: no cover - a Python whose shutdown differs: the handlers still run
         log.exception("rank: waiting for the cell's threads failed")
+    finally:
+        if note is not None:
+            note.cancel()
     atexit._run_exitfuncs()
