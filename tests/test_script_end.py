@@ -61,6 +61,6 @@ def test_an_executor_left_open_does_not_hold_the_end_and_a_long_thread_is_named(
         """)
     assert "waits for its thread" not in out and "ended" in out, out
     out = run("""
-        threading.Thread(target=time.sleep, args=(script_end.WAIT_NOTE_AFTER + 0.5,), name="uploader").start()
+        threading.Thread(target=time.sleep, args=(script_end.THREADS_NOTE_AFTER + 0.5,), name="uploader").start()
         """)
     assert "this rank waits for its thread(s) 'uploader' to end" in out and "ended" in out, out

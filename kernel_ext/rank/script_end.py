@@ -23,6 +23,8 @@ import sys
 import threading
 import weakref
 
+from ..timing import THREADS_NOTE_AFTER
+
 log = logging.getLogger("accel_magics.rank")
 
 
@@ -34,9 +36,6 @@ def begin() -> None:
     # ``finalize`` registers its exit hook once per process: again for the cell's own.
     weakref.finalize._registered_with_atexit = False
 
-
-#: How long the end may wait for the cell's threads before the rank says what it waits for.
-WAIT_NOTE_AFTER = 2.0
 
 
 def _waited_for() -> list:
@@ -58,7 +57,7 @@ def end() -> None:
     one is printed and the others still run, as at a script's end)."""
     note = None
     if _waited_for():
-        note = threading.Timer(WAIT_NOTE_AFTER, _say_waiting)
+        note = threading.Timer(THREADS_NOTE_AFTER, _say_waiting)
         note.daemon = True   # not one of the threads waited for
         note.start()
     try:
