@@ -478,8 +478,13 @@ def test_a_directory_left_by_an_owner_that_died_with_its_launcher_is_pruned(tmp_
         os.killpg(int(dead_zygote), signal.SIGKILL)   # both at once
         dead.kill()
         dead.wait()
-        wait_until(lambda: not os.path.exists(f"/proc/{dead_zygote}/cmdline")
-                   or not open(f"/proc/{dead_zygote}/cmdline").read(), 10, "the launcher process to die")
+        def cmdline() -> str:   # read once: it may go between two looks
+            try:
+                with open(f"/proc/{dead_zygote}/cmdline") as f:
+                    return f.read()
+            except OSError:
+                return ""
+        wait_until(lambda: not cmdline(), 10, "the launcher process to die")
         assert os.path.isdir(dead_dir), "nothing was left to prune: the test proves nothing"
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
         from accel_magics.kernel_ext.kernel.launcher import Launcher
