@@ -39,7 +39,7 @@ from .run_handle import RunHandle
 # The ladders' order: see timing.py.
 from ..timing import (
     SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
-    SESSION_SEND_WAIT as SEND_WAIT,
+    SESSION_SEND_WAIT as SEND_WAIT, GONE_DRAIN,
 )
 
 
@@ -50,6 +50,17 @@ ALIVE_NOTE = ("The session lives on: every rank is back at its prompt with its s
 #: After a stop, when the ranks had no process group: nothing made them stop at the same step.
 APART_NOTE = (" The ranks had no process group to agree on a step, so each stopped where it was: their state "
               "may differ (a loop counter one step apart); check it on each rank, or re-run from a known state.")
+
+
+def _ended_by_itself(msg: dict) -> Optional[str]:
+    """What a message of the session's end says ended it before the stop did:
+    its supervisor's "session lost", or a rank that died of a signal nobody
+    of ours sent (the out-of-memory killer, a kill -9)."""
+    if msg.get("kind") == "session_lost" or (msg.get("kind") == "finished" and msg.get("lost")):
+        return msg.get("lost") or "its ranks ended"
+    if msg.get("kind") == "exit" and msg.get("signal") and not msg.get("stopped"):
+        return f"rank {msg['rank']} killed by {msg['signal']}"
+    return None
 
 
 class SessionGone(RuntimeError):
@@ -142,7 +153,7 @@ class DistributedSession:
         if not self.alive:
             self._forget()
             return
-        run_id = uuid.uuid4().hex[:12]
+        run_id = self._stop_id()
         handle = self._handle(run_id, None)
         handle.timeout_at = time.monotonic() + STOP_WAIT
         try:
@@ -151,14 +162,20 @@ class DistributedSession:
                 self.lost = why
                 return            # what is left of it is killed below
             self._send("stop", {"op": "stop", "run_id": run_id})
-            for _msg in handle.messages():
-                pass
-        except LauncherError:
-            pass   # it is gone already: what matters is that nothing is left
+            for msg in handle.messages():
+                # It may have been ending by itself as the stop came: say what ended it.
+                self.lost = self.lost or _ended_by_itself(msg)
+        except LauncherError:   # it is gone already: what matters is that nothing is left
+            self.lost = self.lost or self._lost_since() or "its supervisor was gone"
         finally:
             handle.close()
             self._wait_gone(handle)
             self._forget()
+
+    def _stop_id(self) -> str:
+        """The id the stop's messages carry: the session's own, so that its
+        "session lost" (a rank died as the stop came) is read, not dropped."""
+        return self.id
 
     def _send(self, op: str, content: dict) -> None:
         """A cell or the stop to the session's supervisor, signed with its key
@@ -212,8 +229,19 @@ class DistributedSession:
 
     def _lost_since(self) -> Optional[str]:
         """Why the session ended by itself since the last cell, or None."""
+        why = self._said_lost(0)
+        if why is None and not running(self.supervisor_pid):
+            # A supervisor that lost its session says why, then exits: its word may still be on the way.
+            why = self._said_lost(GONE_DRAIN) or \
+                "its supervisor process ended (it was killed, or the launcher was stopped or replaced)"
+        return why
+
+    def _said_lost(self, wait: float) -> Optional[str]:
+        """The "session lost" among the messages waiting (for the first, up to ``wait`` seconds)."""
         why = None
-        while self.events is not None and self.events[0].poll(0):
+        timeout = int(wait * 1000)
+        while self.events is not None and self.events[0].poll(timeout):
+            timeout = 0
             frames = self.events[0].recv_multipart()
             try:
                 content = wire.verified_content(self.verifier, frames)
@@ -221,8 +249,6 @@ class DistributedSession:
                 continue
             if content.get("kind") == "session_lost":
                 why = content.get("lost") or "its ranks ended"
-        if why is None and not running(self.supervisor_pid):
-            why = "its supervisor process ended (it was killed, or the launcher was stopped or replaced)"
         return why
 
     # -- cells ------------------------------------------------------------------------

@@ -131,6 +131,10 @@ class SlurmSession(DistributedSession):
                 out.append(msg)
         return out
 
+    def _stop_id(self) -> str:
+        """A fresh id: each node's part answers the stop under it (its "lost" comes apart, see _lost_since)."""
+        return uuid.uuid4().hex[:12]
+
     def _send(self, op: str, content: dict) -> None:
         for node in self._nodes:
             self.agents.send(node, {"op": op, "session": self.id, "content": content})

@@ -128,7 +128,9 @@ class SessionSupervisor(Supervisor):
         self.logs.close()
         if self.ending == "stop":
             self.spec["run_id"] = self.stop_id or self.session_id
-            self._send({"kind": "finished", "reason": None, "session": "stopped", "elapsed": 0.0})
+            # ``lost``: a rank had died by itself (an out-of-memory kill) as the stop came.
+            self._send({"kind": "finished", "reason": None, "session": "stopped", "elapsed": 0.0,
+                        **({"lost": self.lost} if self.lost else {})})
         elif self.cell is not None:
             self._send_stacks()
             self._send({"kind": "finished", "reason": self.stopping or "failed", "session": "lost",
@@ -216,10 +218,12 @@ class SessionSupervisor(Supervisor):
         """A session's rank exited: the session cannot go on without it."""
         while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
             pass
-        if self.ending is not None:
-            return   # stopping anyway
         code = os.waitstatus_to_exitcode(status)
         what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if self.ending is not None:   # stopping anyway; a death of its own is still said (see _end)
+            if code < 0 and not r.stopped_by_us(-code) and self.lost is None:
+                self.lost = f"rank {r.rank} {what}"
+            return
         self.logs.note(r.rank, f"--- {what} ---")
         if self.cell is not None:
             self._drain(r)
