@@ -461,9 +461,8 @@ class DistributedMagics(Magics):
             pass
 
     def effective_defaults(self) -> dict:
-        gpus = (self.launcher.info or {}).get("gpu_count", 0)
-        if gpus:   # one rank per GPU the ranks would see
-            gpus = visible_gpus(gpus, LaunchConfig(num_processes=1), os.environ)
+        # One rank per GPU the ranks would see.
+        gpus = visible_gpus((self.launcher.info or {}).get("gpu_count", 0), LaunchConfig(num_processes=1), os.environ)
         # What the config form shows: its fields' built-in values, the GPUs counted.
         values = {option.name: option.default for option in options.OPTIONS if option.label}
         values["num_processes"] = gpus or 2

@@ -24,6 +24,11 @@ ROOT = "accel_magics"
 FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s"
 
 
+def of_process(line: str, pid: int) -> bool:
+    """Is ``line`` (a record in FORMAT) one of process ``pid``'s?"""
+    return line.split(" ", 3)[2:3] == [str(pid)]
+
+
 def to_log_file(fd: int = 2, level: int = logging.INFO) -> None:
     """A process of the engine (launcher, agent): records at ``level`` and above
     to ``fd``'s file, through a duplicate descriptor (not inherited by what

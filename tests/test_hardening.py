@@ -353,6 +353,21 @@ def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
     wait_until(lambda: not alive([pid]), 10, f"the detached child {pid} to be killed")
 
 
+def test_a_launcher_log_record_is_told_by_its_process():
+    """What a killed run's error quotes of the launcher's log: its supervisor's
+    own records (the pid in FORMAT), not another process's nor torch's lines."""
+    import logging
+
+    from accel_magics.kernel_ext import logs
+    record = logging.makeLogRecord({"msg": "run r1 attempt 0", "name": "accel_magics.supervisor",
+                                    "levelname": "INFO", "process": 742})
+    line = logging.Formatter(logs.FORMAT).format(record)
+    assert logs.of_process(line, 742)
+    assert not logs.of_process(line, 74) and not logs.of_process(line, 7420)
+    assert not logs.of_process("[W1204 21:44:10.2 socket.cpp:207] [c10d] 742", 742)
+    assert not logs.of_process("", 742)
+
+
 def test_a_launcher_killed_during_a_run_is_named_and_replaced():
     """kill -9 of the launcher mid-run: the error blamed "the run's supervisor",
     with the whole traceback of the magic and the log of an earlier run."""

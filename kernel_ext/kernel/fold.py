@@ -249,9 +249,8 @@ class RunFold:
             # that followed reached its supervisor before it was reaped).
             self.mid_cell[rank] = msg["timestamp"]
         if msg["stopped"] and failure is None:
-            if rank in self.departed:
-                pass   # it had finished the cell (its result came): the run's stop only ended its process
-            else:
+            # One that had finished the cell (its result came) was only ended by the run's stop.
+            if rank not in self.departed:
                 # Worded in outcome(): where it was comes with its stacks, before or after this
                 # (a session rank back at its prompt says it in its exit).
                 if msg.get("where"):

@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import zmq
 
-from .. import wire
+from .. import logs, wire
 from .errors import LauncherError
 from .placement import Attempt
 from ..sigint import sigint_deferred
@@ -164,7 +164,7 @@ class RunHandle(Attempt):
                     "outside accel_magics: kill -9, the out-of-memory killer; see `dmesg`), and its ranks "
                     "ended with it")
         about = [line for line in self.launcher.launch_log_tail(200).splitlines(True)
-                 if self.run_id in line or f"pid {self.supervisor_pid}" in line or f"[{self.supervisor_pid}]" in line]
+                 if self.run_id in line or logs.of_process(line, self.supervisor_pid)]
         return LauncherError(what + "." + ("\nThe launcher's log of this run:\n" + "".join(about[-20:])
                                            if about else ""))
 

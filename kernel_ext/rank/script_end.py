@@ -37,7 +37,6 @@ def begin() -> None:
     weakref.finalize._registered_with_atexit = False
 
 
-
 def _waited_for() -> list:
     main = threading.main_thread()
     return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
