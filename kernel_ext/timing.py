@@ -8,7 +8,8 @@ times keep an order; :func:`check_order` states it, and tests/test_timing.py
 holds the package to it (the README's numbers come from here too).
 
 In a rank's supervisor (one per run and node):
-  stacks ``STACK_WAIT``, native frames ``NATIVE_WAIT``, then SIGTERM and
+  stacks ``STACK_WAIT`` (the signal after ``STACK_ASK_WAIT`` for a rank
+  whose heartbeat thread cannot dump them), native frames ``NATIVE_WAIT``, then SIGTERM and
   ``RANK_GRACE`` before SIGKILL.
 In the kernel (``run_handle``), over the supervisor:
   ``STOP_WAIT`` after a stop, SIGUSR2 (kill the ranks now), ``KILL_WAIT``,
@@ -27,6 +28,7 @@ from __future__ import annotations
 # -- a run's supervisor ---------------------------------------------------------------
 STACK_WAIT = 1.0          # at most this long for the ranks' Python stack dumps before SIGTERM
 STACK_QUIET = 0.1         # stack pipes quiet this long: the dumps are complete
+STACK_ASK_WAIT = 0.3      # a rank's heartbeat thread not back with its stacks by then: the signal (rank/liveness.py)
 NATIVE_WAIT = 2.5         # at most this long for the native stacks of a timeout or a stall
 RANK_GRACE = 3.0          # after SIGTERM, how long a rank gets before SIGKILL
 REAP_WAIT = 5.0           # after "finished", how long ranks get to end before SIGKILL
@@ -94,10 +96,14 @@ def check_order() -> list[str]:
         (STACK_WAIT + NATIVE_WAIT < TIMEOUT_SLACK,
          "at --timeout the supervisor has every rank's stacks before the kernel's backstop"),
         (STACK_QUIET < STACK_WAIT, "stack pipes are read until quiet within the stack wait"),
+        (STACK_ASK_WAIT + STACK_QUIET < STACK_WAIT,
+         "a rank whose heartbeat thread cannot dump (the GIL held in native code) gets the signal, and its "
+         "dump is read, within the stack wait"),
         (supervisor_stop + RECALL_WAIT < SESSION_STOP_WAIT,
          "a session's supervisor recalls its ranks (or stops them) before the kernel escalates"),
         (FORCE_AFTER < RECALL_WAIT, "the second SIGINT comes within the recall wait"),
-        (STACK_WAIT + NATIVE_WAIT + RECALL_WAIT + 3 * STACK_QUIET + RANK_GRACE < SESSION_TIMEOUT_SLACK,
+        (STACK_WAIT + NATIVE_WAIT + RECALL_WAIT + STACK_ASK_WAIT + 3 * STACK_QUIET + RANK_GRACE
+         < SESSION_TIMEOUT_SLACK,
          "at a session cell's --timeout its supervisor recalls the ranks (or loses the session, saying where "
          "they were) before the kernel's backstop blames the supervisor"),
         (STOP_WAIT + KILL_WAIT < SLURM_STOP_WAIT,

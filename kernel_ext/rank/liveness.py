@@ -1,4 +1,5 @@
-"""Runs in a rank: a heartbeat that says the rank's interpreter can still run Python.
+"""Runs in a rank: a heartbeat that says the rank's interpreter can still run
+Python, and that writes the rank's stacks when its supervisor asks.
 
 Why: the supervisor's stall check must tell a rank that merely waits from one
 that nothing can move.  A rank that sleeps, waits for a subprocess or for a
@@ -8,13 +9,27 @@ pytorch#56297) stops it, because the count needs the GIL.  The count lives in
 a page of shared memory the supervisor mapped before it forked the rank
 (:func:`new_counter`), so reading it costs the supervisor nothing and the
 rank no system call.
+
+The same thread writes the stacks a stop asks for (:func:`ask`, a byte on a
+pipe), because it holds the GIL while it does.  faulthandler's own signal
+handler (``faulthandler.register``) reads every thread's frames from
+whichever thread the signal lands on, while the others run: a thread that
+starts or ends, or pushes a frame, under it crashes the rank with SIGSEGV
+(cpython#116008, every version; a DDP session lost to the stop button on
+CI).  Under the GIL no other thread runs Python, so the frames hold still.
+Only when this thread cannot get the GIL (a thread holds it in native code,
+so nothing moves) does the supervisor fall back to the signal.
 """
 from __future__ import annotations
 
 import _thread
+import faulthandler
 import mmap
+import os
+import select
 import struct
 import time
+from typing import Optional
 
 from ..timing import BEAT_INTERVAL
 
@@ -31,22 +46,98 @@ def read(counter: mmap.mmap) -> int:
     return struct.unpack_from(_FORMAT, counter)[0]
 
 
-def start(counter) -> None:
+def ask(fd: int) -> bool:
+    """In the supervisor: ask the rank for its stacks (``fd``: the write end of
+    its ask pipe).  False if the rank is gone."""
+    try:
+        os.write(fd, b"s")
+        return True
+    except (BlockingIOError, InterruptedError):   # the rank has not read the asks before: one is enough
+        return True
+    except OSError:
+        return False
+
+
+# The rank's stack pipe while the rank may write to it; None once it is closed
+# (an fd closed and reused must never get a dump), under _stack_lock.
+_stack_fd: Optional[int] = None
+_stack_pipe: Optional[tuple] = None   # its identity (_identity)
+_stack_lock = _thread.allocate_lock()
+
+
+def stop_dumps() -> None:
+    """In the rank, before it closes its stack pipe: no dump after this."""
+    global _stack_fd
+    if _stack_lock.acquire(timeout=1.0):   # a dump in progress ends first
+        _stack_fd = None
+        _stack_lock.release()
+    else:   # pragma: no cover - a fork taken mid-dump holds a copy of the lock
+        _stack_fd = None
+
+
+def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None) -> None:
     """In the rank, once its run is known: count while the interpreter runs.
     A thread of ``_thread``'s, not ``threading``'s: it is not the user's, so
     it is not in ``threading.enumerate()`` (code that joins every thread but
     its own would wait for it for ever); it never keeps the rank from
     exiting, and a process the rank forks (a DataLoader worker) has no copy
-    of it.  The stacks the user reads leave it out by its frame (``_beat``)."""
+    of it.  The stacks the user reads leave it out by its frame (``_beat``).
+
+    ``ask_fd``: the read end of the pipe the supervisor asks for stacks on;
+    they go to ``stack_fd``, faulthandler's format."""
+    global _stack_fd, _stack_pipe
     if counter is None:
         return
+    if ask_fd is not None and stack_fd is not None:
+        _stack_fd, _stack_pipe = stack_fd, _identity(stack_fd)
     struct.pack_into(_FORMAT, counter, 0, 1)   # the first beat before the thread runs: 0 means "not started"
-    _thread.start_new_thread(_beat, (counter,))
+    _thread.start_new_thread(_beat, (counter, ask_fd))
 
 
-def _beat(counter) -> None:
+def _identity(fd: int) -> Optional[tuple]:
+    """Which pipe ``fd`` is: a cell's code may close our fds (``os.closerange``)
+    and open its own files on the same numbers, which we must never read or
+    write."""
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
+
+
+def _beat(counter, ask_fd: Optional[int]) -> None:
     n = 1
+    ask_pipe = _identity(ask_fd) if ask_fd is not None else None
     while True:
-        time.sleep(BEAT_INTERVAL)
+        asked = False
+        if ask_fd is None:
+            time.sleep(BEAT_INTERVAL)
+        else:
+            try:
+                asked = bool(select.select([ask_fd], [], [], BEAT_INTERVAL)[0])
+            except (OSError, ValueError):   # closed by the cell's code: beat on without asks
+                ask_fd = None
+                continue
+        # Beating first: the supervisor reads a beat after its ask as "the
+        # dump is under way" (the GIL was taken), and does not fall back.
         n += 1
         struct.pack_into(_FORMAT, counter, 0, n)
+        if asked:
+            try:
+                asks = os.read(ask_fd, 64) if _identity(ask_fd) == ask_pipe else b""
+            except OSError:
+                asks = b""
+            if not asks:   # the supervisor is gone, or the pipe is: beat on, ask no more
+                ask_fd = None
+                continue
+            _dump()
+
+
+def _dump() -> None:
+    """Every thread's stack to the stack pipe, faulthandler's format, under the GIL."""
+    with _stack_lock:
+        if _stack_fd is not None and _identity(_stack_fd) == _stack_pipe:
+            try:
+                faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
+            except (OSError, ValueError, RuntimeError):
+                pass

@@ -190,8 +190,8 @@ def _reset_signals(stack_fd: int) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python does at start
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # A stop asks for stacks first: faulthandler writes them from its C
-    # handler, so it works even while the rank is blocked in a collective.
+    # A stop asks for stacks first, through the heartbeat thread (liveness.py);
+    # the signal only reaches a rank whose thread cannot take the GIL.
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
 
 
@@ -241,7 +241,7 @@ def _warm_up() -> None:
 
 
 def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_fd: int,
-                 parent: int, beat=None) -> NoReturn:
+                 parent: int, beat=None, ask_fd: Optional[int] = None) -> NoReturn:
     """A rank forked ahead of its run: wait for the spec, then run. Never returns.
 
     Until the spec arrives nothing of the run exists here: the environment,
@@ -259,7 +259,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
-        liveness.start(beat)
+        liveness.start(beat, ask_fd, stack_fd)
     except BaseException:
         os._exit(1)
     run_rank(spec, local_rank, event_fd, stack_fd, go_fd)
@@ -292,6 +292,9 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
             rank_bars.stop()
             with _emit_lock:
                 _event_fd = None     # a thread still running writes no frame to a closed (or reused) fd
+            liveness.stop_dumps()    # nor a stack dump
+            faulthandler.unregister(signal.SIGUSR1)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)   # a late ask for stacks: nothing left to show
             for fd in (1, 2, event_fd, stack_fd):
                 os.close(fd)
             if code == 0 and not _holds_sockets():

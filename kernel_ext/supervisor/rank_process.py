@@ -23,6 +23,7 @@ from .. import PACKAGE_DIR, wire
 from ..rank import liveness, worker
 from .output_batch import Excerpt, OutputBatch
 from ..process_tree import descendants
+from ..timing import STACK_ASK_WAIT
 
 PIPE_BYTES = 1 << 20      # a rank's output pipe (see widen_pipe)
 
@@ -55,6 +56,9 @@ class RankProcess:
     beat_since: float = 0.0
     go: Optional[int] = None           # write end of its go pipe: the spec goes in; closing it
                                        # lets a rank that succeeded (parked) exit
+    ask: Optional[int] = None          # write end of its ask pipe: a byte asks for its stacks
+    asked_at: Optional[float] = None   # when its stacks were asked for through it, unanswered yet
+    asked_beat: int = 0                # its heartbeat count then
     # A session's rank (session_supervisor): at its prompt, or running a cell.
     back: bool = True                  # at its prompt (the cell's outcome reported)
     ready: bool = False                # set up, waiting for its first cell
@@ -80,9 +84,41 @@ class RankProcess:
 
     def release(self) -> None:
         """Close the go pipe: an idle or parked rank sees EOF and exits."""
-        if self.go is not None:
-            os.close(self.go)
-            self.go = None
+        for name in ("go", "ask"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+
+    def ask_stacks(self, now: float) -> None:
+        """A stop's first step: ask for its Python stacks.  Its heartbeat thread
+        writes them, holding the GIL (rank/liveness.py says why not
+        faulthandler's signal, which crashes a rank whose threads run); the
+        signal only while that thread has not started (the rank is then one
+        thread, waiting for its spec)."""
+        self.signalled = True
+        count = liveness.read(self.beat) if self.beat is not None else 0
+        if self.ask is None or not count:
+            self.signal(signal.SIGUSR1)
+        elif liveness.ask(self.ask):
+            self.asked_at, self.asked_beat = now, count
+        # else its end of the pipe is closed: it is gone, or its cell's code
+        # closed our fds, and a dump would go to a file of its own
+
+    def ask_due(self) -> Optional[float]:
+        """When :meth:`check_ask` has to look (None: nothing asked)."""
+        return None if self.asked_at is None else self.asked_at + STACK_ASK_WAIT
+
+    def check_ask(self, now: float) -> None:
+        """No stacks ``STACK_ASK_WAIT`` after the ask and no beat since: its
+        heartbeat thread cannot take the GIL, so a thread holds it in native
+        code (the deadlocked destructor).  Nothing moves then, so
+        faulthandler's signal is safe, and it is the only way to the stacks."""
+        if self.asked_at is None or now < self.asked_at + STACK_ASK_WAIT:
+            return
+        self.asked_at = None
+        if not self.stack and self.status is None and liveness.read(self.beat) == self.asked_beat:
+            self.signal(signal.SIGUSR1)
 
     def signal(self, sig: int) -> None:
         """The rank process alone (SIGUSR1: dump stacks)."""
@@ -140,23 +176,26 @@ def fork_idle_rank(local: int, close_in_child: list[int], blocked_signals: set) 
     widen_pipe(out_w)
     ev_r, ev_w = os.pipe()
     st_r, st_w = os.pipe()
+    ask_r, ask_w = os.pipe()
+    set_nonblocking(ask_w)
     beat = liveness.new_counter()
     parent = os.getpid()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)
     pid = os.fork()
     if pid == 0:  # the rank
-        _become_rank(close_in_child + [go_w, out_r, ev_r, st_r], go_r, local, out_w, ev_w, st_w, parent, beat)
+        _become_rank(close_in_child + [go_w, out_r, ev_r, st_r, ask_w], go_r, local, out_w, ev_w, st_w, ask_r,
+                     parent, beat)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    for fd in (go_r, out_w, ev_w, st_w):
+    for fd in (go_r, out_w, ev_w, st_w, ask_r):
         os.close(fd)
     rank = RankProcess(local=local, rank=-1, pid=pid, fds={"out": out_r, "ev": ev_r, "st": st_r}, go=go_w,
-                       beat=beat)
+                       ask=ask_w, beat=beat)
     for fd in rank.fds.values():
         set_nonblocking(fd)
     return rank
 
 
-def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int, st_w: int,
+def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int, st_w: int, ask_r: int,
                  parent: int, beat) -> NoReturn:
     signal.set_wakeup_fd(-1)
     for fd in close:
@@ -164,7 +203,7 @@ def _become_rank(close: list[int], go_r: int, local: int, out_w: int, ev_w: int,
             os.close(fd)
         except OSError:
             pass
-    worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent, beat)
+    worker.wait_and_run(go_r, local, out_w, ev_w, st_w, parent, beat, ask_r)
 
 
 # The launcher's frames below the cell: ours, and runpy's (``python -m``; a

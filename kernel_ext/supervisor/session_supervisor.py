@@ -41,7 +41,8 @@ from .rank_process import NO_STACK, RankProcess, stacks_message, where_blocked
 from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
                          Supervisor)
 # The ladders' order: see timing.py.
-from ..timing import FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT, RESOURCE_SAMPLE
+from ..timing import (FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT,
+                      RESOURCE_SAMPLE, STACK_ASK_WAIT)
 
 
 
@@ -188,7 +189,7 @@ class SessionSupervisor(Supervisor):
         excerpt = content.get("excerpt")
         for r in self.ranks:
             r.back = r.failed = r.stopped = r.signalled = r.done = r.in_cell = False
-            r.stack, r.native, r.done_time, r.cpu_seen = bytearray(), "", 0.0, None
+            r.stack, r.native, r.done_time, r.cpu_seen, r.asked_at = bytearray(), "", 0.0, None, None
             r.last_output = time.monotonic()
             r.excerpt = Excerpt(*excerpt) if excerpt else None
         self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks}, "supervisor": os.getpid()})
@@ -252,7 +253,7 @@ class SessionSupervisor(Supervisor):
                 r.in_cell = True
                 if self.stopping is not None:   # recalled before it began: it is recalled now
                     if self.stack_deadline is not None:
-                        r.signal(signal.SIGUSR1)
+                        r.ask_stacks(time.monotonic())
                     else:
                         self._sigint(r)
             return
@@ -309,10 +310,11 @@ class SessionSupervisor(Supervisor):
             native = native_stacks.dump([r.pid for r in live], NATIVE_WAIT)
             for r in live:
                 r.native = native.get(r.pid, "")
+        now = time.monotonic()
         for r in live:
             if r.in_cell:
-                r.signal(signal.SIGUSR1)
-        self.stack_deadline = time.monotonic() + STACK_WAIT
+                r.ask_stacks(now)
+        self.stack_deadline = now + STACK_WAIT
 
     def _interrupt_cell(self) -> None:
         """SIGINT to the ranks that began the cell; one that has not yet gets it
@@ -403,8 +405,8 @@ class SessionSupervisor(Supervisor):
                 for r in self._out():
                     if r.in_cell:
                         r.stack = bytearray()
-                        r.signal(signal.SIGUSR1)
-                self.verdict_at = now + 3 * STACK_QUIET
+                        r.ask_stacks(now)
+                self.verdict_at = now + STACK_ASK_WAIT + 3 * STACK_QUIET
         if self.verdict_at is not None and now >= self.verdict_at:
             self.verdict_at = None
             if self._out():

@@ -82,7 +82,7 @@ class Spare:
         """Fork ``n`` idle ranks; each blocks until it is given the spec."""
         for _ in range(n):
             rank = fork_idle_rank(len(self.idle), self.fds, SIGNALS)
-            self.fds += [rank.go, *rank.fds.values()]
+            self.fds += [rank.go, rank.ask, *rank.fds.values()]
             # Registered now, while idle: the run's critical path only numbers the ranks.
             for kind, fd in rank.fds.items():
                 self.sel.register(fd, selectors.EVENT_READ, (kind, rank))

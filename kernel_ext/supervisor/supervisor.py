@@ -12,8 +12,10 @@ forks a rank with them), plus a signal wake-up pipe (SIGCHLD for exits,
 SIGUSR1 = interrupt, SIGUSR2 = the kernel's "stop now", SIGTERM = terminated
 from outside: the run fails saying so).
 
-Stopping follows torchrun: stacks first (SIGUSR1 -> faulthandler, which works
-inside a blocked collective), then SIGTERM to each rank's process group, then
+Stopping follows torchrun: stacks first (asked of each rank's heartbeat
+thread, which dumps them under the GIL, so also inside a blocked collective;
+faulthandler's SIGUSR1 only for a rank whose GIL is held in native code, see
+rank/liveness.py), then SIGTERM to each rank's process group, then
 SIGKILL after a grace period.
 """
 from __future__ import annotations
@@ -541,6 +543,7 @@ class Supervisor:
         now = time.monotonic()
         due = [d for d in self._deadlines() if d is not None]
         due += [r.exit_time + DRAIN_WAIT for r in self.ranks if r.status is not None and not r.reported]
+        due += [r.ask_due() for r in self.ranks if r.asked_at is not None]
         if self.stack_deadline is not None:
             due.append(now + STACK_QUIET)
         return max(0.0, min(due) - now) if due else None
@@ -559,6 +562,8 @@ class Supervisor:
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
             self._stop("timeout", stacks=True)
+        for r in self.ranks:
+            r.check_ask(now)
         if self.stack_deadline is not None:
             live = self._stack_waiters()
             dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
@@ -764,9 +769,10 @@ class Supervisor:
             for r in live:
                 r.native = r.native or native.get(r.pid, "")
         if stacks and live:
+            now = time.monotonic()
             for r in live:
-                r.signal(signal.SIGUSR1)
-            self.stack_deadline = time.monotonic() + STACK_WAIT
+                r.ask_stacks(now)
+            self.stack_deadline = now + STACK_WAIT
         else:
             self._terminate()
 

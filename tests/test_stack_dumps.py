@@ -1,0 +1,253 @@
+"""A stop's first step, the ranks' Python stacks, asked of a real forked
+process the way a supervisor asks a rank (rank_process.RankProcess over the
+rank's ask pipe, its heartbeat thread in rank/liveness.py dumping).
+
+faulthandler's own signal handler crashes a process whose threads start,
+end or push frames while it reads them (cpython#116008): a DDP session rank
+died of SIGSEGV at the stop button on CI.  These tests hold the replacement
+to what the signal did: a dump every time, whatever the threads do, and the
+signal still used where nothing else can dump (a thread holding the GIL in
+native code)."""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import mmap
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+
+from accel_magics.kernel_ext.rank import liveness
+from accel_magics.kernel_ext.supervisor.rank_process import RankProcess, set_nonblocking
+from accel_magics.kernel_ext.timing import STACK_ASK_WAIT
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _churn_and_recurse() -> None:
+    """What crashed faulthandler's signal handler: threads that come and go
+    while others push and pop frames and raise."""
+    def deep(n: int) -> int:
+        if n % 7 == 0:
+            try:
+                raise ValueError(n)
+            except ValueError:
+                pass
+        return n if n < 2 else deep(n - 1) + sum(x for x in range(2))
+
+    def work(stop=lambda: False) -> None:
+        while not stop():
+            deep(40)
+
+    def churn() -> None:
+        while True:
+            began = time.monotonic()
+            t = threading.Thread(target=work, args=(lambda: time.monotonic() - began > 0.002,))
+            t.start()
+            t.join()
+
+    for target in (work, churn):
+        threading.Thread(target=target, daemon=True).start()
+    work()
+
+
+_IN_NATIVE = mmap.mmap(-1, 1)   # shared with the forked test process: 1 once it is about to block
+
+
+def _hold_the_gil_in_native_code() -> None:
+    pause = ctypes.PyDLL(None).pause   # PyDLL keeps the GIL: the deadlocked destructor's state
+    _IN_NATIVE[0] = 1                  # no GIL release between this and the call
+    while True:
+        pause()                        # a signal's handler ends a pause
+
+
+def _rank_like(body) -> RankProcess:
+    """A process set up as worker.wait_and_run sets up a rank: faulthandler on
+    SIGUSR1 for the fallback, the heartbeat thread on the ask pipe."""
+    st_r, st_w = os.pipe()
+    ask_r, ask_w = os.pipe()
+    set_nonblocking(ask_w)
+    counter = liveness.new_counter()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(st_r)
+            os.close(ask_w)
+            faulthandler.register(signal.SIGUSR1, file=st_w, all_threads=True, chain=False)
+            liveness.start(counter, ask_r, st_w)
+            body()
+        finally:
+            os._exit(0)
+    os.close(st_w)
+    os.close(ask_r)
+    deadline = time.monotonic() + 20
+    while liveness.read(counter) == 0 and time.monotonic() < deadline:   # set up: it has its spec
+        time.sleep(0.005)
+    assert liveness.read(counter) > 0, "the heartbeat never started"
+    return RankProcess(local=0, rank=0, pid=pid, fds={"st": st_r}, ask=ask_w, beat=counter)
+
+
+def _end(r: RankProcess) -> None:
+    r.release()
+    os.close(r.fds["st"])
+    if r.status is None:
+        os.kill(r.pid, signal.SIGKILL)
+        os.waitpid(r.pid, 0)
+
+
+def _read_dumps(r: RankProcess, until: str, timeout: float = 20.0) -> str:
+    """What the stack pipe brings until ``until`` is in it (a dump lists the
+    main thread last, so its function's name marks a dump that is whole)."""
+    text = ""
+    deadline = time.monotonic() + timeout
+    while until not in text and time.monotonic() < deadline:
+        if select.select([r.fds["st"]], [], [], 0.5)[0]:
+            data = os.read(r.fds["st"], 1 << 16)
+            if not data:
+                break
+            text += data.decode("utf-8", "replace")
+    return text
+
+
+def _alive(r: RankProcess) -> bool:
+    pid, status = os.waitpid(r.pid, os.WNOHANG)
+    if pid:
+        r.status = status
+    return not pid
+
+
+def _death(r: RankProcess) -> str:
+    return f"killed by {signal.Signals(os.WTERMSIG(r.status)).name}" if os.WIFSIGNALED(r.status) \
+        else f"exit {os.WEXITSTATUS(r.status)}"
+
+
+def test_stacks_asked_of_a_rank_whose_threads_come_and_go_never_crash_it():
+    r = _rank_like(_churn_and_recurse)
+    try:
+        r.ask_stacks(time.monotonic())
+        first = _read_dumps(r, "_churn_and_recurse")
+        assert "_churn_and_recurse" in first, first
+        # A burst, as fast as the pipe takes them (faulthandler's signal
+        # crashed this within 50 to 550 of them, at one every 0.5 ms).
+        asked, began = 0, time.monotonic()
+        while time.monotonic() - began < 3.0:
+            liveness.ask(r.ask)
+            asked += 1
+            while select.select([r.fds["st"]], [], [], 0)[0] and os.read(r.fds["st"], 1 << 16):
+                pass
+            time.sleep(0.0005)   # pacing the burst, not waiting for anything
+        assert asked > 1000, asked
+        assert _alive(r), f"the rank died after {asked} asks: {_death(r)}"
+        liveness.ask(r.ask)   # and it still answers
+        last = _read_dumps(r, "_churn_and_recurse")
+        assert "_churn_and_recurse" in last and " in work" in last, last
+        assert signal.SIGUSR1 not in r.sent
+    finally:
+        _end(r)
+
+
+def test_a_rank_that_answers_gets_no_signal():
+    """Its heartbeat thread beats before it dumps: a beat since the ask means
+    the dump is under way, so the fallback never doubles it."""
+    r = _rank_like(_churn_and_recurse)
+    try:
+        r.ask_stacks(time.monotonic())
+        assert r.asked_at is not None and signal.SIGUSR1 not in r.sent
+        assert "_churn_and_recurse" in _read_dumps(r, "_churn_and_recurse")
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # r.stack is still empty: the beat alone decides
+        assert r.asked_at is None and signal.SIGUSR1 not in r.sent
+    finally:
+        _end(r)
+
+
+def test_a_rank_whose_gil_is_held_in_native_code_gets_the_signal():
+    """Its heartbeat thread cannot take the GIL, so it cannot dump; nothing
+    moves then, and faulthandler's signal is safe and shows where it is."""
+    _IN_NATIVE[0] = 0
+    r = _rank_like(_hold_the_gil_in_native_code)
+    try:
+        deadline = time.monotonic() + 20
+        while not _IN_NATIVE[0] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        asked = time.monotonic()
+        r.ask_stacks(asked)
+        assert signal.SIGUSR1 not in r.sent
+        r.check_ask(asked + STACK_ASK_WAIT / 2)   # not yet
+        assert signal.SIGUSR1 not in r.sent
+        r.check_ask(asked + STACK_ASK_WAIT)
+        assert signal.SIGUSR1 in r.sent
+        assert "_hold_the_gil_in_native_code" in _read_dumps(r, "_hold_the_gil_in_native_code")
+        assert _alive(r), _death(r)
+    finally:
+        _end(r)
+
+
+def test_a_rank_whose_heartbeat_has_not_started_gets_the_signal_at_once():
+    """Before its spec the rank is one thread, waiting: the signal is safe, and
+    nothing else would answer."""
+    st_r, st_w = os.pipe()
+    ask_r, ask_w = os.pipe()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})   # as fork_idle_rank does
+    pid = os.fork()
+    if pid == 0:
+        try:
+            faulthandler.register(signal.SIGUSR1, file=st_w, all_threads=True, chain=False)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            os.read(ask_r, 1)   # waits, as an idle rank waits for its spec
+        finally:
+            os._exit(0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    os.close(st_w)
+    r = RankProcess(local=0, rank=0, pid=pid, fds={"st": st_r}, ask=ask_w, beat=liveness.new_counter())
+    try:
+        r.ask_stacks(time.monotonic())
+        assert signal.SIGUSR1 in r.sent and r.asked_at is None
+        assert "test_a_rank_whose_heartbeat_has_not_started" in _read_dumps(r, "test_a_rank_whose_heartbeat")
+    finally:
+        os.close(ask_r)
+        _end(r)
+
+
+def test_a_rank_whose_code_closed_the_stack_pipe_and_reused_its_number_gets_no_dump_in_its_file(tmp_path):
+    """``os.closerange`` in a cell, then a file of its own on the same number:
+    the heartbeat thread checks which pipe the number is before it writes."""
+    path = tmp_path / "own.txt"
+    st_r, st_w = os.pipe()
+    ask_r, ask_w = os.pipe()
+    counter = liveness.new_counter()
+    written = mmap.mmap(-1, 1)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            liveness.start(counter, ask_r, st_w)
+            os.close(st_w)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            assert fd == st_w, (fd, st_w)   # the lowest free number: the pipe's
+            os.write(fd, b"its own data\n")
+            written[0] = 1
+            while True:
+                time.sleep(1)
+        finally:
+            os._exit(0)
+    os.close(st_w)
+    os.close(ask_r)
+    r = RankProcess(local=0, rank=0, pid=pid, fds={"st": st_r}, ask=ask_w, beat=counter)
+    try:
+        deadline = time.monotonic() + 20
+        while not written[0] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for _ in range(3):
+            r.ask_stacks(time.monotonic())
+        before = liveness.read(counter)
+        # Two beats after the asks: a whole turn of its loop began after them, so it took them.
+        while liveness.read(counter) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert liveness.read(counter) >= before + 2
+        assert path.read_bytes() == b"its own data\n"
+        assert _alive(r), _death(r)
+    finally:
+        _end(r)
