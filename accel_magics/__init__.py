@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = ["load_ipython_extension", "unload_ipython_extension", "progress"]
 
 _magics = None
+_registered: list = []   # the Magics instances registered with IPython (unload takes their names back)
 
 
 def load_ipython_extension(ip) -> None:
@@ -33,8 +34,9 @@ def load_ipython_extension(ip) -> None:
     if _magics is not None:
         return
     magics = DistributedMagics(ip)
-    ip.register_magics(magics)
-    ip.register_magics(SessionMagics(ip, magics))
+    _registered[:] = [magics, SessionMagics(ip, magics)]
+    for instance in _registered:
+        ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)
     magics.tracker.install()
     _magics = magics
@@ -56,6 +58,25 @@ def unload_ipython_extension(ip) -> None:
         pass
     _magics.close()
     _magics = None
+    _unregister_magics(ip)
+
+
+def _unregister_magics(ip) -> None:
+    """Take our magics' names back: IPython has no call for it, and a
+    ``%%distributed`` after ``%unload_ext`` would otherwise reach an extension
+    that has shut down.  Then it is IPython's plain "not found", and
+    ``%load_ext`` registers them again."""
+    manager = ip.magics_manager
+    for instance in _registered:
+        for kind, names in instance.magics.items():
+            table = manager.magics.get(kind, {})
+            for name in names:
+                if getattr(table.get(name), "__self__", None) is instance:
+                    del table[name]
+        if manager.registry.get(type(instance).__name__) is instance:
+            del manager.registry[type(instance).__name__]
+    _registered.clear()
+_registered: list = []   # the Magics instances registered with IPython (unload takes their names back)
 
 
 def progress(n: float, total: Optional[float] = None, desc: str = "") -> None:

@@ -380,6 +380,10 @@ def test_unloading_the_extension_ends_its_processes_and_frees_the_kept_globals()
         assert memfds(k.pid) == 0
         wait_until(lambda: not descendants(k.pid), 15, "the launcher and its spare to exit after %unload_ext")
         assert k.ok("float(big[-1])").result == "4194303.0"
+        for gone in (cell, "%distributed_session status", "%distributed_config"):   # IPython's own "not found"
+            res = k.run(gone, timeout=30)
+            assert res.error and res.error["ename"] == "UsageError" and "not found" in res.error_text, res.error_text
+        assert not descendants(k.pid)   # nothing was started by them
         k.ok("%load_ext accel_magics")
         assert k.ok(cell, timeout=120).stdout.count("4194303.0") == 2
     finally:
