@@ -13,7 +13,7 @@ import pytest
 
 from accel_magics.kernel_ext.rank import liveness
 from accel_magics.kernel_ext.supervisor import native_stacks
-from accel_magics.kernel_ext.supervisor.rank_process import user_stack
+from accel_magics.kernel_ext.supervisor.rank_process import user_stack, where_blocked
 from accel_magics.kernel_ext.timing import BEAT_INTERVAL
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,6 +103,21 @@ def test_the_heartbeat_thread_is_left_out_of_what_the_user_reads():
                     '  File "<%%distributed In[3]>", line 4 in <module>\n')
     shown = user_stack(faulthandler)
     assert "In[3]" in shown and "other thread" not in shown and "threading.py" not in shown
+
+
+def test_only_the_first_dump_counts_when_a_rank_wrote_two():
+    """The fallback signal reached a rank whose GIL came free a moment later,
+    and its heartbeat thread answered the ask too: the second dump's threads
+    come again.  Where the rank was at the stop is the first one."""
+    def dump(line: int) -> str:
+        return ("Current thread 0x00007f0000000002 (most recent call first):\n"
+                + _frame(f"{_PKG}/rank/liveness.py", 150, "_dump") + _frame(f"{_PKG}/rank/liveness.py", 130, "_beat")
+                + "\nThread 0x00007f0000000001 (most recent call first):\n"
+                + _frame("<%%distributed In[3]>", line, "<module>") + _frame(f"{_PKG}/rank/worker.py", 470, "_run_cell"))
+    two = dump(4) + "\n" + dump(9)
+    shown = user_stack(two, {"<%%distributed In[3]>": "\n".join(f"line {n}" for n in range(1, 12))})
+    assert shown == 'the cell\'s thread:\n  File "<%%distributed In[3]>", line 4, in <module>\n    line 4\n', shown
+    assert where_blocked(two) == "In[3], line 4"
 
 
 def test_a_heartbeat_thread_without_a_name_is_left_out_too():

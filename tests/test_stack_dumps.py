@@ -151,14 +151,15 @@ def test_stacks_asked_of_a_rank_whose_threads_come_and_go_never_crash_it():
 
 
 def test_a_rank_that_answers_gets_no_signal():
-    """Its heartbeat thread beats before it dumps: a beat since the ask means
-    the dump is under way, so the fallback never doubles it."""
+    """It began a dump (counted in the shared page), so the fallback never
+    doubles it, even before the dump's bytes are read."""
     r = _rank_like(_churn_and_recurse)
     try:
         r.ask_stacks(time.monotonic())
         assert r.asked_at is not None and signal.SIGUSR1 not in r.sent
         assert "_churn_and_recurse" in _read_dumps(r, "_churn_and_recurse")
-        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # r.stack is still empty: the beat alone decides
+        assert liveness.dumps(r.beat) == r.asked_dumps + 1
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # r.stack is still empty: the count alone decides
         assert r.asked_at is None and signal.SIGUSR1 not in r.sent
     finally:
         _end(r)
@@ -247,6 +248,10 @@ def test_a_rank_whose_code_closed_the_stack_pipe_and_reused_its_number_gets_no_d
         while liveness.read(counter) < before + 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert liveness.read(counter) >= before + 2
+        # It beats but began no dump: not a rank where nothing runs, so no
+        # signal (faulthandler's handler would write into the file).
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)
+        assert signal.SIGUSR1 not in r.sent and r.asked_at is not None   # waits on, until the stop's end
         assert path.read_bytes() == b"its own data\n"
         assert _alive(r), _death(r)
     finally:

@@ -34,21 +34,28 @@ from typing import Optional
 from ..timing import BEAT_INTERVAL
 
 _FORMAT = "<Q"
+_BEATS, _DUMPS = 0, 8   # the page's two counts: beats, and stack dumps begun
 
 
 def new_counter() -> mmap.mmap:
     """A shared anonymous page (MAP_SHARED): mapped before the fork, it is the
     same memory in the supervisor and the rank."""
-    return mmap.mmap(-1, struct.calcsize(_FORMAT))
+    return mmap.mmap(-1, 2 * struct.calcsize(_FORMAT))
 
 
 def read(counter: mmap.mmap) -> int:
-    return struct.unpack_from(_FORMAT, counter)[0]
+    """Its beats (0: the heartbeat has not started)."""
+    return struct.unpack_from(_FORMAT, counter, _BEATS)[0]
+
+
+def dumps(counter: mmap.mmap) -> int:
+    """The stack dumps it began (each when it held the GIL and the pipe was ours)."""
+    return struct.unpack_from(_FORMAT, counter, _DUMPS)[0]
 
 
 def ask(fd: int) -> bool:
     """In the supervisor: ask the rank for its stacks (``fd``: the write end of
-    its ask pipe).  False if the rank is gone."""
+    its ask pipe).  False if its end is closed: it is gone."""
     try:
         os.write(fd, b"s")
         return True
@@ -90,7 +97,10 @@ def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None)
         return
     if ask_fd is not None and stack_fd is not None:
         _stack_fd, _stack_pipe = stack_fd, _identity(stack_fd)
-    struct.pack_into(_FORMAT, counter, 0, 1)   # the first beat before the thread runs: 0 means "not started"
+        os.set_blocking(ask_fd, False)   # a byte someone else took is no ask, not a wait
+    else:
+        ask_fd = None
+    struct.pack_into(_FORMAT, counter, _BEATS, 1)   # the first beat before the thread runs: 0 means "not started"
     _thread.start_new_thread(_beat, (counter, ask_fd))
 
 
@@ -108,36 +118,45 @@ def _identity(fd: int) -> Optional[tuple]:
 def _beat(counter, ask_fd: Optional[int]) -> None:
     n = 1
     ask_pipe = _identity(ask_fd) if ask_fd is not None else None
+    poller = select.poll()
+    if ask_fd is not None:
+        poller.register(ask_fd, select.POLLIN)
     while True:
         asked = False
         if ask_fd is None:
             time.sleep(BEAT_INTERVAL)
         else:
             try:
-                asked = bool(select.select([ask_fd], [], [], BEAT_INTERVAL)[0])
-            except (OSError, ValueError):   # closed by the cell's code: beat on without asks
+                asked = bool(poller.poll(BEAT_INTERVAL * 1000))
+            except (OSError, ValueError):   # pragma: no cover - poll itself failing: beat on without asks
                 ask_fd = None
                 continue
-        # Beating first: the supervisor reads a beat after its ask as "the
-        # dump is under way" (the GIL was taken), and does not fall back.
         n += 1
-        struct.pack_into(_FORMAT, counter, 0, n)
-        if asked:
-            try:
-                asks = os.read(ask_fd, 64) if _identity(ask_fd) == ask_pipe else b""
-            except OSError:
-                asks = b""
-            if not asks:   # the supervisor is gone, or the pipe is: beat on, ask no more
-                ask_fd = None
-                continue
-            _dump()
+        struct.pack_into(_FORMAT, counter, _BEATS, n)
+        if not asked:
+            continue
+        try:
+            asks = os.read(ask_fd, 64) if _identity(ask_fd) == ask_pipe else b""
+        except BlockingIOError:
+            continue
+        except OSError:
+            asks = b""
+        if asks:
+            _dump(counter)
+        else:   # the supervisor is gone, or the cell's code closed the pipe: beat on, ask no more
+            poller.unregister(ask_fd)
+            ask_fd = None
 
 
-def _dump() -> None:
-    """Every thread's stack to the stack pipe, faulthandler's format, under the GIL."""
+def _dump(counter) -> None:
+    """Every thread's stack to the stack pipe, faulthandler's format, under the
+    GIL.  Counted first, a few bytecodes before the dump: the supervisor falls
+    back to the signal only while the count stands still."""
     with _stack_lock:
-        if _stack_fd is not None and _identity(_stack_fd) == _stack_pipe:
-            try:
-                faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
-            except (OSError, ValueError, RuntimeError):
-                pass
+        if _stack_fd is None or _identity(_stack_fd) != _stack_pipe:
+            return
+        struct.pack_into(_FORMAT, counter, _DUMPS, dumps(counter) + 1)
+        try:
+            faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass

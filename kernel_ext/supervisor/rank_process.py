@@ -3,7 +3,7 @@
 The supervisor forks each rank ahead of the run (:func:`fork_idle_rank`): the
 rank blocks on its "go" pipe until the spec arrives, and writes to three
 pipes the supervisor reads: merged stdout/stderr ("out"), framed events
-("ev") and faulthandler stack dumps ("st").  :class:`RankProcess` holds those
+("ev") and stack dumps ("st", faulthandler's format).  :class:`RankProcess` holds those
 fds and what the supervisor learnt about the rank; signalling a rank and
 finding processes that escaped it are here too, so that the supervisor
 itself only decides *when*.
@@ -59,6 +59,7 @@ class RankProcess:
     ask: Optional[int] = None          # write end of its ask pipe: a byte asks for its stacks
     asked_at: Optional[float] = None   # when its stacks were asked for through it, unanswered yet
     asked_beat: int = 0                # its heartbeat count then
+    asked_dumps: int = 0               # and the dumps it had begun
     # A session's rank (session_supervisor): at its prompt, or running a cell.
     back: bool = True                  # at its prompt (the cell's outcome reported)
     ready: bool = False                # set up, waiting for its first cell
@@ -97,28 +98,35 @@ class RankProcess:
         signal only while that thread has not started (the rank is then one
         thread, waiting for its spec)."""
         self.signalled = True
-        count = liveness.read(self.beat) if self.beat is not None else 0
-        if self.ask is None or not count:
+        if self.ask is None or self.beat is None or not liveness.read(self.beat):
             self.signal(signal.SIGUSR1)
-        elif liveness.ask(self.ask):
-            self.asked_at, self.asked_beat = now, count
-        # else its end of the pipe is closed: it is gone, or its cell's code
-        # closed our fds, and a dump would go to a file of its own
+            return
+        self.asked_at, self.asked_beat, self.asked_dumps = now, liveness.read(self.beat), liveness.dumps(self.beat)
+        if not liveness.ask(self.ask):   # its end is closed: it is gone, or its cell's code closed
+            self.asked_at = None         # our fds, and a dump would go to a file of its own
 
     def ask_due(self) -> Optional[float]:
         """When :meth:`check_ask` has to look (None: nothing asked)."""
         return None if self.asked_at is None else self.asked_at + STACK_ASK_WAIT
 
     def check_ask(self, now: float) -> None:
-        """No stacks ``STACK_ASK_WAIT`` after the ask and no beat since: its
-        heartbeat thread cannot take the GIL, so a thread holds it in native
-        code (the deadlocked destructor).  Nothing moves then, so
-        faulthandler's signal is safe, and it is the only way to the stacks."""
+        """``STACK_ASK_WAIT`` after the ask, no dump begun: if its heartbeat
+        thread has not beaten either, it cannot take the GIL, so a thread
+        holds it in native code (the deadlocked destructor).  Nothing moves
+        then, so faulthandler's signal is safe, and it is the only way to the
+        stacks.  A thread that beats but has not dumped yet (a loaded machine)
+        gets another wait: the signal is for a rank where nothing runs."""
         if self.asked_at is None or now < self.asked_at + STACK_ASK_WAIT:
             return
+        if self.status is not None or self.stack or liveness.dumps(self.beat) != self.asked_dumps:
+            self.asked_at = None
+            return
+        beat = liveness.read(self.beat)
+        if beat != self.asked_beat:
+            self.asked_at, self.asked_beat = now, beat
+            return
         self.asked_at = None
-        if not self.stack and self.status is None and liveness.read(self.beat) == self.asked_beat:
-            self.signal(signal.SIGUSR1)
+        self.signal(signal.SIGUSR1)
 
     def signal(self, sig: int) -> None:
         """The rank process alone (SIGUSR1: dump stacks)."""
@@ -215,6 +223,7 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
 #: The rank's heartbeat thread (rank/liveness.py) is known by its loop's frame.
 _HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os.sep + os.path.join("rank", "liveness.py")))
 _NO_FRAME = "<no Python frame>"
+_THREAD_ID = re.compile(r"0x[0-9a-fA-F]+")
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)$')   # a traceback's
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
@@ -229,19 +238,28 @@ def _threads(text: str) -> list[tuple[str, list]]:
     """A faulthandler dump as [(title, frames)], the cell's thread last.
 
     The cell runs in the rank's main thread, the oldest, which faulthandler
-    lists last (newest first).  Its "Current thread" is whichever thread the
-    signal landed on (any thread that does not block it), so it says nothing
-    about the cell.  Left out: the heartbeat thread, threads with no Python
-    frame (one just starting, or native), accel_magics' own frames, and in
-    the main thread whatever our code called outside the cell (a stop as
-    the rank begins: the launcher's frames and the stdlib they called)."""
+    lists last (newest first).  Its "Current thread" is the thread that
+    wrote the dump (the heartbeat thread, or where the fallback signal
+    landed), so it says nothing about the cell.  Only the first dump counts
+    (where the rank was when the stop asked): a rank whose GIL came free
+    after the fallback signal writes a second one, whose threads come again.
+    Left out: the heartbeat thread, threads with no Python frame (one just
+    starting, or native), accel_magics' own frames, and in the main thread
+    whatever our code called outside the cell (a stop as the rank begins:
+    the launcher's frames and the stdlib they called)."""
     threads: list[tuple[str, list]] = []
     heartbeat: set[int] = set()
+    seen: set[str] = set()
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
             continue
         if stripped.endswith("(most recent call first):"):
+            ident = _THREAD_ID.search(stripped)
+            if ident and ident.group(0) in seen:   # a second dump begins
+                break
+            if ident:
+                seen.add(ident.group(0))
             threads.append((stripped, []))
             continue
         if not threads:

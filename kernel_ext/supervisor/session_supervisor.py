@@ -15,7 +15,8 @@ the other way.
 
 A cell ends when every rank is back at its prompt.  When a cell must stop
 (a rank failed, the stop button, ``--timeout``, a stall) the ranks still in
-it are *recalled*: stacks first (faulthandler, works inside a collective),
+it are *recalled*: stacks first (each rank's heartbeat thread writes them,
+also inside a collective: see rank/liveness.py),
 then SIGINT, which is KeyboardInterrupt in the cell's code.  Ranks that come
 back within ``RECALL_WAIT`` keep the session alive with its state; a rank
 that does not (blocked in C, in a collective whose peer has left it) cannot
@@ -477,4 +478,4 @@ class SessionSupervisor(Supervisor):
         self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = self.force_at = self.verdict_at = None
         self.resource_check = None
         for r in self.ranks:
-            r.stack, r.native, r.reported_stack = bytearray(), "", False
+            r.stack, r.native, r.reported_stack, r.asked_at = bytearray(), "", False, None
