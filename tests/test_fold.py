@@ -227,6 +227,38 @@ def test_a_session_timeout_names_the_rank_that_never_came_back():
     assert outcome.unfinished == [0]
 
 
+def _session_stop(agreed: tuple, in_world: bool = True) -> list:
+    """A session cell's stop button, recorded: both ranks back at their prompt
+    with KeyboardInterrupt, those in ``agreed`` after the optimizer step their
+    peers agreed on."""
+    seq = []
+    for rank in (0, 1):
+        seq.append({"kind": "exit", "rank": rank, "exitcode": 0, "signal": None, "stopped": True, "prompt": True,
+                    "timestamp": 2.0, "where": "Cell In[7], line 4", **({"agreed": True} if rank in agreed else {}),
+                    **({"in_world": True} if in_world else {})})   # its world from an earlier cell
+    return seq + [{"kind": "finished", "reason": "interrupt", "session": "alive"}]
+
+
+@pytest.mark.parametrize("agreed, in_world, says", [
+    ((0, 1), True, None),
+    ((0,), True, "did not all stop after an optimizer step they agreed on"),
+    ((), True, "did not all stop after an optimizer step they agreed on"),
+    ((), False, "had no process group to agree on a step"),
+])
+def test_a_session_stop_warns_that_states_may_differ_unless_every_rank_stopped_at_the_agreed_step(
+        agreed, in_world, says):
+    from accel_magics.kernel_ext.kernel.session import apart_note
+
+    _, outcome = replay(_session_stop(agreed, in_world), session_cell=True)
+    assert outcome.agreed == set(agreed) and outcome.in_world == in_world
+    note = apart_note(outcome, 2)
+    if says is None:
+        assert note == ""
+    else:
+        assert says in note and "their state may differ" in note, note
+    assert apart_note(outcome, 1) == ""   # one rank: nothing to differ from
+
+
 def test_a_session_cell_the_kernel_had_to_end_is_a_lost_session():
     seq = [{"kind": "finished", "reason": "interrupt", "forced": "it did not answer the stop"}]
     _, outcome = replay(seq, session_cell=True)

@@ -314,6 +314,7 @@ def test_stop_during_a_python_training_loop_keeps_the_session_and_its_state(sess
         pytest.fail(f"the loop did not run: {res.stdout} {res.error_text}")
     assert res.error["ename"] == "RunInterrupted", res.error_text
     assert "The session lives on" in res.error_text and time.monotonic() - started < 20
+    assert "had no process group to agree on a step" in res.error_text, res.error_text   # each stopped apart
     assert re.search(r'File "Cell In\[\d+\]", line \d+', res.error_text), res.error_text   # where each was
     after = by_rank(ok_cell(k, "print(steps > 0, round(w.sum().item(), 3) > 0)").stdout)
     assert after == {0: ["True True"], 1: ["True True"]}, after
@@ -818,8 +819,21 @@ def test_stop_during_ddp_training_stops_every_rank_at_the_same_step_and_keeps_th
                     "    optimizer.step()\n    steps += 1\n", timeout=60, on_output=on_output)
         assert res.error["ename"] == "RunInterrupted", res.error_text
         assert "The session lives on" in res.error_text, res.error_text
+        assert "state may differ" not in res.error_text, res.error_text   # every rank stopped at the agreed step
         state = by_rank(ok_cell(k, "print(steps, round(sum(p.sum().item() for p in model.parameters()), 6))").stdout)
         assert state[0] == state[1] and int(state[0][0].split()[0]) > 0, state   # same step, same weights
+    # In the same world, a loop that steps no optimizer: nothing to agree on,
+    # so after FORCE_AFTER each rank stops where it is, and the error warns.
+    def on_output(text, fired=[]):
+        if "looping" in text and not fired:
+            fired.append(True)
+            k.interrupt()
+    res = k.run("%%distributed --session --output text\nimport time\nprint('looping', flush=True)\nwhile True:\n"
+                "    time.sleep(0.01)\n", timeout=60, on_output=on_output)
+    assert res.error["ename"] == "RunInterrupted", res.error_text
+    assert "did not all stop after an optimizer step they agreed on" in res.error_text, res.error_text
+    assert "The session lives on" in res.error_text, res.error_text
+    ok_cell(k, "assert steps > 0")
 
 
 def test_a_rank_stalled_in_a_session_cell_is_reported_and_the_session_ends(kernel):

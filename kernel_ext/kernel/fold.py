@@ -45,6 +45,7 @@ class Outcome:
     master_port: int = 0
     kinds: dict = field(default_factory=dict)    # a session cell: name -> (type, bytes or None) of what it bound
     in_world: bool = False                       # a rank was in the run's process group (this cell or before)
+    agreed: set = field(default_factory=set)     # a session cell's stop: ranks that stopped at the agreed step
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -94,6 +95,7 @@ class RunFold:
         self.kinds: dict[str, tuple] = {}  # a session cell: name -> (type, bytes or None), from rank 0
         self.where: dict[int, str] = {}    # rank -> where it was when stopped ("barrier (In[5] line 3)")
         self.stopped_how: dict[int, tuple] = {}   # rank -> (by what, back at its prompt?)
+        self.agreed: set[int] = set()      # session ranks stopped at the optimizer step their peers agreed on
         self.mid_cell: dict[int, float] = {}   # rank -> when it exited with code 0 without its result
         self.stranded: Optional[dict] = None    # ranks waiting in init_process_group for one that left
         self.unfinished: list[int] = []
@@ -255,6 +257,10 @@ class RunFold:
                 # (a session rank back at its prompt says it in its exit).
                 if msg.get("where"):
                     self.where.setdefault(rank, msg["where"])
+                if msg.get("agreed"):
+                    self.agreed.add(rank)
+                if msg.get("in_world"):   # a session rank in the world of an earlier cell
+                    self.in_world.add(rank)
                 self.stopped_how[rank] = ("KeyboardInterrupt" if msg.get("prompt") else
                                           msg["signal"] or f"exit code {msg['exitcode']}", bool(msg.get("prompt")))
                 self.unfinished.append(rank)
@@ -347,4 +353,4 @@ class RunFold:
         return Outcome(finished, self.result, others, sorted(unfinished), self.rendezvous_error,
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,
-                       bool(self.in_world or any(self.rounds.values())))
+                       bool(self.in_world or any(self.rounds.values())), set(self.agreed))

@@ -39,7 +39,7 @@ from .run_handle import RunHandle
 # The ladders' order: see timing.py.
 from ..timing import (
     SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
-    SESSION_SEND_WAIT as SEND_WAIT, GONE_DRAIN,
+    SESSION_SEND_WAIT as SEND_WAIT, GONE_DRAIN, FORCE_AFTER,
 )
 
 
@@ -47,9 +47,23 @@ log = logging.getLogger("accel_magics.kernel.session")
 
 ALIVE_NOTE = ("The session lives on: every rank is back at its prompt with its state (what the cell did "
               "before it stopped is kept).")
-#: After a stop, when the ranks had no process group: nothing made them stop at the same step.
-APART_NOTE = (" The ranks had no process group to agree on a step, so each stopped where it was: their state "
-              "may differ (a loop counter one step apart); check it on each rank, or re-run from a known state.")
+_APART = (" so each stopped where it was: their state may differ (a loop counter one step apart); check it on "
+          "each rank, or re-run from a known state.")
+
+
+def apart_note(outcome, ranks: int) -> str:
+    """After a session cell's stop: the warning that the ranks' states may
+    differ, unless every rank stopped after the optimizer step they agreed on
+    (worker._after_optimizer_step).  Without a process group there was
+    nothing to agree through; with one, the cell stepped no optimizer before
+    the second stop signal (or a rank was already out of the cell)."""
+    if ranks < 2 or len(outcome.agreed) >= ranks:
+        return ""
+    if not outcome.in_world:
+        return " The ranks had no process group to agree on a step," + _APART
+    return (" The ranks did not all stop after an optimizer step they agreed on (only a loop that steps an "
+            "optimizer can stop at one: the cell stepped none within "
+            f"{FORCE_AFTER:g} s of the stop)," + _APART)
 
 
 def _ended_by_itself(msg: dict) -> Optional[str]:
@@ -330,9 +344,8 @@ class DistributedSession:
             try:
                 result = conclude(outcome, cfg, 0, started)
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
-                apart = isinstance(exc, (RunInterrupted, DistributedTimeoutError)) and len(self.pids) > 1 \
-                    and not outcome.in_world
-                exc.after = ALIVE_NOTE + (APART_NOTE if apart else "")
+                stopped = isinstance(exc, (RunInterrupted, DistributedTimeoutError))
+                exc.after = ALIVE_NOTE + (apart_note(outcome, len(self.pids)) if stopped else "")
                 raise
             self._learn(result.new_modules)
             return result

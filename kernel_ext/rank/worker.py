@@ -573,6 +573,10 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
         event, code = _exit_event(exc)
     except BaseException as exc:
         event, code = _failure(exc, exc.__traceback__.tb_next), 1
+        if session and isinstance(exc, KeyboardInterrupt):   # a stop: did it keep the ranks in step?
+            event["in_world"] = _in_world()
+            if getattr(exc, "accel_magics_agreed_step", None) is not None:
+                event["agreed_step"] = exc.accel_magics_agreed_step
     else:
         event = {"kind": "result", "timestamp": time.time()}
         if reports_values:
@@ -701,7 +705,9 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         except Exception:
             _stop_step = _steps
     if _steps >= _stop_step:
-        raise KeyboardInterrupt(f"stopped after optimizer step {_steps} of this cell (the same step on every rank)")
+        stop = KeyboardInterrupt(f"stopped after optimizer step {_steps} of this cell (the same step on every rank)")
+        stop.accel_magics_agreed_step = _steps   # its report says so: the kernel warns only of a stop that was not
+        raise stop
 
 
 def _install_step_hook() -> None:

@@ -275,7 +275,8 @@ class SessionSupervisor(Supervisor):
             if not r.stack:
                 r.stack = bytearray(str(event.get("traceback", "")).encode())
             where = where_blocked(r.stack.decode("utf-8", "replace"))
-            self._send_exit(r, stopped=True, where="" if where == NO_STACK else where)
+            self._send_exit(r, stopped=True, where="" if where == NO_STACK else where,
+                            agreed=event.get("agreed_step") is not None, in_world=bool(event.get("in_world")))
             return
         if kind == "failed":
             r.failed = True
@@ -290,9 +291,13 @@ class SessionSupervisor(Supervisor):
         if kind == "failed" and self.stopping is None:
             self._recall("failed")
 
-    def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0, where: str = "") -> None:
+    def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0, where: str = "", **flags: bool) -> None:
+        """A session rank back at its prompt.  ``flags`` of a stopped one, sent
+        when true: ``agreed`` (it stopped after the optimizer step its peers
+        agreed on), ``in_world`` (it is in the process group)."""
         self._send({"kind": "exit", "rank": r.rank, "exitcode": code, "signal": None, "stopped": stopped,
-                    "prompt": True, "timestamp": time.time(), **({"where": where} if where else {})})
+                    "prompt": True, "timestamp": time.time(), **({"where": where} if where else {}),
+                    **{name: True for name, value in flags.items() if value}})
 
     # -- recalling the ranks of a cell -----------------------------------------------
     def _out(self) -> list[RankProcess]:
