@@ -363,6 +363,43 @@ pool.submit(print, 'pool ran', flush=True).result()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1", "thread-0", "thread-1"]
 
 
+def test_a_rank_that_raised_ends_as_a_script_that_raised_and_its_peers_are_stopped(clean_kernel, tmp_path):
+    """Under torchrun a rank that raised still waits for its threads and runs
+    its atexit handlers (wandb marks the run failed, a checkpoint writer
+    finishes) before it exits; its peers are then stopped.  Here the failure
+    is reported first, so the peers stop at once, and the rank that raised
+    ends as a script does.  A thread that never ends cannot hold the run:
+    the stop's grace bounds it."""
+    started = time.monotonic()
+    res = clean_kernel.run(f"""%%distributed -n 2 --output text
+import os, threading, time, atexit
+rank = os.environ['RANK']
+def save():
+    time.sleep(0.3)
+    open(f'{tmp_path}/thread-{{rank}}', 'w').write('saved')
+threading.Thread(target=save).start()
+atexit.register(lambda: open(f'{tmp_path}/atexit-{{rank}}', 'w').write(str(os.path.exists(f'{tmp_path}/thread-{{rank}}'))))
+if rank == '1':
+    raise ValueError('boom')
+time.sleep(60)
+""", timeout=60)
+    assert res.error and res.error["ename"] == "DistributedRunError", res.error_text
+    assert "rank 1 failed: ValueError: boom" in res.error_text, res.error_text
+    assert (tmp_path / "thread-1").read_text() == "saved"
+    assert (tmp_path / "atexit-1").read_text() == "True"
+    assert not (tmp_path / "atexit-0").exists()   # stopped with SIGTERM, as torchrun stops a failed run's peers
+    assert time.monotonic() - started < 30
+    # A thread that never ends: the rank is killed after the grace, the run ends, the error is the same.
+    started = time.monotonic()
+    res = clean_kernel.run("%%distributed -n 2 --output text\nimport os, threading, time\n"
+                           "if os.environ['RANK'] == '1':\n"
+                           "    threading.Thread(target=threading.Event().wait, name='never-ends').start()\n"
+                           "    raise ValueError('boom')\ntime.sleep(60)\n", timeout=60)
+    assert res.error and "rank 1 failed: ValueError: boom" in res.error_text, res.error_text
+    assert time.monotonic() - started < 30
+    assert "'never-ends'" in res.stdout + res.stderr, res.stdout + res.stderr   # it said what it waited for
+
+
 def test_unloading_the_extension_ends_its_processes_and_frees_the_kept_globals():
     """`%unload_ext accel_magics`: the launcher (torch-sized) and its spare
     are gone and the big globals kept in shared memory for the next cells

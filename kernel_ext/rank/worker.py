@@ -652,7 +652,9 @@ def _execute(spec: dict, local_rank: int) -> int:
         _emit_last(event)
     else:
         rank_bars.flush()
-        emit(event)
+        emit(event)        # the failure first: the run stops the other ranks at once
+        script_end.end()   # then as a script that raised: its threads, its atexit handlers (bounded:
+                           # the supervisor kills it RANK_GRACE after the stop)
     return code
 
 

@@ -781,8 +781,11 @@ class Supervisor:
         return [r for r in self.ranks if r.status is None and not r.reported]
 
     def _terminate(self) -> None:
+        """SIGTERM to every rank still running, but those that failed: they end
+        by themselves, as a script that raised (their threads, their atexit
+        handlers, worker._execute), within the same grace before SIGKILL."""
         for r in self.ranks:
-            if r.status is None:
+            if r.status is None and not r.failed:
                 r.signal_group(signal.SIGTERM)
         self.kill_deadline = time.monotonic() + self.grace
 
