@@ -517,20 +517,27 @@ def test_a_process_forked_from_the_kernel_during_a_run_does_not_keep_its_shared_
     first = build_payload("array", ns)
     (inode,) = _memfd_inodes(first)
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     child = os.fork()
     if child == 0:   # a pool worker: alive, doing nothing with the run
         os.close(w)
+        os.write(ready_w, b"x")   # its fork handlers have run (on a loaded machine it may not have run at all yet)
         os.read(r, 1)
         os._exit(0)
     os.close(r)
+    os.close(ready_w)
+    second = None
     try:
+        assert os.read(ready_r, 1) == b"x"
         first.release()
         array[0] = 1.0
         second = build_payload("array", ns)
         assert _memfd_inodes(second) == [inode], "the forked child kept the run's lock"
-        second.release()
     finally:
+        if second is not None:
+            second.release()
         os.close(w)
+        os.close(ready_r)
         os.waitpid(child, 0)
     ns.clear()
     del array
