@@ -84,6 +84,7 @@ SLURM_CANCEL_NOTICE = 10.0   # a cancelled allocation ends its cell within this 
 AGENT_HEARTBEAT = 1.0     # ZMTP heartbeat between an agent and the kernel (5x that: its timeout)
 AGENT_LOST_AFTER = 5.0    # without the kernel's connection this long, an agent ends
 AGENT_IDLE_POLL = 0.2     # an agent's poll while nothing happens
+AGENT_SEND_WAIT = 0.5     # a cell or stop to its node's session supervisor: taken at once, or the supervisor is gone
 
 
 def check_order() -> list[str]:
@@ -109,6 +110,8 @@ def check_order() -> list[str]:
         (STOP_WAIT + KILL_WAIT < SLURM_STOP_WAIT,
          "each node's own ladder ends a stop before the kernel tells the agents to kill"),
         (KILL_WAIT < SLURM_KILL_WAIT, "a node's kill lands before the run ends as forced"),
+        (AGENT_SEND_WAIT < AGENT_HEARTBEAT,
+         "an agent's send to a session supervisor that is gone holds its loop for less than a heartbeat"),
         (AGENT_LOST_AFTER >= 5 * AGENT_HEARTBEAT,
          "an agent gives up only after its heartbeat timed out (a busy kernel is not a gone one)"),
         (max(SESSION_STOP_WAIT + KILL_WAIT, SLURM_STOP_WAIT + SLURM_KILL_WAIT) < BACKGROUND_STOP_WAIT,

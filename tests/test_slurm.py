@@ -644,6 +644,48 @@ def test_a_slurm_session_whose_rank_dies_between_cells_is_lost_and_nothing_outli
         k.end_now()
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_session_cell_sent_as_a_nodes_supervisor_dies_ends_lost_and_the_node_goes_on(kernel):
+    """The cell reaches n2's agent after n2's session supervisor died, before the
+    agent saw it die (the agent is SIGSTOPped across the death, so it reads the
+    cell first).  Its send had no reader and blocked the agent for ever: the
+    cell hung, and so did every later start on that node (CI).  Now the agent
+    says the supervisor is gone, the cell ends with the session lost, naming
+    n2, and the node serves the next session."""
+    kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
+    res = kernel.ok("%%distributed --session --output text\nimport os\nprint('pid', os.getpid())", timeout=120)
+    ranks = {r: int(lines[-1].split()[-1]) for r, lines in by_rank(res.stdout).items()}
+    supervisor = _ppid(ranks[3])
+    agent = _ppid(_ppid(supervisor))   # the supervisor's parent is n2's launcher, whose parent is its agent
+    with open(f"/proc/{agent}/cmdline", "rb") as f:
+        assert b"slurm_agent" in f.read()
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        os.kill(supervisor, signal.SIGKILL)
+        wait_until(lambda: not alive(ranks[2]) and not alive(ranks[3]), 10, "n2's ranks to die with their supervisor")
+
+        def resume(text: str) -> None:   # n1 runs the cell: the kernel has sent it to n2's agent too
+            if "here" in text:
+                os.kill(agent, signal.SIGCONT)
+        started = time.monotonic()
+        lost = kernel.run("%%distributed --session --output text\nprint('here', flush=True)", timeout=120,
+                          on_output=resume)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    assert lost.error is not None and lost.error["ename"] == "SessionLostError", lost.error_text
+    assert "on node 1 (n2) exited" in lost.error_text, lost.error_text
+    assert time.monotonic() - started < 30
+    wait_until(lambda: not any(alive(p) for p in ranks.values()), 20, "every rank of the lost session to be gone")
+    kernel.ok("%distributed_session start --launcher slurm -n 2", timeout=240)
+    res = kernel.ok("%%distributed --session --output text\nprint('again')", timeout=120)
+    assert sorted(by_rank(res.stdout)) == [0, 1, 2, 3], res.stdout
+    kernel.ok("%distributed_session stop", timeout=60)
+
+
 def srun_pid(k: "AllocKernel") -> int:
     for pid in k.processes():
         with open(f"/proc/{pid}/stat") as f:

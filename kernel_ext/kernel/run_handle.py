@@ -33,10 +33,11 @@ from ..sigint import sigint_deferred
 from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN
 
 
-def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:
-    """The next message of run ``run_id`` waiting on ``sock`` (None: none is),
-    and how many were dropped before it: a wrong or missing signature, a replay,
-    another run's (stale: signed with its own key) are never unpickled."""
+def receive_verified(sock, session, run_id: str, also: tuple = ()) -> tuple[Optional[dict], int]:
+    """The next message of run ``run_id`` (or of an id in ``also``) waiting on
+    ``sock`` (None: none is), and how many were dropped before it: a wrong or
+    missing signature, a replay, another run's (stale: signed with its own
+    key) are never unpickled."""
     dropped = 0
     while True:
         # A message taken off the socket is processed whole (an interrupt
@@ -50,7 +51,7 @@ def receive_verified(sock, session, run_id: str) -> tuple[Optional[dict], int]:
                 content = wire.verified_content(session, frames)
             except Exception:
                 content = None
-        if content is None or content.get("run_id") != run_id:
+        if content is None or (content.get("run_id") != run_id and content.get("run_id") not in also):
             dropped += 1
             continue
         return content, dropped

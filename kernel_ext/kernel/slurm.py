@@ -434,6 +434,9 @@ class SlurmRun(Attempt):
 
     #: Added to every command for this attempt's nodes (a session cell's: which session).
     route: dict = {}
+    #: The id a node's part of something longer-lived than this attempt says it
+    #: is gone under (a session cell's: the session's); none for a run.
+    part_id: Optional[str] = None
     #: What the other nodes are told when a rank fails on one (a run: stop).
     PEERS_FAILED = "peers_ended"
     #: After a stop, how long the nodes get before they are told to kill (see timing).
@@ -467,11 +470,12 @@ class SlurmRun(Attempt):
                 yield {"kind": "heartbeat"}
             if self.agents.events in ready:
                 while True:   # what the supervisors said, verified with the run's key
-                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id)
+                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id,
+                                              (self.part_id,) if self.part_id else ())
                     if msg is None:
                         break
                     msg["node"] = self.node_ids[msg.get("node_rank", 0)]
-                    yield from self._merge(msg)
+                    yield from (self._merge(msg) if msg.get("run_id") == self.run_id else self._part_lost(msg))
                     if self.finished:
                         return
             if self.agents.sock in ready:
@@ -479,10 +483,27 @@ class SlurmRun(Attempt):
                     msg = self.agents.receive(0)
                     if msg is None:
                         break
-                    if msg and msg.get("run_id") == self.run_id:
+                    if msg and (msg.get("run_id") == self.run_id or self._ends_part(msg)):
                         yield from self._agent_message(msg)
             if not self.finished and self._check(time.monotonic()):
                 yield {"kind": "finished", "reason": "interrupt", "forced": self.forced}
+
+    def _ends_part(self, msg: dict) -> bool:
+        """An agent's word that this node's part ended, under the part's id
+        rather than this attempt's: a session's supervisor that exited between
+        cells as this cell (or the stop) was sent, which it never read."""
+        return msg.get("kind") == "supervisor_exit" and self.part_id is not None \
+            and (msg.get("run_id") == self.part_id or msg.get("cell") == self.run_id)
+
+    def _part_lost(self, msg: dict) -> list[dict]:
+        """A node's part said, under its own id, that it is gone ("session
+        lost": a rank died at its prompt) as this cell or the stop reached it:
+        that node's answer, as if it had finished the cell with the session
+        lost (never waited for, as a part that is gone never answers)."""
+        if msg.get("kind") != Kind.SESSION_LOST or self.pending.get(msg["node"]) is not None:
+            return []
+        return self._merge_finished({"kind": "finished", "node": msg["node"], "reason": StopReason.FAILED,
+                                     "session": "lost", "lost": msg.get("lost")})
 
     def _agent_message(self, msg: dict) -> list[dict]:
         if msg.get("kind") == "supervisor_exit":

@@ -41,6 +41,7 @@ class SlurmSessionCell(SlurmRun):
     def __init__(self, session: "SlurmSession", run_id: str, timeout: Optional[float]) -> None:
         cfg = dataclasses.replace(session.cfg, timeout=timeout, master_port=session.master_port)
         self.route = {"session": session.id}
+        self.part_id = session.id
         self.stop_wait = SESSION_STOP_WAIT   # a recall to the prompt, inside each node's session ladder
         super().__init__(session.agents, cfg, None, "", None, run_id=run_id, key_of=session.id)
         self.session_cell = True

@@ -43,7 +43,8 @@ from ..wire import transport
 from ..environment import LaunchConfig, free_port, host_address
 from ..kernel.launcher import Launcher
 # The ladders' order: see timing.py.
-from ..timing import AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER, SESSION_STOP_WAIT
+from ..timing import (AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER, AGENT_SEND_WAIT,
+                      SESSION_STOP_WAIT)
 
 HEARTBEAT_MS = int(AGENT_HEARTBEAT * 1000)   # ZMTP heartbeat interval (and 5x that as its timeout)
 IDLE_POLL_MS = int(AGENT_IDLE_POLL * 1000)
@@ -210,7 +211,11 @@ class Agent:
         if op in ("cell", "stop"):
             if op == "cell":
                 self.cell_id = msg["content"]["run_id"]
-            self.session_signer.send(self.session_cells[0], op, msg["content"])
+            try:
+                self.session_signer.send(self.session_cells[0], op, msg["content"])
+            except zmq.Again:   # no supervisor reads it: it exited (a rank died at its prompt), we are not
+                                # told yet.  A send with no peer would block this loop, and the node, for ever.
+                self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
         elif op == "interrupt" and msg.get("run_id") == self.cell_id:
             # The kernel escalates (it reads the cell); an escalation armed here
             # would outlive the cell and end the session cells later.
@@ -228,6 +233,7 @@ class Agent:
         cfg = LaunchConfig(**msg["cfg"])
         try:
             self.session_cells = self.launcher.channel(zmq.PUSH, f"s{sid}-in")
+            self.session_cells[0].setsockopt(zmq.SNDTIMEO, int(AGENT_SEND_WAIT * 1000))
             self.session_signer = wire.signed_session(key)
             self.part = self.launcher.launch(
                 cfg, None, run_id=sid, key=key, persistent=True, stop_wait=SESSION_STOP_WAIT,
