@@ -84,7 +84,8 @@ class RankProcess:
         return now - self.beat_since
 
     def release(self) -> None:
-        """Close the go pipe: an idle or parked rank sees EOF and exits."""
+        """Close the go pipe (an idle or parked rank sees EOF and exits) and the
+        ask pipe (nothing is asked of a rank that is let go)."""
         for name in ("go", "ask"):
             fd = getattr(self, name)
             if fd is not None:
@@ -116,7 +117,8 @@ class RankProcess:
         then, so faulthandler's signal is safe, and it is the only way to the
         stacks.  A thread that beats but has not dumped yet (a loaded machine)
         gets another wait: the signal is for a rank where nothing runs."""
-        if self.asked_at is None or now < self.asked_at + STACK_ASK_WAIT:
+        due = self.ask_due()
+        if due is None or now < due:
             return
         if self.status is not None or self.stack or liveness.dumps(self.beat) != self.asked_dumps:
             self.asked_at = None
