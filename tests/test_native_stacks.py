@@ -105,33 +105,63 @@ def test_the_heartbeat_thread_is_left_out_of_what_the_user_reads():
     assert "In[3]" in shown and "other thread" not in shown and "threading.py" not in shown
 
 
-def test_only_the_first_dump_counts_when_a_rank_wrote_two():
-    """The fallback signal reached a rank whose GIL came free a moment later,
-    and its heartbeat thread answered the ask too: the second dump's threads
-    come again.  Where the rank was at the stop is the first one."""
-    def dump(line: int) -> str:
-        return ("Current thread 0x00007f0000000002 (most recent call first):\n"
-                + _frame(f"{_PKG}/rank/liveness.py", 150, "_dump") + _frame(f"{_PKG}/rank/liveness.py", 130, "_beat")
-                + "\nThread 0x00007f0000000001 (most recent call first):\n"
-                + _frame("<%%distributed In[3]>", line, "<module>") + _frame(f"{_PKG}/rank/worker.py", 470, "_run_cell"))
-    two = dump(4) + "\n" + dump(9)
-    shown = user_stack(two, {"<%%distributed In[3]>": "\n".join(f"line {n}" for n in range(1, 12))})
-    assert shown == 'the cell\'s thread:\n  File "<%%distributed In[3]>", line 4, in <module>\n    line 4\n', shown
-    assert where_blocked(two) == "In[3], line 4"
-
-
-def test_a_heartbeat_thread_without_a_name_is_left_out_too():
-    trimmed = native_stacks.trim("Process 1: python\nPython v3.11.7\n\n" + HEARTBEAT_UNNAMED + SLEEPING)
-    assert "clock_nanosleep" in trimmed and "MainThread" in trimmed
-    assert "beat (" not in trimmed and "Thread 2472" not in trimmed
-
-
 _PKG = os.path.dirname(os.path.dirname(liveness.__file__))   # kernel_ext/
 _STDLIB = os.path.dirname(os.__file__)
 
 
 def _frame(path: str, line: int, func: str) -> str:
     return f'  File "{path}", line {line} in {func}\n'
+
+
+def _marked(dump: str) -> str:
+    """A dump as the heartbeat thread writes it: between its marks."""
+    return f"{liveness.DUMP_BEGIN}\n{dump}{liveness.DUMP_END}\n"
+
+
+def _dump_at(line: int) -> str:
+    return ("Current thread 0x00007f0000000002 (most recent call first):\n"
+            + _frame(f"{_PKG}/rank/liveness.py", 150, "_dump") + _frame(f"{_PKG}/rank/liveness.py", 130, "_beat")
+            + "\nThread 0x00007f0000000001 (most recent call first):\n"
+            + _frame("<%%distributed In[3]>", line, "<module>") + _frame(f"{_PKG}/rank/worker.py", 470, "_run_cell"))
+
+
+@pytest.mark.parametrize("two", [
+    # the fallback signal's dump, then the heartbeat's once the GIL came free
+    _dump_at(4) + "\n" + _marked(_dump_at(9)),
+    # the heartbeat's, twice (a second ask)
+    _marked(_dump_at(4)) + _marked(_dump_at(9)),
+], ids=["signal-then-heartbeat", "heartbeat-twice"])
+def test_only_the_first_dump_counts_when_a_rank_wrote_two(two):
+    """The fallback signal reached a rank whose GIL came free a moment later,
+    and its heartbeat thread answered the ask too: the second dump's threads
+    come again.  Where the rank was at the stop is the first one."""
+    shown = user_stack(two, {"<%%distributed In[3]>": "\n".join(f"line {n}" for n in range(1, 12))})
+    assert shown == 'the cell\'s thread:\n  File "<%%distributed In[3]>", line 4, in <module>\n    line 4\n', shown
+    assert where_blocked(two) == "In[3], line 4"
+
+
+def test_a_thread_listed_twice_in_one_dump_does_not_end_it():
+    """A thread in ``Thread.start()``: the new thread's state is made ahead
+    with its maker's id and no frame, so that id comes twice in one dump (as
+    recorded in a stop of a cell whose threads churn).  It was read as a
+    second dump, the cell's thread was cut off, and the stop said "(its code
+    had not started)"."""
+    churn = "Thread 0x00007f0000000003 (most recent call first):\n"
+    dump = (churn + "  <no Python frame>\n\n" + churn
+            + _frame("/usr/lib/python3.11/threading.py", 327, "wait")
+            + _frame("<%%distributed In[5]>", 5, "churn")
+            + _frame("/usr/lib/python3.11/threading.py", 1002, "_bootstrap") + "\n"
+            + _dump_at(9).replace("In[3]", "In[5]"))
+    shown = user_stack(_marked(dump))
+    assert shown.startswith('the cell\'s thread:\n  File "<%%distributed In[5]>", line 9, in <module>'), shown
+    assert "thread 0x00007f0000000003" in shown and "had not started" not in shown, shown
+    assert where_blocked(_marked(dump)) == "In[5], line 9"
+
+
+def test_a_heartbeat_thread_without_a_name_is_left_out_too():
+    trimmed = native_stacks.trim("Process 1: python\nPython v3.11.7\n\n" + HEARTBEAT_UNNAMED + SLEEPING)
+    assert "clock_nanosleep" in trimmed and "MainThread" in trimmed
+    assert "beat (" not in trimmed and "Thread 2472" not in trimmed
 
 
 # Hostile pass, recorded: a stop 20-30 ms into a warm cell lands while the

@@ -22,7 +22,9 @@ import time
 import pytest
 
 from accel_magics.kernel_ext.rank import liveness
-from accel_magics.kernel_ext.supervisor.rank_process import RankProcess, set_nonblocking
+from accel_magics.kernel_ext.supervisor.rank_process import (
+    NO_STACK, RankProcess, first_dump, set_nonblocking, user_stack, where_blocked,
+)
 from accel_magics.kernel_ext.timing import STACK_ASK_WAIT
 
 pytestmark = pytest.mark.timeout(90)
@@ -144,6 +146,32 @@ def test_stacks_asked_of_a_rank_whose_threads_come_and_go_never_crash_it():
         last = _read_dumps(r, "_churn_and_recurse")
         assert "_churn_and_recurse" in last and " in work" in last, last
         assert signal.SIGUSR1 not in r.sent
+    finally:
+        _end(r)
+
+
+def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
+    """A thread inside ``Thread.start()`` is listed twice: itself, and the
+    new thread's state, made ahead with its maker's id and no frame yet.
+    That repeated id was read as the start of a second dump, so the dump was
+    cut there and the cell's thread (listed last) was "(its code had not
+    started)" after it had printed for seconds (a stop during a cell whose
+    threads churn: 4 stops in 12 in a hostile run).  The heartbeat's marks
+    now say where a dump ends."""
+    r = _rank_like(_churn_and_recurse)
+    twice = dumps = 0
+    try:
+        deadline = time.monotonic() + 30
+        while twice < 3 and time.monotonic() < deadline:
+            liveness.ask(r.ask)
+            text = _read_dumps(r, liveness.DUMP_END)
+            assert text.count(liveness.DUMP_END) == 1, text
+            dump, dumps = first_dump(text), dumps + 1
+            ids = [line.split()[-4] for line in dump.splitlines() if line.endswith("(most recent call first):")]
+            twice += len(ids) != len(set(ids))
+            assert "had not started" not in user_stack(dump), dump
+            assert where_blocked(dump) != NO_STACK and "_churn_and_recurse" in user_stack(dump), dump
+        assert twice, f"no dump in {dumps} caught a thread starting another: nothing was tested"
     finally:
         _end(r)
 

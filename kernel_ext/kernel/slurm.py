@@ -439,6 +439,8 @@ class SlurmRun(Attempt):
     part_id: Optional[str] = None
     #: What the other nodes are told when a rank fails on one (a run: stop).
     PEERS_FAILED = "peers_ended"
+    #: What ended when a node's supervisor exited without its answer.
+    PART_GONE = "the run's supervisor on node {node} ({name}) exited without finishing the run"
     #: After a stop, how long the nodes get before they are told to kill (see timing).
     stop_wait = STOP_WAIT
 
@@ -596,7 +598,7 @@ class SlurmRun(Attempt):
             if self.pending.get(node) is None and now >= at:
                 self.finished = True
                 name = self.agents.nodes[node]["nodename"]
-                raise self._ended(f"the run's supervisor on node {node} ({name}) exited without finishing the run")
+                raise self._ended(self.PART_GONE.format(node=node, name=name))
         for deadline in ("timeout_at", "rendezvous_at"):
             at = getattr(self, deadline)
             if at is not None and now >= at and self.stop_at is None:

@@ -37,6 +37,7 @@ class SlurmSessionCell(SlurmRun):
     read and stopped here (see the module doc)."""
 
     PEERS_FAILED = "interrupt"   # the other nodes' ranks are recalled to their prompt, as on one node
+    PART_GONE = "the session's supervisor on node {node} ({name}) exited during the cell, without its answer"
 
     def __init__(self, session: "SlurmSession", run_id: str, timeout: Optional[float]) -> None:
         cfg = dataclasses.replace(session.cfg, timeout=timeout, master_port=session.master_port)

@@ -65,6 +65,15 @@ def ask(fd: int) -> bool:
         return False
 
 
+#: The lines around each dump the heartbeat thread writes (never a line of
+#: faulthandler's).  A rank's stack pipe can hold more than one dump (the
+#: fallback signal's, then the heartbeat's once the GIL came free; a later
+#: ask's), and a thread id can repeat inside one dump (a thread that ended
+#: and a new one on the same pthread id, both still listed), so only these
+#: marks tell where a dump ends (``supervisor.rank_process.first_dump``).
+DUMP_BEGIN = "-- accel_magics: every thread's stack --"
+DUMP_END = "-- accel_magics: end of the stacks --"
+
 # The rank's stack pipe while the rank may write to it; None once it is closed
 # (an fd closed and reused must never get a dump), under _stack_lock.
 _stack_fd: Optional[int] = None
@@ -157,6 +166,8 @@ def _dump(counter) -> None:
             return
         struct.pack_into(_FORMAT, counter, _DUMPS, dumps(counter) + 1)
         try:
+            os.write(_stack_fd, f"{DUMP_BEGIN}\n".encode())
             faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
+            os.write(_stack_fd, f"{DUMP_END}\n".encode())
         except (OSError, ValueError, RuntimeError):
             pass

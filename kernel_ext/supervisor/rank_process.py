@@ -100,7 +100,8 @@ class RankProcess:
         thread, waiting for its spec)."""
         self.signalled = True
         if self.ask is None or self.beat is None or not liveness.read(self.beat):
-            self.signal(signal.SIGUSR1)
+            if not self.stack:   # one signal's dump at most: it carries no marks (see first_dump)
+                self.signal(signal.SIGUSR1)
             return
         self.asked_at, self.asked_beat, self.asked_dumps = now, liveness.read(self.beat), liveness.dumps(self.beat)
         if not liveness.ask(self.ask):   # its end is closed: it is gone, or its cell's code closed
@@ -225,7 +226,6 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
 #: The rank's heartbeat thread (rank/liveness.py) is known by its loop's frame.
 _HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os.sep + os.path.join("rank", "liveness.py")))
 _NO_FRAME = "<no Python frame>"
-_THREAD_ID = re.compile(r"0x[0-9a-fA-F]+")
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)$')   # a traceback's
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
@@ -236,6 +236,20 @@ def _is_library(filename: str) -> bool:
     return filename.startswith(_INSTALLED) or "site-packages" in filename or filename.startswith("<frozen")
 
 
+def first_dump(text: str) -> str:
+    """The first dump in a rank's stack pipe: where it was when the stop asked.
+
+    The heartbeat thread marks each of its dumps (``liveness.DUMP_BEGIN`` /
+    ``DUMP_END``); faulthandler's signal, the fallback, cannot, and is sent
+    only while nothing came back yet, so its dump is whatever precedes the
+    first mark.  A rank whose GIL came free after that signal answers the
+    ask too: that second dump is left out."""
+    head, begun, rest = text.partition(liveness.DUMP_BEGIN)
+    if head.strip() or not begun:
+        return head
+    return rest.partition(liveness.DUMP_END)[0]
+
+
 def _threads(text: str) -> list[tuple[str, list]]:
     """A faulthandler dump as [(title, frames)], the cell's thread last.
 
@@ -243,25 +257,19 @@ def _threads(text: str) -> list[tuple[str, list]]:
     lists last (newest first).  Its "Current thread" is the thread that
     wrote the dump (the heartbeat thread, or where the fallback signal
     landed), so it says nothing about the cell.  Only the first dump counts
-    (where the rank was when the stop asked): a rank whose GIL came free
-    after the fallback signal writes a second one, whose threads come again.
-    Left out: the heartbeat thread, threads with no Python frame (one just
-    starting, or native), accel_magics' own frames, and in the main thread
-    whatever our code called outside the cell (a stop as the rank begins:
-    the launcher's frames and the stdlib they called)."""
+    (:func:`first_dump`); a thread id may come twice in it (a thread that
+    just ended and a new one on the same id).  Left out: the heartbeat
+    thread, threads with no Python frame (one just starting or ending, or
+    native), accel_magics' own frames, and in the main thread whatever our
+    code called outside the cell (a stop as the rank begins: the launcher's
+    frames and the stdlib they called)."""
     threads: list[tuple[str, list]] = []
     heartbeat: set[int] = set()
-    seen: set[str] = set()
-    for line in text.splitlines():
+    for line in first_dump(text).splitlines():
         stripped = line.strip()
         if not stripped:
             continue
         if stripped.endswith("(most recent call first):"):
-            ident = _THREAD_ID.search(stripped)
-            if ident and ident.group(0) in seen:   # a second dump begins
-                break
-            if ident:
-                seen.add(ident.group(0))
             threads.append((stripped, []))
             continue
         if not threads:
