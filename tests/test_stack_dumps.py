@@ -176,6 +176,45 @@ def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
         _end(r)
 
 
+def _many_threads_then_deep() -> None:
+    """A cell that started more threads than faulthandler lists (it stops
+    at 100, newest first, so the oldest, the cell's own, was left out), then
+    recursed deeper than the 100 frames it lists of a thread (the cell's own
+    line, the outermost, was left out)."""
+    done = threading.Event()
+    for _ in range(150):
+        threading.Thread(target=done.wait, daemon=True).start()
+
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)
+        else:
+            while True:
+                time.sleep(0.001)
+
+    _cells_own_line(deep)
+
+
+def _cells_own_line(deep) -> None:
+    deep(300)
+
+
+def test_the_cells_thread_is_whole_past_100_threads_and_100_frames():
+    r = _rank_like(_many_threads_then_deep)
+    try:
+        deadline = time.monotonic() + 20
+        shown = ""
+        while "_cells_own_line" not in shown and time.monotonic() < deadline:
+            liveness.ask(r.ask)   # until the cell is in its recursion
+            shown = user_stack(_read_dumps(r, liveness.DUMP_END))
+        assert shown.startswith("the cell's thread:\n"), shown
+        cells = shown.split("thread 0x")[0]
+        assert " in deep" in cells and " in _cells_own_line" in cells and "frames)" in cells, cells
+        assert "(+ more threads: faulthandler lists 100 at most)" in shown, shown
+    finally:
+        _end(r)
+
+
 def test_a_rank_that_answers_gets_no_signal():
     """It began a dump (counted in the shared page), so the fallback never
     doubles it, even before the dump's bytes are read."""

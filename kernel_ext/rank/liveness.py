@@ -28,6 +28,7 @@ import mmap
 import os
 import select
 import struct
+import sys
 import time
 from typing import Optional
 
@@ -73,6 +74,14 @@ def ask(fd: int) -> bool:
 #: marks tell where a dump ends (``supervisor.rank_process.first_dump``).
 DUMP_BEGIN = "-- accel_magics: every thread's stack --"
 DUMP_END = "-- accel_magics: end of the stacks --"
+#: Inside a marked dump, after faulthandler's part: the main thread (the
+#: cell's) once more, whole.  faulthandler lists at most 100 threads, newest
+#: first, so a cell with more loses the oldest, its own, and at most 100
+#: frames of a thread, so a deep recursion loses the cell's own line.
+DUMP_MAIN = "-- accel_magics: the cell's thread --"
+_MAIN_EDGE = 50   # frames kept at each end of a longer main-thread stack
+
+_main_ident: Optional[int] = None   # the rank's main thread, which runs the cell
 
 # The rank's stack pipe while the rank may write to it; None once it is closed
 # (an fd closed and reused must never get a dump), under _stack_lock.
@@ -101,9 +110,10 @@ def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None)
 
     ``ask_fd``: the read end of the pipe the supervisor asks for stacks on;
     they go to ``stack_fd``, faulthandler's format."""
-    global _stack_fd, _stack_pipe
+    global _stack_fd, _stack_pipe, _main_ident
     if counter is None:
         return
+    _main_ident = _thread.get_ident()
     if ask_fd is not None and stack_fd is not None:
         _stack_fd, _stack_pipe = stack_fd, _identity(stack_fd)
         os.set_blocking(ask_fd, False)   # a byte someone else took is no ask, not a wait
@@ -157,6 +167,22 @@ def _beat(counter, ask_fd: Optional[int]) -> None:
             ask_fd = None
 
 
+def main_stack() -> str:
+    """The main thread's stack in faulthandler's format, innermost first; a
+    stack deeper than ``2 * _MAIN_EDGE`` keeps both ends (the cell's own line
+    is at the outer one).  Python code, run holding the GIL between
+    bytecodes: the frames it walks are objects, safe to read while others run."""
+    frame = sys._current_frames().get(_main_ident)
+    lines = []
+    while frame is not None:
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno or 0} in {frame.f_code.co_name}\n')
+        frame = frame.f_back
+    if len(lines) > 2 * _MAIN_EDGE:
+        lines[_MAIN_EDGE:-_MAIN_EDGE] = [f"  ... ({len(lines) - 2 * _MAIN_EDGE} frames)\n"]
+    title = f"Thread 0x{_main_ident or 0:016x} (most recent call first):\n"
+    return title + ("".join(lines) or "  <no Python frame>\n")
+
+
 def _dump(counter) -> None:
     """Every thread's stack to the stack pipe, faulthandler's format, under the
     GIL.  Counted first, a few bytecodes before the dump: the supervisor falls
@@ -168,6 +194,6 @@ def _dump(counter) -> None:
         try:
             os.write(_stack_fd, f"{DUMP_BEGIN}\n".encode())
             faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
-            os.write(_stack_fd, f"{DUMP_END}\n".encode())
+            os.write(_stack_fd, f"{DUMP_MAIN}\n{main_stack()}{DUMP_END}\n".encode())
         except (OSError, ValueError, RuntimeError):
             pass

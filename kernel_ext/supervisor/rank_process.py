@@ -250,24 +250,19 @@ def first_dump(text: str) -> str:
     return rest.partition(liveness.DUMP_END)[0]
 
 
-def _threads(text: str) -> list[tuple[str, list]]:
-    """A faulthandler dump as [(title, frames)], the cell's thread last.
-
-    The cell runs in the rank's main thread, the oldest, which faulthandler
-    lists last (newest first).  Its "Current thread" is the thread that
-    wrote the dump (the heartbeat thread, or where the fallback signal
-    landed), so it says nothing about the cell.  Only the first dump counts
-    (:func:`first_dump`); a thread id may come twice in it (a thread that
-    just ended and a new one on the same id).  Left out: the heartbeat
-    thread, threads with no Python frame (one just starting or ending, or
-    native), accel_magics' own frames, and in the main thread whatever our
-    code called outside the cell (a stop as the rank begins: the launcher's
-    frames and the stdlib they called)."""
+def _blocks(text: str) -> tuple[list[tuple[str, list]], set[int], bool]:
+    """A faulthandler dump's threads in its order as [(title, frames)], which
+    of them are the heartbeat thread, and whether the list was cut (a
+    "..." where faulthandler stops, after 100 threads)."""
     threads: list[tuple[str, list]] = []
     heartbeat: set[int] = set()
-    for line in first_dump(text).splitlines():
+    cut = False
+    for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
+            continue
+        if line == "...":
+            cut = True
             continue
         if stripped.endswith("(most recent call first):"):
             threads.append((stripped, []))
@@ -282,7 +277,36 @@ def _threads(text: str) -> list[tuple[str, list]]:
         frame = m.groupdict() if m else {"raw": stripped}
         frame["own"] = stripped.startswith(_OWN_FRAMES)
         threads[-1][1].append(frame)
+    return threads, heartbeat, cut
+
+
+def _ident(title: str) -> str:
+    """The thread id in a title ("Thread 0x00007f... (most recent call first):")."""
+    words = title.split()
+    return words[-4] if len(words) >= 4 else ""
+
+
+def _threads(text: str) -> list[tuple[str, list]]:
+    """A rank's stack dump as [(title, frames)], the cell's thread last.
+
+    The cell runs in the rank's main thread.  The heartbeat thread's dump
+    ends with that thread once more, whole (``liveness.DUMP_MAIN``):
+    faulthandler's list may have lost it (over 100 threads) or its outer
+    frames (over 100 of them).  A dump without it (the fallback signal's)
+    has it last: faulthandler lists the newest first.  Its "Current thread"
+    is the thread that wrote the dump, so it says nothing about the cell.
+    Only the first dump counts (:func:`first_dump`); a thread id may come
+    twice in it (a thread that just ended and a new one on the same id).
+    Left out: the heartbeat thread, threads with no Python frame (one just
+    starting or ending, or native), accel_magics' own frames, and in the main
+    thread whatever our code called outside the cell (a stop as the rank
+    begins: the launcher's frames and the stdlib they called)."""
+    listed, main = first_dump(text).partition(liveness.DUMP_MAIN)[::2]
+    threads, heartbeat, _ = _blocks(listed)
     named = [t for i, t in enumerate(threads) if i not in heartbeat]
+    main_thread = _blocks(main)[0][-1:]
+    if main_thread:
+        named = [t for t in named if _ident(t[0]) != _ident(main_thread[0][0])] + main_thread
     if not named:
         return []
     title, frames = named[-1]
@@ -291,6 +315,11 @@ def _threads(text: str) -> list[tuple[str, list]]:
         frames = frames[:users[-1] + 1] if users else []
     others = [(t, [f for f in fs if not f["own"]]) for t, fs in named[:-1]]
     return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])]
+
+
+def _list_cut(text: str) -> bool:
+    """Whether faulthandler stopped listing threads (it lists 100)."""
+    return _blocks(first_dump(text).partition(liveness.DUMP_MAIN)[0])[2]
 
 
 def stacks_message(r: "RankProcess", sources: dict) -> dict:
@@ -352,6 +381,8 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
         where = sorted({owner(t[1]) for t in idle})
         out.append(f"(+ {len(idle)} other thread{'s' if len(idle) != 1 else ''} in library code only: "
                    f"{', '.join(where)})")
+    if _list_cut(text):
+        out.append("(+ more threads: faulthandler lists 100 at most)")
     return "\n".join(out) + "\n"
 
 
