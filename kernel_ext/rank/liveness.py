@@ -82,6 +82,7 @@ DUMP_MAIN = "-- accel_magics: the cell's thread --"
 _MAIN_EDGE = 50   # frames kept at each end of a longer main-thread stack
 
 _main_ident: Optional[int] = None   # the rank's main thread, which runs the cell
+_current_frames = sys._current_frames   # taken now: a cell that replaces sys's does not change the dump
 
 # The rank's stack pipe while the rank may write to it; None once it is closed
 # (an fd closed and reused must never get a dump), under _stack_lock.
@@ -172,7 +173,7 @@ def main_stack() -> str:
     stack deeper than ``2 * _MAIN_EDGE`` keeps both ends (the cell's own line
     is at the outer one).  Python code, run holding the GIL between
     bytecodes: the frames it walks are objects, safe to read while others run."""
-    frame = sys._current_frames().get(_main_ident)
+    frame = _current_frames().get(_main_ident)
     lines = []
     while frame is not None:
         lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno or 0} in {frame.f_code.co_name}\n')
