@@ -13,7 +13,7 @@ import pytest
 
 from accel_magics.kernel_ext.rank import liveness
 from accel_magics.kernel_ext.supervisor import native_stacks
-from accel_magics.kernel_ext.supervisor.rank_process import user_stack, where_blocked
+from accel_magics.kernel_ext.supervisor.rank_process import NO_STACK, RankProcess, user_stack, where_blocked
 from accel_magics.kernel_ext.timing import BEAT_INTERVAL
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,6 +156,68 @@ def test_a_thread_listed_twice_in_one_dump_does_not_end_it():
     assert shown.startswith('the cell\'s thread:\n  File "<%%distributed In[5]>", line 9, in <module>'), shown
     assert "thread 0x00007f0000000003" in shown and "had not started" not in shown, shown
     assert where_blocked(_marked(dump)) == "In[5], line 9"
+
+
+_BUSY = ("Thread 0x00007f0000000005 (most recent call first):\n"
+         + _frame("<%%distributed In[5]>", 3, "upload") + _frame("/usr/lib/python3.11/threading.py", 982, "run") + "\n")
+_LIBRARY_ONLY = ("Thread 0x00007f0000000004 (most recent call first):\n"
+                 + _frame(f"{_STDLIB}/queue.py", 171, "get")
+                 + _frame(f"{_STDLIB}/threading.py", 982, "run") + "\n")
+_MAIN_AT_9 = ("Thread 0x00007f0000000001 (most recent call first):\n"
+              + _frame("<%%distributed In[5]>", 9, "<module>") + _frame(f"{_PKG}/rank/worker.py", 470, "_run_cell"))
+
+
+def _heartbeats(listed: str, main: str = _MAIN_AT_9, main_id: int = 0x7f0000000001) -> str:
+    """A dump as the heartbeat thread writes it: its mark (naming the main
+    thread), faulthandler's list, then the main thread again."""
+    part = f"{liveness.DUMP_MAIN}\n{main}" if main is not None else ""
+    return f"{liveness.DUMP_BEGIN} {main_id:#x}\n{listed}{part}{liveness.DUMP_END}\n"
+
+
+def test_the_other_threads_are_shown_beside_the_main_threads_own_part():
+    """The main thread comes twice in a heartbeat's dump (faulthandler's
+    list, then whole): once shown, and the other threads stay (a busy one in
+    full, a library-only one counted)."""
+    listed = _BUSY + _LIBRARY_ONLY + _MAIN_AT_9.replace("line 9", "line 8") + "\n"
+    shown = user_stack(_heartbeats(listed))
+    assert shown.startswith('the cell\'s thread:\n  File "<%%distributed In[5]>", line 9, in <module>'), shown
+    assert shown.count("line 8") == 0 and "thread 0x00007f0000000005" in shown and " in upload" in shown, shown
+    library = f"{os.path.basename(_STDLIB)}/queue.py get"
+    assert f"(+ 1 other thread in library code only: {library})" in shown, shown
+
+
+def test_where_the_dump_lost_the_main_thread_it_is_not_guessed():
+    """faulthandler's list cut at 100 threads with no main-thread part after
+    it (a dump whose end never came; the fallback signal's): the last listed
+    thread is not the cell's."""
+    cut = _BUSY + _LIBRARY_ONLY + "...\n"
+    for dump in (cut, _heartbeats(cut, main=None)):
+        shown = user_stack(dump)
+        assert shown.startswith("the cell's thread: (not in the dump: faulthandler lists 100 threads)"), shown
+        assert " in upload" in shown and where_blocked(dump) == NO_STACK, shown
+    # the main thread is in the list: its mark names it
+    named = user_stack(_heartbeats(_MAIN_AT_9 + "\n" + _BUSY, main=None))
+    assert named.startswith('the cell\'s thread:\n  File "<%%distributed In[5]>", line 9'), named
+
+
+def test_the_tail_of_an_earlier_dump_is_not_taken_for_this_one():
+    """A session's recall asks again after the stop's ask: what was left of
+    the first dump in the pipe comes before the new one's mark."""
+    stale = f"{liveness.DUMP_MAIN}\n" + _MAIN_AT_9.replace("line 9", "line 2") + f"{liveness.DUMP_END}\n"
+    shown = user_stack(stale + _heartbeats(_BUSY))
+    assert "line 9" in shown and "line 2" not in shown and liveness.DUMP_END not in shown, shown
+
+
+def test_a_mark_alone_is_no_dump_yet():
+    """The heartbeat writes its mark just before faulthandler's dump, and the
+    GIL may change hands between them: a stop that took the mark alone for
+    the stacks showed "(no Python frame)" and did not wait for them."""
+    r = RankProcess(local=0, rank=0, pid=0, fds={})
+    mark = f"{liveness.DUMP_BEGIN} 0x7f0000000001\n".encode()
+    for stack, dumped in ((b"", False), (mark[:10], False), (mark, False), (mark + b"Thread 0x", True),
+                          (b"Current thread 0x00007f0000000001 (most recent call first):\n", True)):
+        r.stack = bytearray(stack)
+        assert r.dumped() is dumped, stack
 
 
 def test_a_heartbeat_thread_without_a_name_is_left_out_too():

@@ -14,6 +14,7 @@ import ctypes
 import faulthandler
 import mmap
 import os
+import re
 import select
 import signal
 import threading
@@ -150,6 +151,21 @@ def test_stacks_asked_of_a_rank_whose_threads_come_and_go_never_crash_it():
         _end(r)
 
 
+def _start_threads_all_the_time() -> None:
+    """Threads that do nothing but start threads (each a moment inside
+    ``Thread.start()``), beside a main thread that works."""
+    def starter() -> None:
+        while True:
+            t = threading.Thread(target=lambda: None)
+            t.start()
+            t.join()
+
+    for _ in range(4):
+        threading.Thread(target=starter, daemon=True).start()
+    while True:
+        sum(range(1000))
+
+
 def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
     """A thread inside ``Thread.start()`` is listed twice: itself, and the
     new thread's state, made ahead with its maker's id and no frame yet.
@@ -158,19 +174,21 @@ def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
     started)" after it had printed for seconds (a stop during a cell whose
     threads churn: 4 stops in 12 in a hostile run).  The heartbeat's marks
     now say where a dump ends."""
-    r = _rank_like(_churn_and_recurse)
+    r = _rank_like(_start_threads_all_the_time)
     twice = dumps = 0
     try:
-        deadline = time.monotonic() + 30
-        while twice < 3 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while (twice < 1 or dumps < 50) and time.monotonic() < deadline:
             liveness.ask(r.ask)
             text = _read_dumps(r, liveness.DUMP_END)
             assert text.count(liveness.DUMP_END) == 1, text
             dump, dumps = first_dump(text), dumps + 1
-            ids = [line.split()[-4] for line in dump.splitlines() if line.endswith("(most recent call first):")]
+            listed = dump.partition(liveness.DUMP_MAIN)[0]   # faulthandler's list (the main thread comes after)
+            ids = [re.search(r"0x[0-9a-f]+", line).group(0) for line in listed.splitlines()
+                   if line.endswith("(most recent call first):")]
             twice += len(ids) != len(set(ids))
             assert "had not started" not in user_stack(dump), dump
-            assert where_blocked(dump) != NO_STACK and "_churn_and_recurse" in user_stack(dump), dump
+            assert where_blocked(dump) != NO_STACK and "_start_threads_all_the_time" in user_stack(dump), dump
         assert twice, f"no dump in {dumps} caught a thread starting another: nothing was tested"
     finally:
         _end(r)
@@ -211,6 +229,29 @@ def test_the_cells_thread_is_whole_past_100_threads_and_100_frames():
         cells = shown.split("thread 0x")[0]
         assert " in deep" in cells and " in _cells_own_line" in cells and "frames)" in cells, cells
         assert "(+ more threads: faulthandler lists 100 at most)" in shown, shown
+    finally:
+        _end(r)
+
+
+def _code_from_an_odd_file() -> None:
+    exec(compile("def spin():\n    while True:\n        pass\nspin()\n", "odd\nname \udcff.py", "exec"), {})
+
+
+def test_a_file_name_with_a_newline_or_undecodable_bytes_keeps_the_dump_whole():
+    """A frame's file name is written as one line, its bytes escaped: the
+    main thread's part and the end mark still come (a strict encode lost
+    both, and a newline made a second "thread")."""
+    r = _rank_like(_code_from_an_odd_file)
+    try:
+        text = ""
+        deadline = time.monotonic() + 20
+        while " in spin" not in text.partition(liveness.DUMP_MAIN)[2] and time.monotonic() < deadline:
+            liveness.ask(r.ask)
+            text = _read_dumps(r, liveness.DUMP_END)
+        main = text.partition(liveness.DUMP_MAIN)[2]
+        assert liveness.DUMP_END in main and re.search(r'File "odd\\nname \\udcff.py", line \d+ in spin', main), main
+        shown = user_stack(text)
+        assert re.match(r'the cell\'s thread:\n  File "odd\\nname \\udcff.py", line \d+, in spin', shown), shown
     finally:
         _end(r)
 

@@ -23,6 +23,8 @@ so nothing moves) does the supervisor fall back to the signal.
 from __future__ import annotations
 
 import _thread
+import collections
+import ctypes
 import faulthandler
 import mmap
 import os
@@ -83,6 +85,8 @@ _MAIN_EDGE = 50   # frames kept at each end of a longer main-thread stack
 
 _main_ident: Optional[int] = None   # the rank's main thread, which runs the cell
 _current_frames = sys._current_frames   # taken now: a cell that replaces sys's does not change the dump
+_libc_write = ctypes.PyDLL(None).write   # see _write_holding_gil
+_libc_write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
 
 # The rank's stack pipe while the rank may write to it; None once it is closed
 # (an fd closed and reused must never get a dump), under _stack_lock.
@@ -162,7 +166,10 @@ def _beat(counter, ask_fd: Optional[int]) -> None:
         except OSError:
             asks = b""
         if asks:
-            _dump(counter)
+            try:
+                _dump(counter)
+            except Exception:   # pragma: no cover - never the end of the heartbeat
+                pass
         else:   # the supervisor is gone, or the cell's code closed the pipe: beat on, ask no more
             poller.unregister(ask_fd)
             ask_fd = None
@@ -174,14 +181,37 @@ def main_stack() -> str:
     is at the outer one).  Python code, run holding the GIL between
     bytecodes: the frames it walks are objects, safe to read while others run."""
     frame = _current_frames().get(_main_ident)
-    lines = []
+    inner: list[str] = []
+    outer: collections.deque = collections.deque(maxlen=_MAIN_EDGE)   # memory bounded, however deep
+    depth = 0
     while frame is not None:
-        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno or 0} in {frame.f_code.co_name}\n')
+        code = frame.f_code
+        line = f'  File "{_one_line(code.co_filename)}", line {frame.f_lineno or 0} in {_one_line(code.co_name)}\n'
+        (inner if depth < _MAIN_EDGE else outer).append(line)
+        depth += 1
         frame = frame.f_back
-    if len(lines) > 2 * _MAIN_EDGE:
-        lines[_MAIN_EDGE:-_MAIN_EDGE] = [f"  ... ({len(lines) - 2 * _MAIN_EDGE} frames)\n"]
-    title = f"Thread 0x{_main_ident or 0:016x} (most recent call first):\n"
-    return title + ("".join(lines) or "  <no Python frame>\n")
+    middle = depth - len(inner) - len(outer)
+    lines = inner + ([f"  ... ({middle} frames)\n"] if middle else []) + list(outer)
+    return _title(_main_ident) + ("".join(lines) or "  <no Python frame>\n")
+
+
+def _one_line(text: str) -> str:
+    """A name as one line of the dump (a file name may hold a newline)."""
+    return text.replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _title(ident: Optional[int]) -> str:
+    return f"Thread 0x{ident or 0:016x} (most recent call first):\n"
+
+
+def _write_holding_gil(fd: int, data: bytes) -> None:
+    """``os.write`` that keeps the GIL for the system call (a ``PyDLL`` call):
+    the mark and faulthandler's dump after it then come in one hold of the
+    GIL, but for the interpreter's switch check at the call's end, so a mark
+    rarely waits for its dump (``RankProcess.dumped`` counts a mark alone as
+    nothing).  Like faulthandler's own writes, it blocks only on a full
+    pipe, which the supervisor drains."""
+    _libc_write(fd, data, len(data))
 
 
 def _dump(counter) -> None:
@@ -193,8 +223,15 @@ def _dump(counter) -> None:
             return
         struct.pack_into(_FORMAT, counter, _DUMPS, dumps(counter) + 1)
         try:
-            os.write(_stack_fd, f"{DUMP_BEGIN}\n".encode())
+            _write_holding_gil(_stack_fd, f"{DUMP_BEGIN} {_main_ident or 0:#x}\n".encode())
             faulthandler.dump_traceback(file=_stack_fd, all_threads=True)
-            os.write(_stack_fd, f"{DUMP_MAIN}\n{main_stack()}{DUMP_END}\n".encode())
         except (OSError, ValueError, RuntimeError):
+            pass
+        try:
+            main = main_stack()
+        except BaseException:   # a cell's audit hook (sys._current_frames is audited), a MemoryError
+            main = ""
+        try:
+            os.write(_stack_fd, f"{DUMP_MAIN}\n{main}{DUMP_END}\n".encode("utf-8", "backslashreplace"))
+        except (OSError, ValueError):
             pass

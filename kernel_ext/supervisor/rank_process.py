@@ -107,6 +107,18 @@ class RankProcess:
         if not liveness.ask(self.ask):   # its end is closed: it is gone, or its cell's code closed
             self.asked_at = None         # our fds, and a dump would go to a file of its own
 
+    def dumped(self) -> bool:
+        """Whether a dump came back: more than the heartbeat's mark alone
+        (written just before faulthandler's dump; the GIL may change hands
+        between the two, so a mark can wait for its dump)."""
+        text = bytes(self.stack).strip()
+        if not text:
+            return False
+        if b"\n" in text:
+            return True
+        mark = liveness.DUMP_BEGIN.encode()
+        return not mark.startswith(text[:len(mark)])
+
     def ask_due(self) -> Optional[float]:
         """When :meth:`check_ask` has to look (None: nothing asked)."""
         return None if self.asked_at is None else self.asked_at + STACK_ASK_WAIT
@@ -121,7 +133,7 @@ class RankProcess:
         due = self.ask_due()
         if due is None or now < due:
             return
-        if self.status is not None or self.stack or liveness.dumps(self.beat) != self.asked_dumps:
+        if self.status is not None or self.dumped() or liveness.dumps(self.beat) != self.asked_dumps:
             self.asked_at = None
             return
         beat = liveness.read(self.beat)
@@ -226,6 +238,8 @@ _OWN_FRAMES = (f'File "{PACKAGE_DIR}{os.sep}', 'File "<frozen runpy>"',
 #: The rank's heartbeat thread (rank/liveness.py) is known by its loop's frame.
 _HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os.sep + os.path.join("rank", "liveness.py")))
 _NO_FRAME = "<no Python frame>"
+_THREAD_ID = re.compile(r"0x[0-9a-fA-F]+")
+_UNKNOWN = "?"   # the cell's thread, where a dump lost it (see _threads)
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)$')   # a traceback's
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
@@ -237,17 +251,27 @@ def _is_library(filename: str) -> bool:
 
 
 def first_dump(text: str) -> str:
-    """The first dump in a rank's stack pipe: where it was when the stop asked.
+    """The first dump in a rank's stack pipe: where it was when the stop asked."""
+    return _first(text)[0]
 
-    The heartbeat thread marks each of its dumps (``liveness.DUMP_BEGIN`` /
+
+def _first(text: str) -> tuple[str, Optional[int]]:
+    """The first dump, and the main thread's id where its mark says it.
+
+    The heartbeat thread marks each of its dumps (``liveness.DUMP_BEGIN`` ..
     ``DUMP_END``); faulthandler's signal, the fallback, cannot, and is sent
     only while nothing came back yet, so its dump is whatever precedes the
     first mark.  A rank whose GIL came free after that signal answers the
-    ask too: that second dump is left out."""
+    ask too: that second dump is left out.  What is left of an earlier ask's
+    dump (after its main-thread mark or its end mark) is not this one's."""
     head, begun, rest = text.partition(liveness.DUMP_BEGIN)
+    if liveness.DUMP_END in head or liveness.DUMP_MAIN in head:
+        head = head.rpartition(liveness.DUMP_END)[2]
     if head.strip() or not begun:
-        return head
-    return rest.partition(liveness.DUMP_END)[0]
+        return head, None
+    mark, _, body = rest.partition("\n")
+    ident = _THREAD_ID.search(mark)
+    return body.partition(liveness.DUMP_END)[0], int(ident.group(0), 16) if ident else None
 
 
 def _blocks(text: str) -> tuple[list[tuple[str, list]], set[int], bool]:
@@ -280,10 +304,10 @@ def _blocks(text: str) -> tuple[list[tuple[str, list]], set[int], bool]:
     return threads, heartbeat, cut
 
 
-def _ident(title: str) -> str:
+def _ident(title: str) -> Optional[int]:
     """The thread id in a title ("Thread 0x00007f... (most recent call first):")."""
-    words = title.split()
-    return words[-4] if len(words) >= 4 else ""
+    found = _THREAD_ID.search(title)
+    return int(found.group(0), 16) if found else None
 
 
 def _threads(text: str) -> list[tuple[str, list]]:
@@ -292,21 +316,30 @@ def _threads(text: str) -> list[tuple[str, list]]:
     The cell runs in the rank's main thread.  The heartbeat thread's dump
     ends with that thread once more, whole (``liveness.DUMP_MAIN``):
     faulthandler's list may have lost it (over 100 threads) or its outer
-    frames (over 100 of them).  A dump without it (the fallback signal's)
-    has it last: faulthandler lists the newest first.  Its "Current thread"
-    is the thread that wrote the dump, so it says nothing about the cell.
-    Only the first dump counts (:func:`first_dump`); a thread id may come
-    twice in it (a thread that just ended and a new one on the same id).
-    Left out: the heartbeat thread, threads with no Python frame (one just
-    starting or ending, or native), accel_magics' own frames, and in the main
-    thread whatever our code called outside the cell (a stop as the rank
-    begins: the launcher's frames and the stdlib they called)."""
-    listed, main = first_dump(text).partition(liveness.DUMP_MAIN)[::2]
-    threads, heartbeat, _ = _blocks(listed)
+    frames (over 100 of them); without that part, its mark names the main
+    thread.  The signal's dump has it last (faulthandler lists the newest
+    first) unless the list was cut: then the cell's thread is
+    :data:`_UNKNOWN`.  "Current thread" is the thread that wrote the dump,
+    so it says nothing about the cell.  A thread id may come twice in one
+    dump (a thread in ``Thread.start()`` and the new thread's state, made
+    with its maker's id).  Left out: the heartbeat thread, threads with no
+    Python frame (one just starting or ending, or native), accel_magics' own
+    frames, and in the main thread whatever our code called outside the cell
+    (a stop as the rank begins: the launcher's frames and the stdlib they
+    called)."""
+    dump, main_id = _first(text)
+    listed, has_main, main = dump.partition(liveness.DUMP_MAIN)
+    threads, heartbeat, cut = _blocks(listed)
     named = [t for i, t in enumerate(threads) if i not in heartbeat]
-    main_thread = _blocks(main)[0][-1:]
+    main_thread = _blocks(main)[0][-1:] if has_main else []
     if main_thread:
-        named = [t for t in named if _ident(t[0]) != _ident(main_thread[0][0])] + main_thread
+        main_id = _ident(main_thread[0][0])
+    elif main_id is not None:
+        main_thread = [t for t in named if _ident(t[0]) == main_id][-1:] or [(_UNKNOWN, [])]
+    elif cut:
+        main_thread = [(_UNKNOWN, [])]
+    if main_thread:
+        named = [t for t in named if main_id is None or _ident(t[0]) != main_id] + main_thread
     if not named:
         return []
     title, frames = named[-1]
@@ -368,6 +401,9 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     idle = [t for t in others if t not in busy]
     out = []
     for title, frames in main:
+        if title == _UNKNOWN:
+            out.append("the cell's thread: (not in the dump: faulthandler lists 100 threads)")
+            continue
         out.append("the cell's thread:" if frames else "the cell's thread: (its code had not started)")
         out.extend(render(frames))
     for title, frames in busy:

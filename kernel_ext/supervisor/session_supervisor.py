@@ -272,7 +272,7 @@ class SessionSupervisor(Supervisor):
         if kind == "failed" and event.get("exc_type") == "KeyboardInterrupt" and r.signalled \
                 and self.stopping is not None:
             r.stopped = True   # brought back by the recall: stopped, not failed
-            if not r.stack:
+            if not r.dumped():
                 r.stack = bytearray(str(event.get("traceback", "")).encode())
             where = where_blocked(r.stack.decode("utf-8", "replace"))
             self._send_exit(r, stopped=True, where="" if where == NO_STACK else where,
@@ -410,6 +410,7 @@ class SessionSupervisor(Supervisor):
             if self._out():   # where they are now (not at the stop): a fresh dump, then the verdict
                 for r in self._out():
                     if r.in_cell:
+                        self._drain(r)   # the rest of the stop's dump is not this ask's
                         r.stack = bytearray()
                         r.ask_stacks(now)
                 self.verdict_at = now + STACK_ASK_WAIT + 3 * STACK_QUIET

@@ -566,7 +566,7 @@ class Supervisor:
             r.check_ask(now)
         if self.stack_deadline is not None:
             live = self._stack_waiters()
-            dumped = all(r.stack and now - r.stack_time >= STACK_QUIET for r in live)
+            dumped = all(r.dumped() and now - r.stack_time >= STACK_QUIET for r in live)
             if dumped or now >= self.stack_deadline:
                 self.stack_deadline = None
                 self._after_stacks()
