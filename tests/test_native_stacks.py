@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from accel_magics.kernel_ext.rank import liveness
 from accel_magics.kernel_ext.supervisor import native_stacks
 from accel_magics.kernel_ext.supervisor.rank_process import NO_STACK, RankProcess, user_stack, where_blocked
-from accel_magics.kernel_ext.timing import BEAT_INTERVAL
+from accel_magics.kernel_ext.timing import BEAT_INTERVAL, STACK_ASK_WAIT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -218,6 +219,53 @@ def test_a_mark_alone_is_no_dump_yet():
                           (b"Current thread 0x00007f0000000001 (most recent call first):\n", True)):
         r.stack = bytearray(stack)
         assert r.dumped() is dumped, stack
+
+
+def test_the_rest_of_an_earlier_dump_is_skipped_after_a_new_ask():
+    """A session's recall asks again while the stop's dump is still coming:
+    its rest (however it is split across reads) is skipped, the new dump is
+    read; and a main-thread part with no end of its own is never a dump."""
+    r = RankProcess(local=0, rank=0, pid=0, fds={})
+    old = _heartbeats(_BUSY, main=_MAIN_AT_9.replace("line 9", "line 2")).encode()
+    new = _heartbeats(_BUSY).encode()
+    r.add_stack(old[:40])
+    r.forget_stack()
+    rest = old[40:] + new
+    for cut in range(0, len(rest), 23):   # the end mark split across reads too
+        r.add_stack(rest[cut:cut + 23])
+    shown = user_stack(r.stack.decode())
+    assert "line 9" in shown and "line 2" not in shown, shown
+    stale = f"{liveness.DUMP_MAIN}\n{_MAIN_AT_9}"
+    assert where_blocked(stale) == NO_STACK and "line 9" not in user_stack(stale)
+
+
+def test_a_mark_whose_dump_never_comes_gets_the_signal():
+    """The heartbeat wrote its mark, then a thread took the GIL in native code
+    for good: no beat, no byte, no dump.  The fallback signal comes on the
+    next look, not never.  (The counts are set by hand: the page's layout is
+    liveness's; a real process with that state is in test_stack_dumps.)"""
+    r = RankProcess(local=0, rank=0, pid=0, fds={}, beat=liveness.new_counter())
+    struct.pack_into(liveness._FORMAT, r.beat, liveness._BEATS, 1)   # its heartbeat started
+    ask_r, r.ask = os.pipe()
+    sent = []
+    r.signal = sent.append   # pid 0 is not a rank: record what would be sent
+    try:
+        r.ask_stacks(100.0)
+        assert r.asked_at == 100.0 and not sent
+        struct.pack_into(liveness._FORMAT, r.beat, liveness._DUMPS, 1)   # it began a dump: the mark
+        r.add_stack(f"{liveness.DUMP_BEGIN} 0x1\n".encode())
+        r.check_ask(100.0 + STACK_ASK_WAIT)   # something moved: wait again
+        assert not sent and r.asked_at is not None
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # nothing moved since
+        assert sent == [signal.SIGUSR1], sent
+    finally:
+        os.close(ask_r)
+        r.release()
+
+
+def test_a_missing_cells_thread_is_named_as_missing():
+    shown = user_stack(_heartbeats(_BUSY, main=None, main_id=0x7f00000000ff))
+    assert shown.startswith("the cell's thread: (not in the dump)\n"), shown
 
 
 def test_a_heartbeat_thread_without_a_name_is_left_out_too():

@@ -187,8 +187,8 @@ def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
             ids = [re.search(r"0x[0-9a-f]+", line).group(0) for line in listed.splitlines()
                    if line.endswith("(most recent call first):")]
             twice += len(ids) != len(set(ids))
-            assert "had not started" not in user_stack(dump), dump
-            assert where_blocked(dump) != NO_STACK and "_start_threads_all_the_time" in user_stack(dump), dump
+            assert "had not started" not in user_stack(text), text
+            assert where_blocked(text) != NO_STACK and "_start_threads_all_the_time" in user_stack(text), text
         assert twice, f"no dump in {dumps} caught a thread starting another: nothing was tested"
     finally:
         _end(r)
@@ -258,14 +258,19 @@ def test_a_file_name_with_a_newline_or_undecodable_bytes_keeps_the_dump_whole():
 
 def test_a_rank_that_answers_gets_no_signal():
     """It began a dump (counted in the shared page), so the fallback never
-    doubles it, even before the dump's bytes are read."""
+    doubles it, even before the dump's bytes are read: the ask waits again,
+    and ends once the dump is in."""
     r = _rank_like(_churn_and_recurse)
     try:
         r.ask_stacks(time.monotonic())
         assert r.asked_at is not None and signal.SIGUSR1 not in r.sent
-        assert "_churn_and_recurse" in _read_dumps(r, "_churn_and_recurse")
+        text = _read_dumps(r, liveness.DUMP_END)
+        assert "_churn_and_recurse" in text
         assert liveness.dumps(r.beat) == r.asked_dumps + 1
-        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # r.stack is still empty: the count alone decides
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)   # nothing in r.stack yet: the count says wait
+        assert r.asked_at is not None and signal.SIGUSR1 not in r.sent
+        r.add_stack(text.encode())
+        r.check_ask(r.asked_at + STACK_ASK_WAIT)
         assert r.asked_at is None and signal.SIGUSR1 not in r.sent
     finally:
         _end(r)

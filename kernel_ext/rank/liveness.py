@@ -85,8 +85,12 @@ _MAIN_EDGE = 50   # frames kept at each end of a longer main-thread stack
 
 _main_ident: Optional[int] = None   # the rank's main thread, which runs the cell
 _current_frames = sys._current_frames   # taken now: a cell that replaces sys's does not change the dump
-_libc_write = ctypes.PyDLL(None).write   # see _write_holding_gil
-_libc_write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+try:   # see _write_holding_gil
+    _libc_write = ctypes.PyDLL(None, use_errno=True).write
+    _libc_write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    _libc_write.restype = ctypes.c_ssize_t
+except (OSError, AttributeError):  # pragma: no cover - a static build: os.write, which lets the GIL go
+    _libc_write = None
 
 # The rank's stack pipe while the rank may write to it; None once it is closed
 # (an fd closed and reused must never get a dump), under _stack_lock.
@@ -211,7 +215,9 @@ def _write_holding_gil(fd: int, data: bytes) -> None:
     rarely waits for its dump (``RankProcess.dumped`` counts a mark alone as
     nothing).  Like faulthandler's own writes, it blocks only on a full
     pipe, which the supervisor drains."""
-    _libc_write(fd, data, len(data))
+    written = _libc_write(fd, data, len(data)) if _libc_write is not None else 0
+    if written < len(data):   # not at all (EINTR), or in part (a full pipe): the rest as usual
+        os.write(fd, data[max(written, 0):])
 
 
 def _dump(counter) -> None:

@@ -60,6 +60,9 @@ class RankProcess:
     asked_at: Optional[float] = None   # when its stacks were asked for through it, unanswered yet
     asked_beat: int = 0                # its heartbeat count then
     asked_dumps: int = 0               # and the dumps it had begun
+    asked_bytes: int = 0               # and the stack bytes come back
+    skipping: bool = False             # the rest of an earlier ask's dump still comes (forget_stack)
+    skipped: bytes = b""
     # A session's rank (session_supervisor): at its prompt, or running a cell.
     back: bool = True                  # at its prompt (the cell's outcome reported)
     ready: bool = False                # set up, waiting for its first cell
@@ -104,6 +107,7 @@ class RankProcess:
                 self.signal(signal.SIGUSR1)
             return
         self.asked_at, self.asked_beat, self.asked_dumps = now, liveness.read(self.beat), liveness.dumps(self.beat)
+        self.asked_bytes = len(self.stack)
         if not liveness.ask(self.ask):   # its end is closed: it is gone, or its cell's code closed
             self.asked_at = None         # our fds, and a dump would go to a file of its own
 
@@ -124,24 +128,45 @@ class RankProcess:
         return None if self.asked_at is None else self.asked_at + STACK_ASK_WAIT
 
     def check_ask(self, now: float) -> None:
-        """``STACK_ASK_WAIT`` after the ask, no dump begun: if its heartbeat
-        thread has not beaten either, it cannot take the GIL, so a thread
-        holds it in native code (the deadlocked destructor).  Nothing moves
-        then, so faulthandler's signal is safe, and it is the only way to the
-        stacks.  A thread that beats but has not dumped yet (a loaded machine)
-        gets another wait: the signal is for a rank where nothing runs."""
+        """``STACK_ASK_WAIT`` after the ask, no dump come back: if its
+        heartbeat thread has not beaten either, it cannot take the GIL, so a
+        thread holds it in native code (the deadlocked destructor).  Nothing
+        moves then, so faulthandler's signal is safe, and it is the only way
+        to the stacks.  A rank that beat, began a dump (its count) or sent
+        bytes meanwhile gets another wait: the signal is for a rank where
+        nothing runs.  That includes one whose heartbeat wrote its mark and
+        then lost the GIL for good before the dump."""
         due = self.ask_due()
         if due is None or now < due:
             return
-        if self.status is not None or self.dumped() or liveness.dumps(self.beat) != self.asked_dumps:
+        if self.status is not None or self.dumped():
             self.asked_at = None
             return
-        beat = liveness.read(self.beat)
-        if beat != self.asked_beat:
-            self.asked_at, self.asked_beat = now, beat
+        seen = (liveness.read(self.beat), liveness.dumps(self.beat), len(self.stack))
+        if seen != (self.asked_beat, self.asked_dumps, self.asked_bytes):
+            self.asked_at, (self.asked_beat, self.asked_dumps, self.asked_bytes) = now, seen
             return
         self.asked_at = None
         self.signal(signal.SIGUSR1)
+
+    def forget_stack(self) -> None:
+        """A new ask of a session's recall: what is left of the last dump is
+        not this ask's.  If that dump is still coming (its mark came, its end
+        not yet), its rest is skipped (:meth:`add_stack`)."""
+        text = bytes(self.stack)
+        self.skipping = text.rfind(_BEGIN) > text.rfind(_END) or (self.skipping and _END not in text)
+        self.stack = bytearray()
+
+    def add_stack(self, data: bytes) -> None:
+        """Bytes from the stack pipe."""
+        if self.skipping:
+            data = self.skipped + data
+            end = data.find(_END)
+            if end < 0:
+                self.skipped = data[-len(_END):]   # the end mark may come split
+                return
+            self.skipping, self.skipped, data = False, b"", data[end + len(_END):]
+        self.stack += data
 
     def signal(self, sig: int) -> None:
         """The rank process alone (SIGUSR1: dump stacks)."""
@@ -240,6 +265,8 @@ _HEARTBEAT_FRAME = re.compile(r'File ".*%s", line \d+ in _?beat$' % re.escape(os
 _NO_FRAME = "<no Python frame>"
 _THREAD_ID = re.compile(r"0x[0-9a-fA-F]+")
 _UNKNOWN = "?"   # the cell's thread, where a dump lost it (see _threads)
+_UNKNOWN_CUT = "?cut"   # ... in a thread list that faulthandler cut at 100
+_BEGIN, _END = liveness.DUMP_BEGIN.encode(), liveness.DUMP_END.encode()
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<func>.*)$')   # a traceback's
 _INSTALLED = tuple({os.path.join(p, "") for p in (sysconfig.get_paths().get(k) for k in
@@ -265,8 +292,10 @@ def _first(text: str) -> tuple[str, Optional[int]]:
     ask too: that second dump is left out.  What is left of an earlier ask's
     dump (after its main-thread mark or its end mark) is not this one's."""
     head, begun, rest = text.partition(liveness.DUMP_BEGIN)
-    if liveness.DUMP_END in head or liveness.DUMP_MAIN in head:
+    if liveness.DUMP_END in head:
         head = head.rpartition(liveness.DUMP_END)[2]
+    elif liveness.DUMP_MAIN in head:
+        head = ""
     if head.strip() or not begun:
         return head, None
     mark, _, body = rest.partition("\n")
@@ -281,7 +310,7 @@ def _blocks(text: str) -> tuple[list[tuple[str, list]], set[int], bool]:
     threads: list[tuple[str, list]] = []
     heartbeat: set[int] = set()
     cut = False
-    for line in text.splitlines():
+    for line in text.split("\n"):   # only faulthandler's line ends: a name may hold a \f or \u2028
         stripped = line.strip()
         if not stripped:
             continue
@@ -335,9 +364,9 @@ def _threads(text: str) -> list[tuple[str, list]]:
     if main_thread:
         main_id = _ident(main_thread[0][0])
     elif main_id is not None:
-        main_thread = [t for t in named if _ident(t[0]) == main_id][-1:] or [(_UNKNOWN, [])]
+        main_thread = [t for t in named if _ident(t[0]) == main_id][-1:] or [(_UNKNOWN_CUT if cut else _UNKNOWN, [])]
     elif cut:
-        main_thread = [(_UNKNOWN, [])]
+        main_thread = [(_UNKNOWN_CUT, [])]
     if main_thread:
         named = [t for t in named if main_id is None or _ident(t[0]) != main_id] + main_thread
     if not named:
@@ -401,8 +430,9 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     idle = [t for t in others if t not in busy]
     out = []
     for title, frames in main:
-        if title == _UNKNOWN:
-            out.append("the cell's thread: (not in the dump: faulthandler lists 100 threads)")
+        if title in (_UNKNOWN, _UNKNOWN_CUT):
+            out.append("the cell's thread: (not in the dump" +
+                       (": faulthandler lists 100 threads)" if title == _UNKNOWN_CUT else ")"))
             continue
         out.append("the cell's thread:" if frames else "the cell's thread: (its code had not started)")
         out.extend(render(frames))

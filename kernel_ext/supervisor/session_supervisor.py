@@ -411,7 +411,7 @@ class SessionSupervisor(Supervisor):
                 for r in self._out():
                     if r.in_cell:
                         self._drain(r)   # the rest of the stop's dump is not this ask's
-                        r.stack = bytearray()
+                        r.forget_stack()
                         r.ask_stacks(now)
                 self.verdict_at = now + STACK_ASK_WAIT + 3 * STACK_QUIET
         if self.verdict_at is not None and now >= self.verdict_at:

@@ -679,7 +679,7 @@ class Supervisor:
             for frame in r.frames.feed(data):
                 self._on_rank_event(r, pickle.loads(frame))
         else:
-            r.stack += data
+            r.add_stack(data)
             r.stack_time = time.monotonic()
         return True
 
