@@ -65,6 +65,7 @@ SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervi
 SESSION_TIMEOUT_SLACK = 12.0  # past a session cell's --timeout, when the kernel steps in
 SESSION_END_WAIT = 15.0   # %distributed_session stop: how long the ranks get to end
 SESSION_SEND_WAIT = 10.0  # a cell or the stop waits this long to be taken (at once by a live supervisor; never: a gone one)
+SESSION_SEND_SLICE = 0.1  # ... looking this often whether the supervisor is still there (a gone one: at once)
 BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
 WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the session), how often its view moves on
 
@@ -103,6 +104,8 @@ def check_order() -> list[str]:
         (supervisor_stop + RECALL_WAIT < SESSION_STOP_WAIT,
          "a session's supervisor recalls its ranks (or stops them) before the kernel escalates"),
         (FORCE_AFTER < RECALL_WAIT, "the second SIGINT comes within the recall wait"),
+        (SESSION_SEND_SLICE < SESSION_SEND_WAIT,
+         "a send to a session supervisor that died as it was sent ends when it is seen gone, not at the wait's end"),
         (STACK_WAIT + NATIVE_WAIT + RECALL_WAIT + STACK_ASK_WAIT + 3 * STACK_QUIET + RANK_GRACE
          < SESSION_TIMEOUT_SLACK,
          "at a session cell's --timeout its supervisor recalls the ranks (or loses the session, saying where "

@@ -853,3 +853,36 @@ def test_a_rank_stalled_in_a_session_cell_is_reported_and_the_session_ends(kerne
     finally:
         k.run("%distributed_session stop")
     k.assert_no_leaks()
+
+
+def test_a_send_to_a_session_supervisor_that_is_gone_ends_when_it_is_seen_gone(tmp_path):
+    """The stop (or a cell) sent just as the supervisor died: the kernel's
+    socket has no peer, so ZMQ holds the send.  It used to hold it for the
+    whole SESSION_SEND_WAIT (CI: a restart after a rank died at its prompt
+    took 10 s); now it ends as soon as the supervisor is seen gone."""
+    import zmq
+
+    from accel_magics.kernel_ext import wire
+    from accel_magics.kernel_ext.kernel.launcher import LauncherError
+    from accel_magics.kernel_ext.kernel.session import DistributedSession, limit_sends
+    from accel_magics.kernel_ext.timing import SESSION_SEND_WAIT
+
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    os.waitpid(gone, 0)   # a supervisor pid that no longer runs
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)   # as the kernel's: connected to nobody now
+    limit_sends(push)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"ipc://{tmp_path}/cells")
+    session = DistributedSession.__new__(DistributedSession)
+    session.cells, session.signer, session.supervisor_pid = (push,), wire.signed_session(wire.new_key()), gone
+    try:
+        began = time.monotonic()
+        with pytest.raises(LauncherError, match="did not take the stop: it is gone"):
+            session._send("stop", {"op": "stop", "run_id": "x"})
+        assert time.monotonic() - began < SESSION_SEND_WAIT / 2
+    finally:
+        push.close()
+        ctx.term()

@@ -39,7 +39,7 @@ from .run_handle import RunHandle
 # The ladders' order: see timing.py.
 from ..timing import (
     SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
-    SESSION_SEND_WAIT as SEND_WAIT, GONE_DRAIN, FORCE_AFTER,
+    SESSION_SEND_WAIT as SEND_WAIT, SESSION_SEND_SLICE as SEND_SLICE, GONE_DRAIN, FORCE_AFTER,
 )
 
 
@@ -81,6 +81,13 @@ class SessionGone(RuntimeError):
     """The session is not there (never started, stopped, or lost)."""
 
 
+def limit_sends(sock) -> None:
+    """A PUSH with no peer blocks a send for ever: a supervisor that died
+    between the kernel's look and the send must not hang the kernel.  Each
+    try waits a slice; ``DistributedSession._send`` looks between them."""
+    sock.setsockopt(zmq.SNDTIMEO, int(SEND_SLICE * 1000))
+
+
 class DistributedSession:
     def __init__(self, launcher: Launcher, cfg: LaunchConfig, options: Optional[dict] = None) -> None:
         self.launcher = launcher
@@ -117,9 +124,7 @@ class DistributedSession:
         name = uuid.uuid4().hex[:12]
         self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
         self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
-        # A PUSH with no peer blocks a send for ever: a supervisor that died
-        # between the check and the send must not hang the kernel.
-        self.cells[0].setsockopt(zmq.SNDTIMEO, int(SEND_WAIT * 1000))
+        limit_sends(self.cells[0])
         try:
             handle = self.launcher.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
                                           persistent=True,
@@ -193,12 +198,18 @@ class DistributedSession:
 
     def _send(self, op: str, content: dict) -> None:
         """A cell or the stop to the session's supervisor, signed with its key
-        (LauncherError: nobody took it, the supervisor is gone)."""
-        try:
-            self.signer.send(self.cells[0], op, content)
-        except zmq.Again:
-            raise LauncherError(f"the session's supervisor did not take the {op} in {SEND_WAIT:g}s: "
-                                "it is gone") from None
+        (LauncherError: nobody took it, the supervisor is gone).  A live one
+        takes it at once; one that died as it was sent (a rank died at its
+        prompt, the stop came as it lost the session) is seen gone within a
+        slice, not after the whole wait (CI: a restart took 10 s)."""
+        deadline = time.monotonic() + SEND_WAIT
+        while True:
+            try:
+                self.signer.send(self.cells[0], op, content)
+                return
+            except zmq.Again:   # nothing was queued: sending again sends it once
+                if not running(self.supervisor_pid) or time.monotonic() >= deadline:
+                    raise LauncherError(f"the session's supervisor did not take the {op}: it is gone") from None
 
     def _learn(self, modules: list) -> None:
         self.launcher.learn_modules(modules)
