@@ -106,10 +106,14 @@ class RankProcess:
             if not self.stack:   # one signal's dump at most: it carries no marks (see first_dump)
                 self.signal(signal.SIGUSR1)
             return
-        self.asked_at, self.asked_beat, self.asked_dumps = now, liveness.read(self.beat), liveness.dumps(self.beat)
-        self.asked_bytes = len(self.stack)
+        self.asked_at, (self.asked_beat, self.asked_dumps, self.asked_bytes) = now, self._progress()
         if not liveness.ask(self.ask):   # its end is closed: it is gone, or its cell's code closed
             self.asked_at = None         # our fds, and a dump would go to a file of its own
+
+    def _progress(self) -> tuple[int, int, int]:
+        """What moves while a rank answers an ask: its beats, its dumps begun,
+        the stack bytes come back."""
+        return liveness.read(self.beat), liveness.dumps(self.beat), len(self.stack)
 
     def dumped(self) -> bool:
         """Whether a dump came back: more than the heartbeat's mark alone
@@ -120,8 +124,7 @@ class RankProcess:
             return False
         if b"\n" in text:
             return True
-        mark = liveness.DUMP_BEGIN.encode()
-        return not mark.startswith(text[:len(mark)])
+        return not _BEGIN.startswith(text[:len(_BEGIN)])
 
     def ask_due(self) -> Optional[float]:
         """When :meth:`check_ask` has to look (None: nothing asked)."""
@@ -142,7 +145,7 @@ class RankProcess:
         if self.status is not None or self.dumped():
             self.asked_at = None
             return
-        seen = (liveness.read(self.beat), liveness.dumps(self.beat), len(self.stack))
+        seen = self._progress()
         if seen != (self.asked_beat, self.asked_dumps, self.asked_bytes):
             self.asked_at, (self.asked_beat, self.asked_dumps, self.asked_bytes) = now, seen
             return
@@ -340,7 +343,13 @@ def _ident(title: str) -> Optional[int]:
 
 
 def _threads(text: str) -> list[tuple[str, list]]:
-    """A rank's stack dump as [(title, frames)], the cell's thread last.
+    """:func:`_parse`'s threads."""
+    return _parse(text)[0]
+
+
+def _parse(text: str) -> tuple[list[tuple[str, list]], bool]:
+    """A rank's stack dump as [(title, frames)], the cell's thread last, and
+    whether faulthandler cut its thread list (it lists 100).
 
     The cell runs in the rank's main thread.  The heartbeat thread's dump
     ends with that thread once more, whole (``liveness.DUMP_MAIN``):
@@ -370,18 +379,13 @@ def _threads(text: str) -> list[tuple[str, list]]:
     if main_thread:
         named = [t for t in named if main_id is None or _ident(t[0]) != main_id] + main_thread
     if not named:
-        return []
+        return [], cut
     title, frames = named[-1]
     users = [i for i, f in enumerate(frames) if not f["own"] and ("raw" in f or not _is_library(f["file"]))]
     if any(f["own"] for f in frames):   # a rank: the cell's frames end at its outermost one
         frames = frames[:users[-1] + 1] if users else []
     others = [(t, [f for f in fs if not f["own"]]) for t, fs in named[:-1]]
-    return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])]
-
-
-def _list_cut(text: str) -> bool:
-    """Whether faulthandler stopped listing threads (it lists 100)."""
-    return _blocks(first_dump(text).partition(liveness.DUMP_MAIN)[0])[2]
+    return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])], cut
 
 
 def stacks_message(r: "RankProcess", sources: dict) -> dict:
@@ -402,7 +406,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
     library code (tqdm's monitor, a DataLoader's pin thread) counted in one
     line instead of five frames each."""
     sources = sources or {}
-    threads = _threads(text)
+    threads, cut = _parse(text)
     if not threads:
         return "the cell's thread: (no Python frame)\n"
 
@@ -447,7 +451,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
         where = sorted({owner(t[1]) for t in idle})
         out.append(f"(+ {len(idle)} other thread{'s' if len(idle) != 1 else ''} in library code only: "
                    f"{', '.join(where)})")
-    if _list_cut(text):
+    if cut:
         out.append("(+ more threads: faulthandler lists 100 at most)")
     return "\n".join(out) + "\n"
 
