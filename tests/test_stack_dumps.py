@@ -194,6 +194,9 @@ def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
         _end(r)
 
 
+_IN_RECURSION = mmap.mmap(-1, 1)   # shared with the forked test process: 1 once it is at its deepest
+
+
 def _many_threads_then_deep() -> None:
     """A cell that started more threads than faulthandler lists (it stops
     at 100, newest first, so the oldest, the cell's own, was left out), then
@@ -207,6 +210,7 @@ def _many_threads_then_deep() -> None:
         if n:
             deep(n - 1)
         else:
+            _IN_RECURSION[0] = 1   # at the bottom: a dump from now on shows every frame
             while True:
                 time.sleep(0.001)
 
@@ -218,13 +222,19 @@ def _cells_own_line(deep) -> None:
 
 
 def test_the_cells_thread_is_whole_past_100_threads_and_100_frames():
+    # Asked once the cell is at its deepest, not over and over until then:
+    # a rank asked without pause spends its time dumping 150 threads, and
+    # on a loaded CI machine its threads started one in a second (CI on
+    # record: 25 of 150 started in 20 s, so the dump showed Thread.start).
+    _IN_RECURSION[0] = 0
     r = _rank_like(_many_threads_then_deep)
     try:
-        deadline = time.monotonic() + 20
-        shown = ""
-        while "_cells_own_line" not in shown and time.monotonic() < deadline:
-            liveness.ask(r.ask)   # until the cell is in its recursion
-            shown = user_stack(_read_dumps(r, liveness.DUMP_END))
+        deadline = time.monotonic() + 60
+        while not _IN_RECURSION[0] and time.monotonic() < deadline:
+            time.sleep(0.01)   # a poll with a deadline on the flag the cell sets
+        assert _IN_RECURSION[0], "the cell did not start its 150 threads and recurse in 60 s"
+        liveness.ask(r.ask)
+        shown = user_stack(_read_dumps(r, liveness.DUMP_END, timeout=25))
         assert shown.startswith("the cell's thread:\n"), shown
         cells = shown.split("thread 0x")[0]
         assert " in deep" in cells and " in _cells_own_line" in cells and "frames)" in cells, cells

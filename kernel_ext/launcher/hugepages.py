@@ -20,6 +20,7 @@ copies shared with an existing child are that child's until it exits).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import time
 from typing import Iterable, Optional
@@ -92,8 +93,14 @@ class Collapser:
     heap: only pages not tried before, so the launcher's CPU time for this is
     spent once, about 1.5 s on this VM, under 0.1 s on hardware);
     :meth:`step` collapses one; :meth:`run_for` collapses for a time budget.
-    Nothing is planned where the kernel cannot collapse (:func:`supported`); a
-    page that cannot be collapsed is skipped.
+    Nothing is planned where the kernel cannot collapse (:func:`supported`).
+    A page that fails is skipped for good, counted as one that cannot be
+    huge (``EINVAL``: not whole inside one suitable mapping) or one the kernel
+    refused just then (``ENOMEM``/``EAGAIN``: no free huge page, memory too
+    fragmented, its small pages busy, or the range unmapped since the plan).
+    The pass ends with one log line of both counts: on a machine short of
+    huge pages the heap stays partly in small pages, which only makes forks
+    slower, and that line says why.
     """
 
     def __init__(self, maps_path: str = "/proc/self/maps") -> None:
@@ -102,6 +109,8 @@ class Collapser:
         self.tried: set[int] = set()            # every page collapsed (or skipped) already: never again
         self.supported: Optional[bool] = None   # probed at the first plan
         self.collapsed = self.failed = 0
+        self.refused = 0                        # ... of which the kernel refused (ENOMEM, EAGAIN)
+        self.started: Optional[float] = None    # when this pass began (monotonic), for its report
 
     def plan(self) -> None:
         if self.supported is None:
@@ -124,13 +133,20 @@ class Collapser:
             return False
         addr = self.pending.pop(0)
         self.tried.add(addr)
+        if self.started is None:
+            self.started = time.monotonic()
         if self._madvise(addr, HUGE, MADV_COLLAPSE) == 0:
             self.collapsed += 1
+        elif ctypes.get_errno() in (errno.ENOMEM, errno.EAGAIN):
+            self.refused += 1   # no free huge page, pages busy, or the range unmapped since the plan
         else:
             self.failed += 1   # memory that cannot be huge (or is gone): skipped
         if not self.pending:
-            log.info("launcher: %d MiB of the heap moved to huge pages (%d MiB could not be)",
-                     self.collapsed * HUGE >> 20, self.failed * HUGE >> 20)
+            log.info("launcher: %d MiB of the heap moved to huge pages in %.1f s "
+                     "(%d MiB cannot be huge; %d MiB refused by the kernel just then: no free huge page, or busy)",
+                     self.collapsed * HUGE >> 20, time.monotonic() - self.started,
+                     self.failed * HUGE >> 20, self.refused * HUGE >> 20)
+            self.started = None
         return bool(self.pending)
 
     def run_for(self, seconds: float) -> None:
