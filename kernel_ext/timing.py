@@ -73,6 +73,7 @@ WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the sessio
 END_WAIT = 15.0           # how long a new run waits for the ranks of earlier runs to end
 COLLAPSE_AT_START = 0.1   # at start, how long the launcher moves its heap into huge pages (hugepages.py)
 COLLAPSE_IDLE = 0.5       # ... the rest a huge page at a time, once nothing happened for this long
+COLLAPSE_SLOW = 0.1       # ... and no more once one page took this much CPU (a cell waits for one step)
 
 # -- Slurm: the kernel over every node, the agents ---------------------------------------
 SLURM_START_WAIT = 180.0  # srun and every agent to start (each imports torch)
@@ -122,6 +123,9 @@ def check_order() -> list[str]:
         (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
         (NODE_LOST_AFTER >= 5 * NODE_BEAT, "a session's node is lost only after it missed several beats"),
         (NODE_STORE_WAIT < NODE_LOST_AFTER, "a beat that waits for node 0 ends before node 0 counts as gone"),
+        (COLLAPSE_AT_START < COLLAPSE_IDLE and COLLAPSE_SLOW <= COLLAPSE_AT_START,
+         "the launcher is ready after a short first collapse, and a cell that arrives while it moves its "
+         "heap waits for one step, never longer than that"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
         (2 * BEAT_INTERVAL <= STALL_CHECK,
          "a rank whose interpreter runs has beaten at least once between two stall checks"),

@@ -10,7 +10,7 @@ import pytest
 
 from accel_magics.kernel_ext.launcher import hugepages
 from accel_magics.kernel_ext.launcher.hugepages import HUGE, Collapser, chunks, collapsible
-from accel_magics.kernel_ext.timing import COLLAPSE_IDLE
+from accel_magics.kernel_ext.timing import COLLAPSE_IDLE, COLLAPSE_SLOW
 
 from test_engine import run
 
@@ -85,14 +85,45 @@ def test_the_idle_launcher_has_its_heap_in_huge_pages_and_runs_still_work(launch
     found = _PASS.search(_log(launcher))
     assert found, f"the launcher did not finish moving its heap in 90 s idle:\n{_log(launcher)}"
     moved, unsuitable, refused = (int(x) for x in found.groups())
-    assert moved + refused >= 16, f"the launcher tried only {moved + refused} MiB of its heap:\n{_log(launcher)}"
-    if not refused:
+    stopped = "stopped for good" in _log(launcher)   # a page cost it more than COLLAPSE_SLOW (test below)
+    assert stopped or moved + refused >= 16, f"the launcher tried only {moved + refused} MiB:\n{_log(launcher)}"
+    if not refused and not stopped:
         assert moved >= 32, f"no huge page was refused, yet only {moved} MiB moved:\n{_log(launcher)}"
     # Pages the launcher writes after forking its spare are split again
     # (a write to a huge page shared with a child splits it): a few.
     assert _anon_huge_kb(pid) >= moved * 1024 * 3 // 4, (_anon_huge_kb(pid), found.group(0))
     result, _ = run(launcher, "import torch\nfloat(torch.ones(1000).sum())")
     assert result.value == 1000.0
+
+
+def test_the_launcher_stops_moving_its_heap_for_good_once_a_page_costs_too_much(tmp_path, caplog):
+    # Where the kernel compacts or reclaims memory for each huge page, one
+    # step can take seconds, and a cell that arrives waits for it.  The
+    # kernel's call is replaced by one that costs 0.15 s of CPU: the policy
+    # is under test, not the kernel.
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000800000 rw-p 00000000 00:00 0\n")
+    c = Collapser(maps_path=str(maps))
+    calls = []
+
+    def costly(addr, length, advice):
+        calls.append(addr)
+        end = time.thread_time() + COLLAPSE_SLOW * 1.5
+        while time.thread_time() < end:
+            pass
+        return 0
+
+    c.supported, c._madvise = True, costly
+    c.plan()
+    assert len(c.pending) == 4
+    with caplog.at_level("INFO", logger="accel_magics.launcher"):
+        c.run_for(60.0)
+    assert calls == [0x7f0000000000] and not c.pending and c.collapsed == 1
+    assert "2 MiB of the heap moved" in caplog.text and "stopped for good: one page took" in caplog.text
+    maps.write_text("7f0000000000-7f0000800000 rw-p 00000000 00:00 0\n"
+                    "7f1000000000-7f1000400000 rw-p 00000000 00:00 0\n")
+    c.plan()   # after an import: nothing more, the kernel is still short of huge pages
+    assert c.pending == [] and calls == [0x7f0000000000]
 
 
 def _log(launcher) -> str:

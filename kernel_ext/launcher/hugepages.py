@@ -12,7 +12,10 @@ cell sent as soon as the last one ended ("Run All") waits for.
 Collapsing copies the memory into freshly allocated huge pages, which costs
 from under a millisecond to ~40 ms per 2 MiB (a VM slow to hand out fresh
 pages), so the launcher does it in steps, only while idle (see
-:class:`Collapser`); a cell that arrives waits for one step at most.  Where the
+:class:`Collapser`); a cell that arrives waits for one step at most.  Where a
+step takes more CPU than ``COLLAPSE_SLOW`` (memory fragmented, or a cgroup at
+its limit: the kernel compacts or reclaims for each page) the launcher stops
+for good: a huge page saves a fork a few microseconds, not worth that.  Where the
 kernel lacks ``MADV_COLLAPSE`` (or THP is off) ``madvise`` fails and nothing
 changes.  Memory use barely moves: the pages are copied, not added (their
 copies shared with an existing child are that child's until it exits).
@@ -24,6 +27,8 @@ import errno
 import logging
 import time
 from typing import Iterable, Optional
+
+from ..timing import COLLAPSE_SLOW
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -96,8 +101,9 @@ class Collapser:
     Nothing is planned where the kernel cannot collapse (:func:`supported`).
     A page that fails is skipped for good, counted as one that cannot be
     huge (``EINVAL``: not whole inside one suitable mapping) or one the kernel
-    refused just then (``ENOMEM``/``EAGAIN``: no free huge page, memory too
-    fragmented, its small pages busy, or the range unmapped since the plan).
+    refused just then (``ENOMEM``: no free huge page, memory too fragmented,
+    or the range unmapped since the plan; ``EBUSY``: the cgroup's memory
+    limit; ``EAGAIN``: its small pages busy).
     The pass ends with one log line of both counts: on a machine short of
     huge pages the heap stays partly in small pages, which only makes forks
     slower, and that line says why.
@@ -109,8 +115,9 @@ class Collapser:
         self.tried: set[int] = set()            # every page collapsed (or skipped) already: never again
         self.supported: Optional[bool] = None   # probed at the first plan
         self.collapsed = self.failed = 0
-        self.refused = 0                        # ... of which the kernel refused (ENOMEM, EAGAIN)
+        self.refused = 0                        # ... of which the kernel refused (ENOMEM, EBUSY, EAGAIN)
         self.started: Optional[float] = None    # when this pass began (monotonic), for its report
+        self.stopped_by: Optional[float] = None # a step that took longer than COLLAPSE_SLOW: none after it
 
     def plan(self) -> None:
         if self.supported is None:
@@ -119,7 +126,7 @@ class Collapser:
                 self._madvise = _madvise()
             else:
                 log.info("launcher: the heap stays in small pages (no MADV_COLLAPSE here)")
-        if not self.supported:
+        if not self.supported or self.stopped_by is not None:
             return
         try:
             with open(self.maps_path) as f:
@@ -135,19 +142,33 @@ class Collapser:
         self.tried.add(addr)
         if self.started is None:
             self.started = time.monotonic()
+        began = time.thread_time()   # CPU, the kernel's compaction too: a busy machine's preemption is not the page's
         if self._madvise(addr, HUGE, MADV_COLLAPSE) == 0:
             self.collapsed += 1
-        elif ctypes.get_errno() in (errno.ENOMEM, errno.EAGAIN):
-            self.refused += 1   # no free huge page, pages busy, or the range unmapped since the plan
+        elif ctypes.get_errno() in (errno.ENOMEM, errno.EAGAIN, errno.EBUSY):
+            self.refused += 1   # no free huge page, the memory limit, pages busy, or unmapped since
         else:
             self.failed += 1   # memory that cannot be huge (or is gone): skipped
+        took = time.thread_time() - began
+        if took > COLLAPSE_SLOW:
+            self.stopped_by = took
+            self.tried.update(self.pending)
+            self.pending = []
         if not self.pending:
-            log.info("launcher: %d MiB of the heap moved to huge pages in %.1f s "
-                     "(%d MiB cannot be huge; %d MiB refused by the kernel just then: no free huge page, or busy)",
-                     self.collapsed * HUGE >> 20, time.monotonic() - self.started,
-                     self.failed * HUGE >> 20, self.refused * HUGE >> 20)
-            self.started = None
+            self._report()
         return bool(self.pending)
+
+    def _report(self) -> None:
+        """One line for the pass: how much moved and why the rest did not."""
+        stopped = ("" if self.stopped_by is None else
+                   f"; stopped for good: one page took {self.stopped_by:.2f} s, "
+                   f"the kernel is short of free huge pages")
+        log.info("launcher: %d MiB of the heap moved to huge pages in %.1f s "
+                 "(%d MiB cannot be huge; %d MiB refused by the kernel just then: "
+                 "no free huge page, the memory limit, or busy%s)",
+                 self.collapsed * HUGE >> 20, time.monotonic() - self.started,
+                 self.failed * HUGE >> 20, self.refused * HUGE >> 20, stopped)
+        self.started = None
 
     def run_for(self, seconds: float) -> None:
         """Collapse pages until ``seconds`` have passed or none is left."""
