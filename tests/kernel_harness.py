@@ -60,7 +60,15 @@ class KernelSession:
         may come in one message or in two, and a test that waits for both must
         not depend on which), and on each display message with that display's
         text (a live view's text is already its whole state)."""
-        msg_id = self.kc.execute(code, store_history=True)
+        return self.result_of(self.submit(code), timeout, on_output)
+
+    def submit(self, code: str) -> str:
+        """Send ``code`` for execution without waiting: its msg_id, for :meth:`result_of`."""
+        return self.kc.execute(code, store_history=True)
+
+    def result_of(self, msg_id: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
+                  ) -> CellResult:
+        """The result of the cell sent as ``msg_id`` (see :meth:`run`)."""
         res = CellResult(status="")
         deadline = time.monotonic() + timeout
         idle = False

@@ -265,6 +265,18 @@ def test_a_session_cell_the_kernel_had_to_end_is_a_lost_session():
     assert outcome.session == "lost" and "did not answer the stop" in outcome.lost
 
 
+def test_a_session_cell_sent_as_its_session_was_lost_ends_with_the_sessions_word():
+    """The supervisor lost its session (a rank died at its prompt) before it
+    read the cell and exited: its "session lost" for the session (which the
+    cell's handle takes too) is the cell's end, naming the rank; before, the
+    cell waited for the supervisor's exit and blamed that."""
+    seq = [{"kind": "session_lost", "lost": "rank 1 killed by SIGKILL; a session cannot go on without one of "
+                                            "its ranks"}]
+    _, outcome = replay(seq, session_cell=True)
+    assert outcome.session == "lost" and outcome.lost.startswith("rank 1 killed by SIGKILL")
+    assert outcome.finished.status == "failed" and outcome.finished.root_cause is None
+
+
 # -- the schema ---------------------------------------------------------------------------
 
 def test_the_schema_reads_as_text_and_refuses_unknown_values_in_one_place():

@@ -11,6 +11,7 @@ import collections
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -271,6 +272,41 @@ def test_stop_or_restart_after_the_session_died_at_its_prompt_answers_at_once(se
     if action == "restart":   # a fresh session, without the old names
         res = ok_cell(k, "print('x' in dir())")
         assert by_rank(res.stdout) == {0: ["False"], 1: ["False"]}, res.stdout
+
+
+def _queued(pid: int) -> int:
+    """Bytes waiting to be read in ``pid``'s Unix sockets (``ss``: /proc has no queue sizes)."""
+    out = subprocess.run(["ss", "-xpnH"], capture_output=True, text=True, check=True).stdout
+    return sum(int(line.split()[2]) for line in out.splitlines() if f"pid={pid}," in line)
+
+
+def test_a_cell_sent_as_the_session_is_lost_at_its_prompt_says_why_it_was_lost(session):
+    """A rank dies at its prompt just as a cell is sent: the kernel's look
+    finds the supervisor running and sends the cell, and the supervisor,
+    seeing the death first, says "session lost" (for the session, not the
+    cell) and exits.  The cell said "its supervisor ended during the cell:
+    ... killed (kill -9, the out-of-memory killer)", blaming the wrong
+    process.  The race is made certain: the supervisor is stopped while the
+    rank is killed and the cell sent, then continued."""
+    k = session
+    ok_cell(k, "x = 1")
+    pids = session_pids(k)
+    supervisor = (pids - set(rank_pids(k).values())).pop()
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        victim = rank_pids(k)[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not alive({victim}), 10, "the killed rank to be gone")
+        queued = _queued(supervisor)
+        msg_id = k.submit("%%distributed --session --output text\nprint(x)")
+        wait_until(lambda: _queued(supervisor) > queued, 30, "the cell to wait in the stopped supervisor's socket")
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    res = k.result_of(msg_id, timeout=60)
+    assert res.status == "error" and res.error["ename"] == "SessionLostError", res.error_text
+    assert "rank 1 killed by SIGKILL" in res.error["evalue"], res.error_text
+    assert "kill -9, the out-of-memory killer" not in res.error["evalue"], res.error["evalue"]
+    wait_until(lambda: not alive(pids), 10, "what was left of the session to exit")
 
 
 def test_a_sessions_stop_ends_its_ranks_as_scripts_end(kernel, tmp_path):

@@ -119,6 +119,7 @@ class RunFold:
             Kind.RESOURCES: self._resources,
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
+            Kind.SESSION_LOST: self._session_lost,
         }
         self.rank_handlers = {
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
@@ -306,6 +307,14 @@ class RunFold:
         self.session, self.lost = msg.get("session"), msg.get("lost")
         self.terminated_on = msg.get("terminated_on", [])
 
+    def _session_lost(self, msg: dict) -> None:
+        # A session cell only (its handle takes its session's messages too):
+        # the session ended by itself (a rank died at its prompt) just as the
+        # cell was sent, so its supervisor never began it.  The session's word
+        # is the cell's end, not its supervisor's exit that follows.
+        self.reason, self.session = "failed", "lost"
+        self.lost = msg.get("lost") or "its ranks ended"
+
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
@@ -336,14 +345,16 @@ class RunFold:
             for f in failure_list[1:]:
                 f.secondary = True
         cause = self.remote if self.remote is not None else root_cause(failure_list)
-        status = Status.of(reason, cause is not None)
-        finished = ev.RunFinished(self.run_id, status, self.clock() - self.started, cause, failure_list,
-                                  self.stacks)
-        self.emit(finished)
         session, lost = self.session, self.lost
         if session is None and self.session_cell:   # the kernel had to end it: its ranks went with it
             session = "lost"
             lost = lost or (self.forced and f"its supervisor did not respond ({self.forced}), so the kernel killed it")
+        status = Status.of(reason, cause is not None)
+        if status is Status.OK and session == "lost":   # no rank failed in it, but the cell did not run
+            status = Status.FAILED
+        finished = ev.RunFinished(self.run_id, status, self.clock() - self.started, cause, failure_list,
+                                  self.stacks)
+        self.emit(finished)
         log.info("run %s attempt %d: %s%s", self.run_id, self.attempt, status,
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
         others = {}   # rank -> what happened to it: stopped, by what, where

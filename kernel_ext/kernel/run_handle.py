@@ -75,6 +75,7 @@ class RunHandle(Attempt):
         self.pull = pull if pull is not None else launcher.pull
         self.stop_wait = stop_wait or STOP_WAIT
         self.session_cell = False   # a cell of a session (see kernel_ext.kernel.session)
+        self.also: tuple = ()       # ids whose messages are this run's too (a session cell: its session's)
         self.supervisor_pid = supervisor_pid
         self.ranks = list(ranks or [])   # the global ranks this node runs
         self.node_of: dict = {}
@@ -185,7 +186,7 @@ class RunHandle(Attempt):
 
     def _note(self, msg: dict) -> None:
         kind = msg.get("kind")
-        if kind == "finished":
+        if kind in ("finished", "session_lost"):   # session_lost: a session cell's session ended first
             self.finished = True
         elif kind == "started":
             self.rank_pids = set(msg.get("pids", {}).values())
@@ -235,7 +236,7 @@ class RunHandle(Attempt):
         self._pidfd_close()
 
     def _recv(self) -> Optional[dict]:
-        content, dropped = receive_verified(self.pull, self.session, self.run_id)
+        content, dropped = receive_verified(self.pull, self.session, self.run_id, self.also)
         self.launcher.dropped += dropped
         return content
 

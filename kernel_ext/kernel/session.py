@@ -291,6 +291,7 @@ class DistributedSession:
                            ranks=sorted(self.pids) or [self.cfg.global_rank(i) for i in self.cfg.local_ranks])
         handle.rank_pids = set(self.pids.values())
         handle.session_cell = True
+        handle.also = (self.id,)   # the session's "session lost" (a rank died as the cell was sent) ends the cell
         return handle
 
     def run_cell(self, payload: Payload, label: str, on_event=None, heartbeat: Optional[float] = None,
@@ -321,10 +322,12 @@ class DistributedSession:
             try:
                 self._send("cell", {"op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
                                     "log_dir": log_dir, "excerpt": excerpt})
-            except LauncherError as exc:   # it ended since the check
-                self.lost = str(exc)
+            except LauncherError as exc:   # it ended since the check: its last word says why, if it said one
+                why = self._said_lost(GONE_DRAIN)
+                self.lost = why or str(exc)
                 self._forget()
-                raise SessionLostError("its supervisor ended before the cell reached it", exc) from None
+                raise SessionLostError(why or "its supervisor ended before the cell reached it",
+                                       None if why else exc) from None
             if control is not None:
                 control.attach(handle)
             try:

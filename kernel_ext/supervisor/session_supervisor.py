@@ -168,8 +168,17 @@ class SessionSupervisor(Supervisor):
     def _start_cell(self, content: dict) -> None:
         if self.cell is not None or self.ending is not None:
             self.spec["run_id"] = content["run_id"]
-            self._send({"kind": "supervisor_error", "message": "the session is busy",
-                        "traceback": "a cell was sent while another one ran"})
+            if self.cell is None and self.ending == "lost":
+                # The session was lost (a rank died at its prompt) just before
+                # the cell came: that is the cell's end, and its story.
+                self._send({"kind": "finished", "reason": "failed", "session": "lost", "lost": self.lost,
+                            "elapsed": 0.0})
+            elif self.cell is None:
+                self._send({"kind": "supervisor_error", "message": "the session is ending",
+                            "traceback": "a cell was sent after the session's stop"})
+            else:
+                self._send({"kind": "supervisor_error", "message": "the session is busy",
+                            "traceback": "a cell was sent while another one ran"})
             self.spec["run_id"] = self.cell["run_id"] if self.cell is not None else self.session_id
             return
         self.cell = content
