@@ -55,10 +55,15 @@ def test_a_collapser_moves_memory_into_huge_pages_and_keeps_its_bytes(tmp_path):
     maps.write_text(f"{base:x}-{base + 9 * HUGE:x} rw-p 00000000 00:00 0\n")
     c = Collapser(maps_path=str(maps))
     c.plan()
-    assert len(c.pending) >= 8
+    planned = len(c.pending)
+    assert planned >= 8
     before = _anon_huge_kb(os.getpid())
     c.run_for(60.0)
-    assert not c.pending and c.collapsed >= 8
+    assert not c.pending and c.collapsed + c.failed + c.refused == planned or c.stopped_by is not None
+    if c.refused or c.stopped_by is not None:   # the machine, not the code: say so, with the counts
+        pytest.skip(f"this machine is short of huge pages now: {c.refused} of {planned} refused, "
+                    f"a step took {c.stopped_by or 0:.2f} s of CPU")
+    assert c.collapsed >= 8
     assert _anon_huge_kb(os.getpid()) >= before + 8 * HUGE // 1024
     assert area[::4096] == b"x" * len(area[::4096])
     area.close()
@@ -68,6 +73,7 @@ _PASS = re.compile(r"(\d+) MiB of the heap moved to huge pages in [\d.]+ s "
                    r"\((\d+) MiB cannot be huge; (\d+) MiB refused")
 
 
+@pytest.mark.timeout(240)   # the launcher's start (torch), 90 s for its pass, one run
 def test_the_idle_launcher_has_its_heap_in_huge_pages_and_runs_still_work(launcher):
     # The launcher moves its heap while idle: a fork of it (each run's
     # supervisor, then its ranks) copies a few hundred page-table entries.

@@ -144,6 +144,7 @@ def _kernel_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.timeout(900)   # 100 runs, ~2 minutes here; each run has its own bound, which catches a hang
 def test_soak_mixed_runs_leak_nothing(clean_kernel):
     """100 runs: success, rank failure, interrupt, timeout; nothing leaks, nothing hangs.
     (The long soak, with the hard cases, is tests/test_soak.py, -m slow.)"""

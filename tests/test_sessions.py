@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from accel_magics.kernel_ext.timing import RANK_GRACE, RECALL_WAIT, STACK_ASK_WAIT, STACK_QUIET, STACK_WAIT
 from cases import alive, memfd_links
 from kernel_harness import descendants, wait_until
 
@@ -239,7 +240,9 @@ def test_a_failure_while_a_peer_waits_in_a_collective_loses_the_session_and_rest
                      "failed", res.error["evalue"]), res.error["evalue"]
     assert "%distributed_session restart" in res.error["evalue"]
     assert "ValueError: rank 1 broke" in res.error_text and "--- rank 1 traceback (root cause) ---" in res.error_text
-    assert took < 10, took
+    # The lost path's fixed waits (stacks, the recall, the re-ask, SIGTERM's
+    # grace), and room for a loaded machine: seconds, not torch's 30 minutes.
+    assert took < STACK_WAIT + RECALL_WAIT + STACK_ASK_WAIT + 3 * STACK_QUIET + RANK_GRACE + 8, took
     wait_until(lambda: not alive(pids), 10, "the lost session's processes to exit")
     res = cell(k, "print('still here?')")
     assert res.status == "error" and "no session is running (the last one was lost" in res.error["evalue"]
@@ -422,7 +425,7 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
                "dist.init_process_group('gloo')\ntime.sleep(6)\n"
                "t = torch.ones(1)\ndist.all_reduce(t)\ntotal = t.item()\n'value of rank 0'")
     returned = time.monotonic() - started
-    assert returned < 1.0, returned
+    assert returned < 3.0, returned   # the run takes 6 s: back well before it (h.done() below)
     shown = [t for t in res.live if t.startswith("<background run In[")]
     assert shown and "started" in shown[-1], res.live
     k.ok("h = _")

@@ -166,6 +166,7 @@ def _start_threads_all_the_time() -> None:
         sum(range(1000))
 
 
+@pytest.mark.timeout(150)   # its waits: set-up 20 s, the asking 60 s, the last dump 20 s
 def test_a_dump_taken_as_a_thread_starts_another_still_shows_the_cells_thread():
     """A thread inside ``Thread.start()`` is listed twice: itself, and the
     new thread's state, made ahead with its maker's id and no frame yet.
@@ -221,6 +222,7 @@ def _cells_own_line(deep) -> None:
     deep(300)
 
 
+@pytest.mark.timeout(150)   # its waits: set-up 20 s, the cell 60 s, the dump 25 s
 def test_the_cells_thread_is_whole_past_100_threads_and_100_frames():
     # Asked once the cell is at its deepest, not over and over until then:
     # a rank asked without pause spends its time dumping 150 threads, and
