@@ -336,18 +336,25 @@ def test_a_chain_of_setsid_daemons_dies_with_the_run(clean_kernel):
     wait_until(lambda: not alive(pids), 10, f"the daemons {pids} to be killed")
 
 
-def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel):
+def test_a_detached_child_dies_when_its_supervisor_is_killed(clean_kernel, tmp_path):
     """Item 8: a detached child of a rank whose supervisor was SIGKILLed was left under init."""
     from kernel_harness import wait_until
     k = clean_kernel
     k.ok(DAEMONS)
+    go = tmp_path / "go"
+
+    def seen(text: str) -> bool:   # the daemon's pid reached the notebook: the rank may kill now
+        if "daemon" in text:
+            go.touch()
+        return False
+
     res = k.run("%%distributed -n 1 --output text --timeout 30\n"
                 "import signal\n"
                 "r, w = os.pipe()\nstart_daemons(1, w)\n"
                 "print('daemon', *read_pids(r, 1), flush=True)\n"
-                "time.sleep(0.5)   # let the line reach the kernel\n"
+                f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
                 "os.kill(os.getppid(), signal.SIGKILL)\n"
-                "time.sleep(600)\n", timeout=60)
+                "time.sleep(600)\n", timeout=60, on_output=seen)
     # Said as what happened, in its message alone (no frames of the magic's).
     assert res.error["ename"] == "LauncherError", res.error_text
     assert re.match(r"the run's supervisor \(pid \d+\) was killed during the run \(a signal from outside",

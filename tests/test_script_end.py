@@ -60,7 +60,11 @@ def test_an_executor_left_open_does_not_hold_the_end_and_a_long_thread_is_named(
         pool.submit(int).result()
         """)
     assert "waits for its thread" not in out and "ended" in out, out
+    # The thread ends once the note was said (not after a sleep that a late
+    # end() on a loaded machine outlasts), or after 20 s: then no note came.
     out = run("""
-        threading.Thread(target=time.sleep, args=(script_end.THREADS_NOTE_AFTER + 0.5,), name="uploader").start()
+        said, say = threading.Event(), script_end._say_waiting
+        script_end._say_waiting = lambda *a, **k: (say(*a, **k), said.set())
+        threading.Thread(target=said.wait, args=(20,), name="uploader").start()
         """)
     assert "this rank waits for its thread(s) 'uploader' to end" in out and "ended" in out, out
