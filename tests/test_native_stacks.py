@@ -14,7 +14,7 @@ import pytest
 
 from accel_magics.kernel_ext.rank import liveness
 from accel_magics.kernel_ext.supervisor import native_stacks
-from accel_magics.kernel_ext.supervisor.rank_process import NO_STACK, RankProcess, user_stack, where_blocked
+from accel_magics.kernel_ext.supervisor.rank_process import NO_STACK, OUTSIDE_THE_CELL, RankProcess, user_stack, where_blocked
 from accel_magics.kernel_ext.timing import BEAT_INTERVAL, STACK_ASK_WAIT
 
 pytestmark = pytest.mark.timeout(60)
@@ -313,7 +313,7 @@ def test_a_stop_as_a_rank_begins_shows_the_cell_or_says_it_had_not_begun(dump, c
     if cell:
         assert shown.startswith("the cell's thread:\n") and "time.sleep(5)" in shown, shown
     else:
-        assert shown == "the cell's thread: (its code had not started)\n", shown
+        assert shown == f"the cell's thread: {OUTSIDE_THE_CELL}\n", shown
 
 
 def _child_with_heartbeat(body) -> tuple[int, object]:

@@ -119,17 +119,42 @@ def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None)
 
     ``ask_fd``: the read end of the pipe the supervisor asks for stacks on;
     they go to ``stack_fd``, faulthandler's format."""
-    global _stack_fd, _stack_pipe, _main_ident
+    global _stack_fd, _stack_pipe, _main_ident, _again, _again_pid
     if counter is None:
         return
     _main_ident = _thread.get_ident()
+    _again, _again_pid = os.pipe(), os.getpid()
+    for fd in _again:
+        os.set_blocking(fd, False)
     if ask_fd is not None and stack_fd is not None:
         _stack_fd, _stack_pipe = stack_fd, _identity(stack_fd)
         os.set_blocking(ask_fd, False)   # a byte someone else took is no ask, not a wait
     else:
         ask_fd = None
     struct.pack_into(_FORMAT, counter, _BEATS, 1)   # the first beat before the thread runs: 0 means "not started"
-    _thread.start_new_thread(_beat, (counter, ask_fd))
+    _thread.start_new_thread(_beat, (counter, ask_fd, _again[0]))
+
+
+_again: Optional[tuple] = None   # the pipe interrupt_again wakes the heartbeat thread with
+_again_pid = 0                   # ... of this process (a child the rank forked has a copy, not a heartbeat)
+
+
+def interrupt_again() -> bool:
+    """The SIGINT handler run once more in the main thread, asked from the
+    heartbeat thread: for a KeyboardInterrupt Python dropped (a fork handler,
+    ``__del__``: see worker._unraisable_hook).  Asked from here, where the
+    interrupt was dropped, the handler would run here again and be dropped
+    again; the heartbeat thread gets the GIL only once the main thread lets
+    go of it (a system call, the switch interval), by then past this place.
+    The byte is written keeping the GIL for the same reason.  Whether it was
+    asked (not in a process without a heartbeat)."""
+    if _again is None or os.getpid() != _again_pid:
+        return False
+    try:
+        _write_holding_gil(_again[1], b"i")
+    except OSError:   # a full pipe: asked already
+        pass
+    return True
 
 
 def _identity(fd: int) -> Optional[tuple]:
@@ -143,24 +168,34 @@ def _identity(fd: int) -> Optional[tuple]:
         return None
 
 
-def _beat(counter, ask_fd: Optional[int]) -> None:
+def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
     n = 1
     ask_pipe = _identity(ask_fd) if ask_fd is not None else None
+    again_pipe = _identity(again_fd)
     poller = select.poll()
+    poller.register(again_fd, select.POLLIN)
     if ask_fd is not None:
         poller.register(ask_fd, select.POLLIN)
     while True:
-        asked = False
-        if ask_fd is None:
+        try:
+            ready = {fd for fd, _ in poller.poll(BEAT_INTERVAL * 1000)}
+        except (OSError, ValueError):   # pragma: no cover - poll itself failing: beat on, nothing asked
+            ready = set()
             time.sleep(BEAT_INTERVAL)
-        else:
-            try:
-                asked = bool(poller.poll(BEAT_INTERVAL * 1000))
-            except (OSError, ValueError):   # pragma: no cover - poll itself failing: beat on without asks
-                ask_fd = None
-                continue
         n += 1
         struct.pack_into(_FORMAT, counter, _BEATS, n)
+        if again_fd in ready:
+            try:
+                again = os.read(again_fd, 64) if _identity(again_fd) == again_pipe else b""
+            except BlockingIOError:   # nothing after all
+                again = None
+            except OSError:
+                again = b""
+            if again:
+                _thread.interrupt_main()
+            elif again == b"":   # the cell's code closed or reused it: no more of these
+                poller.unregister(again_fd)
+        asked = ask_fd is not None and ask_fd in ready
         if not asked:
             continue
         try:

@@ -506,8 +506,31 @@ def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
     pg_guard.announce = emit
     rank_bars.install(emit)
     threading.excepthook = _thread_excepthook
+    sys.unraisablehook = _unraisable_hook
     script_end.begin()
     return main
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
+def _unraisable_hook(unraisable) -> None:
+    """A KeyboardInterrupt Python could not raise is raised again, not dropped.
+
+    Python runs some code where an exception cannot propagate: fork handlers
+    (``os.register_at_fork``: logging's runs in the parent after every fork,
+    and a DataLoader forks its workers every epoch), ``__del__``, weakref
+    callbacks.  The stop's SIGINT handled there raised a KeyboardInterrupt
+    that was printed as "Exception ignored" and dropped, and the loop ran on
+    (a plain torch script: 4 stops in 60; a session lost its state).  So the
+    interrupt is asked for again (:func:`liveness.interrupt_again`: the
+    heartbeat thread runs the SIGINT handler once more, as soon as the main
+    thread is past this place).  One that lands in such a place once more
+    comes back here, until it lands where it can raise.
+    """
+    if issubclass(unraisable.exc_type, KeyboardInterrupt) and liveness.interrupt_again():
+        return
+    _previous_unraisablehook(unraisable)
 
 
 #: A session rank: True while it runs a cell's code (SIGINT raises there);
@@ -571,8 +594,10 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
             _in_cell = False
     except SystemExit as exc:
         event, code = _exit_event(exc)
+        _hold(exc)
     except BaseException as exc:
         event, code = _failure(exc, exc.__traceback__.tb_next), 1
+        _hold(exc)
         if session and isinstance(exc, KeyboardInterrupt):   # a stop: did it keep the ranks in step?
             event["in_world"] = _in_world()
             if getattr(exc, "accel_magics_agreed_step", None) is not None:
@@ -616,6 +641,30 @@ def describe(value) -> tuple[str, Optional[int]]:
         return "?", None
 
 
+#: The exception that ended the cell, kept until the rank has reported it.
+_held: Optional[BaseException] = None
+
+
+def _hold(exc: BaseException) -> None:
+    """Keep the cell's exception (its traceback, the frames in it, what they
+    hold) until the rank has said how the cell ended (:func:`_release`).
+    Dropped at the end of the ``except``, the frames' objects were finalized
+    before the report: a DataLoader iterator's ``__del__`` joins its workers
+    for up to 5 s each, so a stopped session rank, already out of the cell,
+    was not back within the recall's wait and the session was lost (a
+    hostile run: 1 stop in 40), and a one-shot rank's failure reached its
+    peers that much later."""
+    global _held
+    _held = exc
+
+
+def _release() -> None:
+    """Let the cell's exception go, after its report (see :func:`_hold`): what
+    its frames held is finalized now (a DataLoader's workers end here)."""
+    global _held
+    _held = None
+
+
 def _exit_event(exc: SystemExit) -> tuple[dict, int]:
     """sys.exit() in a cell: 0 or None finishes it (a result with no value), else a failure."""
     if exc.code in (None, 0):
@@ -648,11 +697,13 @@ def _execute(spec: dict, local_rank: int) -> int:
     if _in_forked_child(event):
         return code
     if event["kind"] == "result":
+        _release()         # sys.exit(0): its frames' objects finalized as the script's end begins
         script_end.end()   # the cell ends as a script does: its threads, then its atexit handlers
         _emit_last(event)
     else:
         rank_bars.flush()
         emit(event)        # the failure first: the run stops the other ranks at once
+        _release()
         script_end.end()   # then as a script that raised: its threads, its atexit handlers (bounded:
                            # the supervisor kills it RANK_GRACE after the stop)
     return code
@@ -751,6 +802,7 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
             return code
         event["cell"] = cell["run_id"]
         _emit_last(event)
+        _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
         _cell_begun = False
 
 

@@ -438,7 +438,7 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
             out.append("the cell's thread: (not in the dump" +
                        (": faulthandler lists 100 threads)" if title == _UNKNOWN_CUT else ")"))
             continue
-        out.append("the cell's thread:" if frames else "the cell's thread: (its code had not started)")
+        out.append("the cell's thread:" if frames else f"the cell's thread: {OUTSIDE_THE_CELL}")
         out.extend(render(frames))
     for title, frames in busy:
         out.append(title.replace("Thread", "thread", 1))
@@ -457,6 +457,9 @@ def user_stack(text: str, sources: Optional[dict] = None) -> str:
 
 
 NO_STACK = "a place it gave no stack for"
+#: The cell's thread in accel_magics' own code: the stop came as the rank
+#: began the cell, or as it reported how the cell ended.
+OUTSIDE_THE_CELL = "(in accel_magics' own code: its code had not started, or had ended)"
 _DECORATOR_FRAMES = {"wrapper", "inner", "_fn", "decorate_context", "wrapped"}
 
 
