@@ -81,6 +81,17 @@ def ok_cell(k, body: str, flags: str = "", timeout: float = 60):
     return res
 
 
+def stop_once_every_rank_said(k, word: str, ranks=(0, 1)):
+    """An ``on_output`` that presses the stop button once, when every rank printed ``word``."""
+    fired = []
+
+    def on_output(text: str) -> None:
+        if not fired and all(f"[rank {r}] {word}" in text for r in ranks):
+            fired.append(True)
+            k.interrupt()
+    return on_output
+
+
 ACCELERATE_SETUP = '''
 import torch
 
@@ -205,13 +216,9 @@ def test_a_stop_without_a_process_group_says_the_ranks_may_differ(session):
     x = 63 and rank 1 x = 64, and nothing said it could happen."""
     k = session
 
-    def stop_when_running(text, fired=[]):
-        if "[rank 1] looping" in text and "[rank 0] looping" in text and not fired:
-            fired.append(True)
-            k.interrupt()
     res = k.run("%%distributed --session --output text\nimport time\nx = 0\n"
                 "print('looping', flush=True)\nwhile True:\n    x += 1\n    time.sleep(0.001)\n",
-                on_output=stop_when_running, timeout=60)
+                on_output=stop_once_every_rank_said(k, "looping"), timeout=60)
     assert res.error["ename"] == "RunInterrupted", res.error_text
     assert "The session lives on" in res.error_text and "their state may differ" in res.error_text, res.error_text
 
@@ -226,16 +233,12 @@ def test_a_stop_that_lands_in_a_fork_handler_still_brings_the_ranks_back(session
     makes the stop land in it nearly every time."""
     k = session
 
-    def stop_when_forking(text, fired=[]):
-        if "[rank 0] forking" in text and "[rank 1] forking" in text and not fired:
-            fired.append(True)
-            k.interrupt()
     res = k.run("%%distributed --session --output text\nimport os, time\n"
                 "os.register_at_fork(after_in_parent=lambda: time.sleep(0.05))\n"
                 "print('forking', flush=True)\nforks = 0\n"
                 "while True:\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
                 "    os.waitpid(pid, 0)\n    forks += 1\n",
-                on_output=stop_when_forking, timeout=60)
+                on_output=stop_once_every_rank_said(k, "forking"), timeout=60)
     assert res.error["ename"] == "RunInterrupted", res.error_text
     assert "The session lives on" in res.error_text, res.error_text
     assert "Exception ignored" not in res.stdout + res.stderr, res.stdout + res.stderr
@@ -252,15 +255,11 @@ def test_a_stop_whose_frames_hold_a_slow_finalizer_keeps_the_session(session):
     recall's wait."""
     k = session
 
-    def stop_when_looping(text, fired=[]):
-        if "[rank 0] looping" in text and "[rank 1] looping" in text and not fired:
-            fired.append(True)
-            k.interrupt()
     res = k.run("%%distributed --session --output text\nimport time\n"
                 f"class Slow:\n    def __del__(self):\n        time.sleep({RECALL_WAIT + 1})\n"
                 "def loop():\n    held = Slow()\n    print('looping', flush=True)\n"
                 "    while True:\n        time.sleep(0.01)\n"
-                "loop()\n", on_output=stop_when_looping, timeout=60)
+                "loop()\n", on_output=stop_once_every_rank_said(k, "looping"), timeout=60)
     assert res.error["ename"] == "RunInterrupted", res.error_text
     assert "The session lives on" in res.error_text, res.error_text
     res = ok_cell(k, "print('next')")   # begins once the finalizer is done
