@@ -173,6 +173,8 @@ def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(l
     # frozen here the moment its run is reported: its ranks stay parked, it
     # never exits, and the spare must appear all the same.
     import signal
+
+    from accel_magics.kernel_ext.supervisor.native_stacks import state
     from kernel_harness import wait_until
 
     zygote = launcher.proc.pid
@@ -181,13 +183,25 @@ def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(l
     # saw that replacement here.  The same cell once before, so that the
     # observed run teaches the launcher nothing.
     run(launcher, "import os\nos.getppid()", n=2)
-    # Earlier runs' supervisors end while the next run goes on (slowly on a
-    # loaded machine): only the spare is left before the observed run.
-    wait_until(lambda: len(_children(zygote)) == 1, 30, "the earlier runs' supervisors to end")
-    result, _ = run(launcher, "import os\nos.getppid()", n=2)
-    assert result.new_modules == [], result.new_modules
-    old = result.value
-    os.kill(old, signal.SIGSTOP)
+    for _ in range(5):
+        # Earlier runs' supervisors end while the next run goes on (slowly on a
+        # loaded machine): only the spare is left before the observed run.
+        wait_until(lambda: len(_children(zygote)) == 1, 30, "the earlier runs' supervisors to end")
+        result, _ = run(launcher, "import os\nos.getppid()", n=2)
+        assert result.new_modules == [], result.new_modules
+        old = result.value
+        try:
+            os.kill(old, signal.SIGSTOP)
+        except ProcessLookupError:   # it ended before this test could freeze it (a test preempted): again
+            continue
+        # Frozen (T), or it had exited already (a zombie, gone): then again.
+        wait_until(lambda: state(old) in ("T", "t", "Z", "X", ""), 10, "the SIGSTOP to land")
+        if state(old) in ("T", "t") and old in _children(zygote):
+            break
+        if state(old):
+            os.kill(old, signal.SIGCONT)
+    else:
+        pytest.fail("the observed run's supervisor ended each time before the test could freeze it")
     try:
         wait_until(lambda: _children(zygote) - {old}, 30, "the next run's spare while the last run ends")
         (spare,) = _children(zygote) - {old}
