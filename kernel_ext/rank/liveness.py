@@ -139,6 +139,29 @@ _again: Optional[tuple] = None   # the pipe interrupt_again wakes the heartbeat 
 _again_pid = 0                   # ... of this process (a child the rank forked has a copy, not a heartbeat)
 
 
+_deferring: set = set()   # code objects: the main thread in one of them is not interrupted (see defer_in)
+
+
+def defer_in(code) -> None:
+    """Never run the re-asked interrupt while the main thread is in ``code``
+    (the hook that asks: an interrupt raised there is dropped for good)."""
+    _deferring.add(code)
+
+
+def _interrupt_main_outside(codes: set, tries: int = 200) -> None:
+    """``_thread.interrupt_main()``, once the main thread is in none of
+    ``codes`` (looked at under the GIL, so it cannot move in between); a
+    millisecond between looks, at most ``tries`` of them."""
+    for _ in range(tries):
+        frame = sys._current_frames().get(_main_ident)
+        while frame is not None and frame.f_code not in codes:
+            frame = frame.f_back
+        if frame is None:
+            break
+        time.sleep(0.001)
+    _thread.interrupt_main()
+
+
 def interrupt_again() -> bool:
     """The SIGINT handler run once more in the main thread, asked from the
     heartbeat thread: for a KeyboardInterrupt Python dropped (a fork handler,
@@ -192,7 +215,7 @@ def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
             except OSError:
                 again = b""
             if again:
-                _thread.interrupt_main()
+                _interrupt_main_outside(_deferring)
             elif again == b"":   # the cell's code closed or reused it: no more of these
                 poller.unregister(again_fd)
         asked = ask_fd is not None and ask_fd in ready

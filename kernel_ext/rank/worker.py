@@ -528,9 +528,17 @@ def _unraisable_hook(unraisable) -> None:
     thread is past this place).  One that lands in such a place once more
     comes back here, until it lands where it can raise.
     """
-    if issubclass(unraisable.exc_type, KeyboardInterrupt) and liveness.interrupt_again():
-        return
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        try:
+            if liveness.interrupt_again():
+                return
+        except KeyboardInterrupt:   # another one (the second SIGINT) landed here: ask for it instead
+            liveness.interrupt_again()
+            return
     _previous_unraisablehook(unraisable)
+
+
+liveness.defer_in(_unraisable_hook.__code__)
 
 
 #: A session rank: True while it runs a cell's code (SIGINT raises there);
