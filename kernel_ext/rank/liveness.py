@@ -191,6 +191,17 @@ def _identity(fd: int) -> Optional[tuple]:
         return None
 
 
+def _take(fd: int, pipe: Optional[tuple]) -> Optional[bytes]:
+    """What waits on our pipe ``fd``: None if nothing after all; b"" if it is
+    closed, or no longer ours (the cell's code closed or reused the number)."""
+    try:
+        return os.read(fd, 64) if _identity(fd) == pipe else b""
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
     n = 1
     ask_pipe = _identity(ask_fd) if ask_fd is not None else None
@@ -208,12 +219,7 @@ def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
         n += 1
         struct.pack_into(_FORMAT, counter, _BEATS, n)
         if again_fd in ready:
-            try:
-                again = os.read(again_fd, 64) if _identity(again_fd) == again_pipe else b""
-            except BlockingIOError:   # nothing after all
-                again = None
-            except OSError:
-                again = b""
+            again = _take(again_fd, again_pipe)
             if again:
                 _interrupt_main_outside(_deferring)
             elif again == b"":   # the cell's code closed or reused it: no more of these
@@ -221,12 +227,9 @@ def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
         asked = ask_fd is not None and ask_fd in ready
         if not asked:
             continue
-        try:
-            asks = os.read(ask_fd, 64) if _identity(ask_fd) == ask_pipe else b""
-        except BlockingIOError:
+        asks = _take(ask_fd, ask_pipe)
+        if asks is None:
             continue
-        except OSError:
-            asks = b""
         if asks:
             try:
                 _dump(counter)
