@@ -32,7 +32,7 @@ import select
 import struct
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..timing import BEAT_INTERVAL
 
@@ -137,6 +137,7 @@ def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None)
 
 _again: Optional[tuple] = None   # the pipe interrupt_again wakes the heartbeat thread with
 _again_pid = 0                   # ... of this process (a child the rank forked has a copy, not a heartbeat)
+_again_if: Optional[Callable[[], bool]] = None   # the last ask's "is it still wanted?" (see interrupt_again)
 
 
 _deferring: set = set()   # code objects: the main thread in one of them is not interrupted (see defer_in)
@@ -148,10 +149,13 @@ def defer_in(code) -> None:
     _deferring.add(code)
 
 
-def _interrupt_main_outside(codes: set, tries: int = 200) -> None:
+def _interrupt_main_outside(codes: set, wanted: Optional[Callable[[], bool]], tries: int = 200) -> None:
     """``_thread.interrupt_main()``, once the main thread is in none of
     ``codes`` (looked at under the GIL, so it cannot move in between); a
-    millisecond between looks, at most ``tries`` of them."""
+    millisecond between looks, at most ``tries`` of them.  Not at all if
+    ``wanted`` says the interrupt is no longer wanted, asked right before
+    (the main thread moved on meanwhile: the interrupt would land in what
+    came next)."""
     for _ in range(tries):
         frame = sys._current_frames().get(_main_ident)
         while frame is not None and frame.f_code not in codes:
@@ -159,20 +163,31 @@ def _interrupt_main_outside(codes: set, tries: int = 200) -> None:
         if frame is None:
             break
         time.sleep(0.001)
+    try:
+        if wanted is not None and not wanted():
+            return
+    except Exception:   # pragma: no cover - the check is worker code; a broken one asks as before
+        pass
     _thread.interrupt_main()
 
 
-def interrupt_again() -> bool:
+def interrupt_again(still_wanted: Optional[Callable[[], bool]] = None) -> bool:
     """The SIGINT handler run once more in the main thread, asked from the
     heartbeat thread: for a KeyboardInterrupt Python dropped (a fork handler,
     ``__del__``: see worker._unraisable_hook).  Asked from here, where the
     interrupt was dropped, the handler would run here again and be dropped
     again; the heartbeat thread gets the GIL only once the main thread lets
     go of it (a system call, the switch interval), by then past this place.
-    The byte is written keeping the GIL for the same reason.  Whether it was
-    asked (not in a process without a heartbeat)."""
+    The byte is written keeping the GIL for the same reason.
+
+    ``still_wanted`` is called in the heartbeat thread under the GIL just
+    before it interrupts: a session rank whose cell ended meanwhile (the
+    interrupt was dropped in its last finalizer) must not carry it into the
+    next cell.  Whether it was asked (not in a process without a heartbeat)."""
+    global _again_if
     if _again is None or os.getpid() != _again_pid:
         return False
+    _again_if = still_wanted
     try:
         _write_holding_gil(_again[1], b"i")
     except OSError:   # a full pipe: asked already
@@ -221,7 +236,7 @@ def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
         if again_fd in ready:
             again = _take(again_fd, again_pipe)
             if again:
-                _interrupt_main_outside(_deferring)
+                _interrupt_main_outside(_deferring, _again_if)
             elif again == b"":   # the cell's code closed or reused it: no more of these
                 poller.unregister(again_fd)
         asked = ask_fd is not None and ask_fd in ready

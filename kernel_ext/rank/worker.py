@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import faulthandler
+import functools
 import io
 import itertools
 import linecache
@@ -527,15 +528,27 @@ def _unraisable_hook(unraisable) -> None:
     heartbeat thread runs the SIGINT handler once more, as soon as the main
     thread is past this place).  One that lands in such a place once more
     comes back here, until it lands where it can raise.
+
+    In a session it is asked for this cell only: dropped in the cell's last
+    finalizer, it is no longer wanted once the rank is back at its prompt or
+    in the next cell (:func:`_still_in`).
     """
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        wanted = functools.partial(_still_in, _cell_id, _cell_begun)
         try:
-            if liveness.interrupt_again():
+            if liveness.interrupt_again(wanted):
                 return
         except KeyboardInterrupt:   # another one (the second SIGINT) landed here: ask for it instead
-            liveness.interrupt_again()
+            liveness.interrupt_again(wanted)
             return
     _previous_unraisablehook(unraisable)
+
+
+def _still_in(cell_id: str, begun: bool) -> bool:
+    """Is the rank still where an interrupt was dropped: the same session
+    cell, not yet back at its prompt?  (A one-shot rank has one cell: its
+    id and ``_cell_begun`` never change, so always.)"""
+    return _cell_id == cell_id and _cell_begun == begun
 
 
 liveness.defer_in(_unraisable_hook.__code__)
