@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -66,8 +67,11 @@ def torchrun(script: str, tmp_path, nproc: int = 2) -> dict[int, list[str]]:
     # dir and keeps it: the test's own, not the user's.
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, **COMMON_ENV, "TMPDIR": str(tmp_path / "tmp")}
+    with socket.socket() as probe:   # not torchrun's fixed 29500: another job on the machine may hold it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--tee", "1", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           "--master_port", str(port), "--tee", "1", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=400)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return _by_rank(proc.stdout, r"\[default(\d+)\]:(.*)$")

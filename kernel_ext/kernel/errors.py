@@ -81,8 +81,7 @@ class DistributedRunError(ReportedError, RuntimeError):
                 parts.append(f"rank {f.rank}: {f.summary}{note}\n")
             for rank, what in sorted(self.others.items()):
                 parts.append(f"rank {rank}: {what}\n")
-        if self.stacks:
-            parts.append(format_stacks(self.stacks))
+        parts.append(format_stacks(self.stacks))
         return "".join(parts)
 
 
@@ -97,7 +96,11 @@ NO_STACK = ("no stack came back: the process did not run when asked (stopped by 
 
 
 def format_stacks(stacks: dict[int, str], unfinished=()) -> str:
-    """Each rank's stack; an ``unfinished`` rank without one is named too, not left out."""
+    """Each rank's stack; an ``unfinished`` rank without one is named too, not
+    left out.  Nothing where no stack came at all (the kernel killed the
+    supervisor itself: its note says so)."""
+    if not stacks:
+        return ""
     parts = ["\n--- where each unfinished rank was (most recent call first) ---\n"]
     for rank in sorted(set(stacks) | set(unfinished)):
         text = stacks.get(rank)
@@ -125,7 +128,7 @@ class DistributedTimeoutError(ReportedError, TimeoutError):
         )
 
     def report(self) -> str:
-        return super().report() + self.note + "\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
+        return super().report() + self.note + "\n" + format_stacks(self.stacks, self.unfinished)
 
 
 class DistributedStallError(ReportedError, TimeoutError):
@@ -154,7 +157,7 @@ class DistributedStallError(ReportedError, TimeoutError):
         )
 
     def report(self) -> str:
-        return super().report() + "\n" + (format_stacks(self.stacks) if self.stacks else "")
+        return super().report() + "\n" + format_stacks(self.stacks)
 
 
 class RunInterrupted(ReportedError, KeyboardInterrupt):
@@ -177,7 +180,7 @@ class RunInterrupted(ReportedError, KeyboardInterrupt):
         return cls({}, [], message=f"interrupted: nothing ran; {why}. Run the cell again")
 
     def report(self) -> str:
-        return f"RunInterrupted: {self}{self.note}\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
+        return f"RunInterrupted: {self}{self.note}\n" + format_stacks(self.stacks, self.unfinished)
 
 
 class RunStopped(ReportedError, RuntimeError):
@@ -198,7 +201,7 @@ class RunStopped(ReportedError, RuntimeError):
         super().__init__(f"{label} was stopped: {stopped}")
 
     def report(self) -> str:
-        return f"RunStopped: {self}{self.note}\n" + (format_stacks(self.stacks, self.unfinished) if self.stacks else "")
+        return f"RunStopped: {self}{self.note}\n" + format_stacks(self.stacks, self.unfinished)
 
 
 class WaitStopped(ReportedError, KeyboardInterrupt):

@@ -66,12 +66,20 @@ def apart_note(outcome, ranks: int) -> str:
             f"{FORCE_AFTER:g} s of the stop)," + _APART)
 
 
+def _lost_why(msg: dict) -> Optional[str]:
+    """Why the supervisor says it lost the session, if ``msg`` says so."""
+    if msg.get("kind") == "session_lost" or (msg.get("kind") == "finished" and msg.get("lost")):
+        return msg.get("lost") or "its ranks ended"
+    return None
+
+
 def _ended_by_itself(msg: dict) -> Optional[str]:
     """What a message of the session's end says ended it before the stop did:
     its supervisor's "session lost", or a rank that died of a signal nobody
     of ours sent (the out-of-memory killer, a kill -9)."""
-    if msg.get("kind") == "session_lost" or (msg.get("kind") == "finished" and msg.get("lost")):
-        return msg.get("lost") or "its ranks ended"
+    why = _lost_why(msg)
+    if why is not None:
+        return why
     if msg.get("kind") == "exit" and msg.get("signal") and not msg.get("stopped"):
         return f"rank {msg['rank']} killed by {msg['signal']}"
     return None
@@ -273,7 +281,7 @@ class DistributedSession:
             except Exception:
                 continue
             if content.get("kind") == "session_lost":
-                why = content.get("lost") or "its ranks ended"
+                why = _lost_why(content)
         return why
 
     # -- cells ------------------------------------------------------------------------
