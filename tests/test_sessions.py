@@ -747,6 +747,7 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
     from cases import memfds
     k = kernel
     fds_before = len(os.listdir(f"/proc/{k.pid}/fd"))
+    shm_before = set(os.listdir("/dev/shm"))   # another job's torch or accel files are not this test's
     k.ok(START)
     k.ok("import numpy as np\nbig = np.ones(2_000_000)")   # 16 MB: shipped through shared memory
     ok_cell(k, "import os\nrank = int(os.environ['RANK'])\nn = 0")
@@ -780,7 +781,7 @@ def test_fifty_mixed_session_cells_then_a_stop_leave_nothing(kernel):
     # run's) every 10 s once the thread is gone.
     wait_until(lambda: len(os.listdir(f"/proc/{k.pid}/fd")) <= fds_before + 2, 25,
                "the kernel's fds to come back to what they were")
-    assert not [p for p in os.listdir("/dev/shm") if "accel" in p or "torch" in p]
+    assert not [p for p in set(os.listdir("/dev/shm")) - shm_before if "accel" in p or "torch" in p]
 
 
 def test_a_sessions_rank_keeps_the_big_global_it_was_sent_when_the_kernel_changes_it(session):
