@@ -55,7 +55,7 @@ from ..wire.messages import Kind, RankEvent, StopReason
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
-    SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE,
+    SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE, SLURM_AGENT_LOOK as AGENT_LOOK,
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
@@ -430,6 +430,8 @@ class SlurmRun(Attempt):
         self._presses = self._pressed = 0   # stops asked (any thread) / carried out (the reading thread)
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
         self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
+        self.look_at = time.monotonic() + AGENT_LOOK
+        self.unreachable: set[int] = set()   # nodes whose agent the last look could not reach
         self._dispatch(payload, log_dir, excerpt, attempt)
 
     #: Added to every command for this attempt's nodes (a session cell's: which session).
@@ -545,10 +547,7 @@ class SlurmRun(Attempt):
         node = msg.get("node")
         if msg.get("reason") == StopReason.TERMINATED and not self.agents.connected(node):
             # Its launcher ended with its agent (killed, crashed), which stopped the run there.
-            self.finished = True
-            name = self.agents.nodes[node]["nodename"]
-            raise self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it "
-                              "crashed), so that node's ranks were stopped; the next cell starts the agents again")
+            raise self._agent_gone(node)
         self.pending[node] = msg
         if msg.get("reason") not in (None, StopReason.INTERRUPT) or msg.get("session") == "lost":
             self._peers_failed(node)
@@ -594,6 +593,9 @@ class SlurmRun(Attempt):
             self.forced = "srun (the node agents) ended during the run"
             self.finished = True
             raise self._ended("the node agents ended during the run (srun exited):\n" + self.agents.log_tail())
+        if now >= self.look_at:
+            self.look_at = now + AGENT_LOOK
+            self._look_at_agents()
         for node, at in list(self.exited.items()):
             if self.pending.get(node) is None and now >= at:
                 self.finished = True
@@ -614,6 +616,26 @@ class SlurmRun(Attempt):
             self.finished = True
             return True
         return False
+
+    def _agent_gone(self, node: int) -> LauncherError:
+        self.finished = True
+        name = self.agents.nodes[node]["nodename"]
+        return self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it crashed), so "
+                           "that node's ranks were stopped or never started; the next cell starts the agents again")
+
+    def _look_at_agents(self) -> None:
+        """An agent that died just before the run reached it never ran its part
+        and never says so: the kernel's socket still had its connection when
+        the run was sent (the close is seen a moment later), and srun lives on
+        while another node's task does.  The other nodes' ranks would wait in
+        the rendezvous for it.  So each agent of a node still running is
+        pinged every ``AGENT_LOOK``; one unreachable in two looks in a row is
+        gone (a live agent whose connection broke reconnects within one)."""
+        now_unreachable = {node for node, done in self.pending.items()
+                           if done is None and not self.agents.connected(node)}
+        for node in sorted(now_unreachable & self.unreachable):
+            raise self._agent_gone(node)
+        self.unreachable = now_unreachable
 
     def _ended(self, message: str) -> LauncherError:
         """The error for a node or the agents gone mid-run: the allocation's end
