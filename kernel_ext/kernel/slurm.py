@@ -631,8 +631,8 @@ class SlurmRun(Attempt):
         the rendezvous for it.  So each agent of a node still running is
         pinged every ``AGENT_LOOK``; one unreachable in two looks in a row is
         gone (a live agent whose connection broke reconnects within one)."""
-        now_unreachable = {node for node, done in self.pending.items()
-                           if done is None and not self.agents.connected(node)}
+        running = [node for node, done in self.pending.items() if done is None]
+        now_unreachable = set(self.agents.send_all(running, {"op": "ping"}))   # one signed ping for all
         for node in sorted(now_unreachable & self.unreachable):
             raise self._agent_gone(node)
         self.unreachable = now_unreachable
