@@ -12,7 +12,7 @@ import zmq
 from accel_magics.kernel_ext.kernel import events as ev
 from accel_magics.kernel_ext import wire
 from accel_magics.kernel_ext.environment import LaunchConfig
-from accel_magics.kernel_ext.kernel.errors import DistributedRunError, root_cause
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, RendezvousError, root_cause
 from accel_magics.kernel_ext.wire.payload import build_payload
 from accel_magics.kernel_ext.kernel.run import execute
 
@@ -592,3 +592,27 @@ def test_progress_helper_reports_structured_progress(launcher):
 def test_progress_helper_is_a_no_op_outside_a_rank():
     import accel_magics
     assert accel_magics.progress(1, 2) is None
+
+
+def test_a_port_taken_before_the_run_binds_it_ends_the_run_saying_so(launcher):
+    """One node: the supervisor binds the rendezvous port as the ranks get the
+    spec.  Taken by another process since the kernel chose it, the run ends
+    with an error that names it; "started" is still the run's first message
+    (the supervisor says it before any other), and the next run works."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        handle = launcher.launch(LaunchConfig(num_processes=2, master_port=port), build_payload("x = 1\n", {}))
+        kinds = [m["kind"] for m in handle.messages()]
+        handle.close()
+        assert kinds[0] == "started" and "rendezvous_failed" in kinds and kinds[-1] == "finished", kinds
+        with pytest.raises(RendezvousError) as info:
+            execute(launcher, LaunchConfig(num_processes=2, master_port=port), build_payload("x = 1\n", {}))
+    finally:
+        taken.close()
+    assert f"127.0.0.1:{port}" in str(info.value) and "Address already in use" in str(info.value)
+    assert run(launcher, "1 + 1")[0].value == 2

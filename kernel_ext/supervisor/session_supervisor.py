@@ -202,7 +202,6 @@ class SessionSupervisor(Supervisor):
             r.stack, r.native, r.done_time, r.cpu_seen, r.asked_at = bytearray(), "", 0.0, None, None
             r.last_output = time.monotonic()
             r.excerpt = Excerpt(*excerpt) if excerpt else None
-        self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks}, "supervisor": os.getpid()})
         frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"]},
                              protocol=pickle.HIGHEST_PROTOCOL)
         for r in self.ranks:
@@ -210,6 +209,9 @@ class SessionSupervisor(Supervisor):
                 wire.write_frame(r.go, frame)
             except (BrokenPipeError, TypeError):   # TypeError: its go pipe is closed (None)
                 r.back = True   # it died at its prompt: its exit ends the session (see _reap)
+        # The ranks have the cell first; the kernel hears while they run (as a one-shot run's _start).
+        self.said_started = False
+        self._say_started()
 
     def _sources(self) -> dict:
         return self.cell_sources

@@ -86,6 +86,7 @@ class Supervisor:
         self.flush_due: Optional[float] = None
         self.rdzv = None
         self.spec: dict = {}
+        self.said_started = False
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
@@ -244,8 +245,12 @@ class Supervisor:
                 rank.excerpt = Excerpt(*excerpt)
             if spec.get("attempt"):
                 self.logs.note(rank.rank, f"--- attempt {spec['attempt'] + 1} of {spec['max_restarts'] + 1} ---")
-        self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks},
-                    "supervisor": os.getpid()})
+        # One node: the ranks get the spec first and the kernel hears of them
+        # while they run (0.3 ms off the cell); several: first, the view
+        # says who waits for the other nodes.  Either way "started" is the
+        # run's first message (see _say_started).
+        if spec["num_nodes"] > 1:
+            self._say_started()
         self._rendezvous(spec)
         if spec["num_nodes"] > 1 and self.stopping is None:
             self._send({"kind": "released"})   # the kernel's rendezvous backstop ends here
@@ -259,6 +264,13 @@ class Supervisor:
             else:
                 r.signalled = True   # never released: EOF ends it
             r.release()
+        self._say_started()
+
+    def _say_started(self) -> None:
+        """The run's first message, once (before any other: see _rendezvous_failed)."""
+        if not self.said_started:
+            self.said_started = True
+            self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks}, "supervisor": os.getpid()})
 
     # -- rendezvous -------------------------------------------------------------
     def _poll(self, timeout: Optional[float]) -> None:
@@ -365,6 +377,7 @@ class Supervisor:
                                         f"{type(exc).__name__}: {exc}")
 
     def _rendezvous_failed(self, message: str) -> None:
+        self._say_started()
         self._send({"kind": "rendezvous_failed", "message": message})
         self.stopping = "rendezvous"
         self.kill_deadline = time.monotonic() + self.grace
