@@ -23,6 +23,7 @@ from typing import NoReturn, Optional
 from .. import wire
 from ..wire import transport
 from ..rank import worker
+from .rendezvous import NodeRendezvous
 from .rank_process import RankProcess, fork_idle_rank, set_nonblocking
 from .session_supervisor import SessionSupervisor
 from .supervisor import PR_SET_CHILD_SUBREAPER, SIGNALS, Supervisor
@@ -104,6 +105,11 @@ class Spare:
         # Walk the signing path once while idle: its first use after the fork
         # (copy-on-write faults, lazy imports) would otherwise cost the run ~0.5 ms.
         self.session.serialize(self.session.msg("run_event", {"kind": "warm-up", "pids": {0: 1}}))
+        self.session.key = wire.new_key()   # and the key's change (traitlets, a new HMAC), as the spec's will
+        # ... and a one-node rendezvous's first step: a loopback listener (an ephemeral port, closed at once).
+        rdzv = NodeRendezvous("127.0.0.1", 0, 1, 0, 1.0)
+        rdzv.listen()
+        rdzv.close()
 
     def wait_for_spec(self) -> Optional[tuple]:
         """Block until the zygote hands over a run (None: it dropped this spare)."""
@@ -127,6 +133,7 @@ def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str,
         spare.install_signals()
         spare.prefork(prefork)
         spare.connect(events_addr, events_keys)   # after the last fork: ZMQ starts a thread
+        ahead = Supervisor(spare)    # the usual kind, built while idle (its first use costs page faults)
         handed = spare.wait_for_spec()
         if handed is None:           # the zygote is gone or dropped the spare
             spare.abandon()
@@ -136,5 +143,4 @@ def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str,
     except BaseException:
         spare.abandon()
         os._exit(1)
-    kind = SessionSupervisor if spec.get("session") else Supervisor
-    kind(spare).serve(key, spec, spec_bytes)
+    (SessionSupervisor(spare) if spec.get("session") else ahead).serve(key, spec, spec_bytes)
