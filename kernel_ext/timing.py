@@ -35,6 +35,7 @@ REAP_WAIT = 5.0           # after "finished", how long ranks get to end before S
 DRAIN_WAIT = 2.0          # after a rank exits, how long its pipes get to reach EOF
 RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 FLUSH_INTERVAL = 0.05     # output is batched like ipykernel's streams
+STARTED_NOTE = 0.02       # one node: "started" goes with the ranks' first message, or after this (not while they start)
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat

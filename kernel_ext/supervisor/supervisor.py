@@ -43,7 +43,7 @@ from .run_state import RunState, tell
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
-    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE,
+    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -87,6 +87,7 @@ class Supervisor:
         self.rdzv = None
         self.spec: dict = {}
         self.said_started = False
+        self.started_due: Optional[float] = None
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
@@ -264,10 +265,14 @@ class Supervisor:
             else:
                 r.signalled = True   # never released: EOF ends it
             r.release()
-        self._say_started()
+        if spec["num_nodes"] > 1 or self.stopping is not None:
+            self._say_started()
+        else:   # said with the first other message, or soon: not while the ranks start (see STARTED_NOTE)
+            self.started_due = time.monotonic() + STARTED_NOTE
 
     def _say_started(self) -> None:
-        """The run's first message, once (before any other: see _rendezvous_failed)."""
+        """The run's first message, once (before any other: see _send)."""
+        self.started_due = None
         if not self.said_started:
             self.said_started = True
             self._send({"kind": "started", "pids": {r.rank: r.pid for r in self.ranks}, "supervisor": os.getpid()})
@@ -377,7 +382,6 @@ class Supervisor:
                                         f"{type(exc).__name__}: {exc}")
 
     def _rendezvous_failed(self, message: str) -> None:
-        self._say_started()
         self._send({"kind": "rendezvous_failed", "message": message})
         self.stopping = "rendezvous"
         self.kill_deadline = time.monotonic() + self.grace
@@ -531,6 +535,8 @@ class Supervisor:
             self._wait_all(CHECKED)
 
     def _send(self, content: dict) -> None:
+        if not self.said_started:
+            self._say_started()
         content["run_id"] = self.spec["run_id"]
         content["node_rank"] = self.spec["node_rank"]   # several nodes may report to one reader
         self.session.send(self.sock, "run_event", content)
@@ -549,7 +555,7 @@ class Supervisor:
 
     def _deadlines(self) -> list:
         """Every deadline the loop must wake up for (None: not set)."""
-        return [self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline, self.remote_check,
+        return [self.started_due, self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline, self.remote_check,
                 self.stall_check, self.resource_check]
 
     def _next_timeout(self) -> Optional[float]:
@@ -566,6 +572,8 @@ class Supervisor:
         stacks then the stop, the kill), whatever the kind of run; the hooks
         below are where a session's supervisor differs."""
         now = time.monotonic()
+        if self.started_due is not None and now >= self.started_due:
+            self._say_started()
         if self.remote_check is not None and now >= self.remote_check:
             self._check_remote()
         if self.stall_check is not None and now >= self.stall_check:
