@@ -194,3 +194,40 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
     # it saw (a comparison's view of the memory among them) until collected.
     gc.collect()
     assert _memfds() == 0
+
+
+def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread():
+    """The kernel compares a kept array with its shared copy on several
+    threads (memcmp, the GIL let go), each taking every n-th chunk: every
+    differing chunk is found whichever thread had it, the odd-sized last one
+    too; an interrupt on the main thread ends the comparison with no thread
+    left running over memory that may go next."""
+    import threading
+
+    import numpy as np
+
+    from accel_magics.kernel_ext.wire.payload import SharedCache
+
+    cache = SharedCache()
+    cache.CHUNK, cache.COMPARE_THREADS = 4096, 3
+    mine = np.zeros(4096 * 7 + 5, np.uint8)
+    theirs = mine.copy()
+    for at in (4096 * 1 + 9, 4096 * 3, 4096 * 5 + 4095, 4096 * 7 + 4):
+        theirs[at] = 1
+
+    class Held:
+        calls = 0
+        raise_at = None
+
+        def deliver(self):
+            Held.calls += 1
+            if Held.calls == Held.raise_at:
+                raise KeyboardInterrupt
+
+    found = cache._differing_chunks(mine.ctypes.data, theirs.ctypes.data, mine.nbytes, Held())
+    assert found == [4096 * 1, 4096 * 3, 4096 * 5, 4096 * 7]
+    assert cache._differing_chunks(mine.ctypes.data, mine.copy().ctypes.data, mine.nbytes, Held()) == []
+    Held.calls, Held.raise_at = 0, 2
+    with pytest.raises(KeyboardInterrupt):
+        cache._differing_chunks(mine.ctypes.data, theirs.ctypes.data, mine.nbytes, Held())
+    assert not [t for t in threading.enumerate() if t.name == "accel_magics-compare"]

@@ -12,6 +12,7 @@ import ast
 import builtins
 import contextlib
 import fcntl
+import functools
 import mmap
 import os
 import signal
@@ -357,6 +358,17 @@ class SharedArena:
         return {"fds": [], "size": self.size, "cache": None}
 
 
+@functools.lru_cache(maxsize=None)
+def _memcmp():
+    """libc's ``memcmp`` through ctypes (which lets the GIL go around it)."""
+    import ctypes
+
+    memcmp = ctypes.CDLL(None).memcmp
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return memcmp
+
+
 class SharedCache:
     """Big arrays already in shared memory, kept across cells (issue 27
     item 2): a 1 GB global used by cell after cell was written into fresh
@@ -381,7 +393,8 @@ class SharedCache:
     array gets a new memfd, and they keep the values they were sent.
     """
 
-    CHUNK = 16 << 20          # bytes compared at a time (a bounded temporary)
+    CHUNK = 16 << 20          # bytes compared at a time (between two, a stop is let through)
+    COMPARE_THREADS = 4       # at most this many threads compare (memory bandwidth, not cores, is the limit)
     WRITE_CHUNK = 128 << 20   # bytes written by one pwrite (between two, a stop is let through)
 
     def __init__(self, budget: Optional[int] = None) -> None:
@@ -465,36 +478,68 @@ class SharedCache:
         return fd, mapping
 
     def _up_to_date(self, view: memoryview, fd: int, mapping, held) -> bool:
-        """Compare ``view`` with the memfd chunk by chunk; at the first chunk
-        that differs, go on only if nobody holds a shared lock (then write
-        every differing chunk in place).  True: the memfd now holds
-        ``view``'s bytes; False: it differs and someone may see it."""
+        """Compare ``view`` with the memfd; where chunks differ, go on only if
+        nobody holds a shared lock (then write each differing chunk in
+        place).  True: the memfd now holds ``view``'s bytes; False: it
+        differs and someone may see it."""
         import numpy as np
 
-        mine, theirs = np.frombuffer(view, np.uint8), np.frombuffer(mapping, np.uint8)
-        step = self.CHUNK
-        locked = False
+        differ = self._differing_chunks(np.frombuffer(view, np.uint8).ctypes.data,
+                                        np.frombuffer(mapping, np.uint8).ctypes.data, view.nbytes, held)
+        if not differ:
+            return True
         try:
-            for start in range(0, view.nbytes, step):
-                held.deliver()   # a stop, between two chunks
-                stop = min(view.nbytes, start + step)
-                words = start + (stop - start) // 8 * 8
-                if np.array_equal(mine[start:words].view(np.uint64), theirs[start:words].view(np.uint64)) \
-                        and np.array_equal(mine[words:stop], theirs[words:stop]):
-                    continue
-                if not locked:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        return False
-                    locked = True
-                written = start
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            for start in differ:
+                held.deliver()   # a stop, between two chunks: the next cell compares again
+                written, stop = start, min(view.nbytes, start + self.CHUNK)
                 while written < stop:
                     written += os.pwrite(fd, view[written:stop], written)
             return True
         finally:
-            if locked:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _differing_chunks(self, mine: int, theirs: int, nbytes: int, held) -> list[int]:
+        """The starts of the ``CHUNK``-sized pieces where ``nbytes`` at the
+        addresses ``mine`` and ``theirs`` differ.
+
+        libc's ``memcmp`` (ctypes lets the GIL go), on up to
+        ``COMPARE_THREADS`` threads at once: a 512 MB array took 83 ms with
+        numpy's ``array_equal`` (a temporary, two passes), 70 ms with
+        ``memcmp``, 37 ms with two threads, on the bench's 2-core VM; a cell
+        that uses 1 GB of globals pays this every time.  The stop button is
+        let through between the main thread's chunks; the helpers stop at
+        their next chunk and are joined before the memory can go."""
+        starts = range(0, nbytes, self.CHUNK)
+        threads = max(1, min(self.COMPARE_THREADS, len(starts), len(os.sched_getaffinity(0))))
+        found: list[list[int]] = [[] for _ in range(threads)]
+        done = threading.Event()
+        memcmp = _memcmp()
+
+        def scan(part: int) -> None:
+            for start in starts[part::threads]:
+                if part == 0:
+                    held.deliver()
+                elif done.is_set():
+                    return
+                if memcmp(mine + start, theirs + start, min(self.CHUNK, nbytes - start)):
+                    found[part].append(start)
+
+        helpers = [threading.Thread(target=scan, args=(part,), name="accel_magics-compare", daemon=True)
+                   for part in range(1, threads)]
+        try:
+            for helper in helpers:
+                helper.start()
+            scan(0)
+        finally:
+            done.set()
+            for helper in helpers:
+                if helper.ident is not None:
+                    helper.join()
+        return sorted(start for part in found for start in part)
 
     def _drop(self, key: int) -> None:
         with self._lock:
