@@ -616,3 +616,26 @@ def test_a_port_taken_before_the_run_binds_it_ends_the_run_saying_so(launcher):
         taken.close()
     assert f"127.0.0.1:{port}" in str(info.value) and "Address already in use" in str(info.value)
     assert run(launcher, "1 + 1")[0].value == 2
+
+
+def test_a_spare_still_serves_where_its_warm_up_listener_is_refused(monkeypatch, tmp_path):
+    """A spare supervisor opens and closes a loopback listener while idle, to
+    take the rendezvous's first use off the cell.  Only a warm-up: where the
+    loopback refuses it (no 127.0.0.1 in a sandbox), the spare must still
+    connect and wait for its run; a run's own bind says what is wrong."""
+    from accel_magics.kernel_ext.supervisor.rendezvous import NodeRendezvous
+    from accel_magics.kernel_ext.supervisor.spare import Spare
+
+    def refuse(self):
+        raise OSError(99, "Cannot assign requested address")
+
+    monkeypatch.setattr(NodeRendezvous, "listen", refuse)
+    spare = Spare(control_fd=-1)
+    try:
+        spare.connect(f"ipc://{tmp_path}/events")
+        assert spare.session is not None and spare.sock is not None
+    finally:
+        if spare.sock is not None:
+            spare.sock.close(linger=0)
+            spare.ctx.term()
+        spare.sel.close()

@@ -106,9 +106,14 @@ class Spare:
         # (copy-on-write faults, lazy imports) would otherwise cost the run ~0.5 ms.
         self.session.serialize(self.session.msg("run_event", {"kind": "warm-up", "pids": {0: 1}}))
         self.session.key = wire.new_key()   # and the key's change (traitlets, a new HMAC), as the spec's will
-        # ... and a one-node rendezvous's first step: a loopback listener (an ephemeral port, closed at once).
+        # ... and a one-node rendezvous's first step: a loopback listener (an
+        # ephemeral port, closed at once).  Only a warm-up: a machine whose
+        # loopback refuses it still runs (the run's own bind says why).
         rdzv = NodeRendezvous("127.0.0.1", 0, 1, 0, 1.0)
-        rdzv.listen()
+        try:
+            rdzv.listen()
+        except OSError:
+            pass
         rdzv.close()
 
     def wait_for_spec(self) -> Optional[tuple]:
