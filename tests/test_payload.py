@@ -196,7 +196,7 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
     assert _memfds() == 0
 
 
-def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread():
+def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread(monkeypatch):
     """The kernel compares a kept array with its shared copy on several
     threads (memcmp, the GIL let go), each taking every n-th chunk: every
     differing chunk is found whichever thread had it, the odd-sized last one
@@ -206,6 +206,7 @@ def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread():
 
     import numpy as np
 
+    from accel_magics.kernel_ext.wire import payload
     from accel_magics.kernel_ext.wire.payload import SharedCache
 
     cache = SharedCache()
@@ -226,6 +227,28 @@ def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread():
 
     found = cache._differing_chunks(mine.ctypes.data, theirs.ctypes.data, mine.nbytes, Held())
     assert found == [4096 * 1, 4096 * 3, 4096 * 5, 4096 * 7]
+    # The main thread's part done first (its helpers' compares wait for it):
+    # the helpers still compare all of theirs.
+    real = payload._memcmp()
+    main_done = threading.Event()
+    main_calls = []
+
+    def ordered(a, b, n):
+        if threading.current_thread() is threading.main_thread():
+            result = real(a, b, n)
+            main_calls.append(a)
+            if len(main_calls) == 4:   # chunks 0, 2, 4, 6 of 8, on 2 threads
+                main_done.set()
+            return result
+        assert main_done.wait(30)
+        return real(a, b, n)
+
+    monkeypatch.setattr(payload, "_memcmp", lambda: ordered)
+    cache.COMPARE_THREADS = 2
+    if len(os.sched_getaffinity(0)) >= 2:
+        found = cache._differing_chunks(mine.ctypes.data, theirs.ctypes.data, mine.nbytes, Held())
+        assert len(main_calls) == 4 and found == [4096 * 1, 4096 * 3, 4096 * 5, 4096 * 7]
+    monkeypatch.undo()
     assert cache._differing_chunks(mine.ctypes.data, mine.copy().ctypes.data, mine.nbytes, Held()) == []
     Held.calls, Held.raise_at = 0, 2
     with pytest.raises(KeyboardInterrupt):

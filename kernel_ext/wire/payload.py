@@ -511,34 +511,47 @@ class SharedCache:
         numpy's ``array_equal`` (a temporary, two passes), 70 ms with
         ``memcmp``, 37 ms with two threads, on the bench's 2-core VM; a cell
         that uses 1 GB of globals pays this every time.  The stop button is
-        let through between the main thread's chunks; the helpers stop at
-        their next chunk and are joined before the memory can go."""
+        let through between the main thread's chunks: then the helpers stop
+        at their next chunk; otherwise each compares all of its part (a
+        chunk it skipped would be a change never sent).  Both ways they are
+        joined before the memory can go."""
         starts = range(0, nbytes, self.CHUNK)
         threads = max(1, min(self.COMPARE_THREADS, len(starts), len(os.sched_getaffinity(0))))
         found: list[list[int]] = [[] for _ in range(threads)]
-        done = threading.Event()
+        failed: list[BaseException] = []
+        stopped = threading.Event()   # only when the main thread's part ends early (a stop)
         memcmp = _memcmp()
 
         def scan(part: int) -> None:
             for start in starts[part::threads]:
                 if part == 0:
                     held.deliver()
-                elif done.is_set():
+                elif stopped.is_set():
                     return
                 if memcmp(mine + start, theirs + start, min(self.CHUNK, nbytes - start)):
                     found[part].append(start)
 
-        helpers = [threading.Thread(target=scan, args=(part,), name="accel_magics-compare", daemon=True)
+        def helper_scan(part: int) -> None:
+            try:
+                scan(part)
+            except BaseException as exc:   # never a chunk taken for the same unseen: see below
+                failed.append(exc)
+
+        helpers = [threading.Thread(target=helper_scan, args=(part,), name="accel_magics-compare", daemon=True)
                    for part in range(1, threads)]
         try:
             for helper in helpers:
                 helper.start()
             scan(0)
+        except BaseException:
+            stopped.set()
+            raise
         finally:
-            done.set()
             for helper in helpers:
                 if helper.ident is not None:
                     helper.join()
+        if failed:   # a helper that could not compare: every chunk counts as changed (written, or a new copy)
+            return list(starts)
         return sorted(start for part in found for start in part)
 
     def _drop(self, key: int) -> None:
