@@ -246,10 +246,10 @@ class Supervisor:
                 rank.excerpt = Excerpt(*excerpt)
             if spec.get("attempt"):
                 self.logs.note(rank.rank, f"--- attempt {spec['attempt'] + 1} of {spec['max_restarts'] + 1} ---")
-        # One node: the ranks get the spec first and the kernel hears of them
-        # while they run (0.3 ms off the cell); several: first, the view
-        # says who waits for the other nodes.  Either way "started" is the
-        # run's first message (see _say_started).
+        # One node: the ranks get the spec first, and "started" goes with
+        # their first message (STARTED_NOTE); several: first, the view says
+        # who waits for the other nodes.  Either way "started" is the run's
+        # first message (see _send).
         if spec["num_nodes"] > 1:
             self._say_started()
         self._rendezvous(spec)
@@ -555,8 +555,8 @@ class Supervisor:
 
     def _deadlines(self) -> list:
         """Every deadline the loop must wake up for (None: not set)."""
-        return [self.started_due, self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline, self.remote_check,
-                self.stall_check, self.resource_check]
+        return [self.started_due, self.flush_due, self.stack_deadline, self.kill_deadline, self.timeout_deadline,
+                self.remote_check, self.stall_check, self.resource_check]
 
     def _next_timeout(self) -> Optional[float]:
         now = time.monotonic()
