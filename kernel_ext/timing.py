@@ -86,6 +86,7 @@ SLURM_JOB_SETTLE = 4.5    # an ended job reads COMPLETING while Slurm kills its 
 SLURM_CANCEL_NOTICE = 10.0   # a cancelled allocation ends its cell within this (the README's promise)
 AGENT_HEARTBEAT = 1.0     # ZMTP heartbeat between an agent and the kernel (5x that: its timeout)
 SLURM_AGENT_LOOK = 1.0    # during a run, how often the kernel pings the agents of nodes still running (two misses: gone)
+SLURM_AGENT_SETTLE = 1.0  # a node's run ended by SIGTERM: how long the kernel looks whether that node's agent is gone
 AGENT_LOST_AFTER = 5.0    # without the kernel's connection this long, an agent ends
 AGENT_IDLE_POLL = 0.2     # an agent's poll while nothing happens
 AGENT_SEND_WAIT = 0.5     # a cell or stop to its node's session supervisor: taken at once, or the supervisor is gone

@@ -56,6 +56,7 @@ from ..wire.messages import Kind, RankEvent, StopReason
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
     SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE, SLURM_AGENT_LOOK as AGENT_LOOK,
+    SLURM_AGENT_SETTLE as AGENT_SETTLE,
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
@@ -545,7 +546,7 @@ class SlurmRun(Attempt):
     def _merge_finished(self, msg: dict) -> list[dict]:
         """One "finished" for the run, once every node finished (the reason merged)."""
         node = msg.get("node")
-        if msg.get("reason") == StopReason.TERMINATED and not self.agents.connected(node):
+        if msg.get("reason") == StopReason.TERMINATED and self._agent_went(node):
             # Its launcher ended with its agent (killed, crashed), which stopped the run there.
             raise self._agent_gone(node)
         self.pending[node] = msg
@@ -622,6 +623,21 @@ class SlurmRun(Attempt):
         name = self.agents.nodes[node]["nodename"]
         return self._ended(f"the agent on node {node} ({name}) ended during the run (killed, or it crashed), so "
                            "that node's ranks were stopped or never started; the next cell starts the agents again")
+
+    def _agent_went(self, node: int) -> bool:
+        """Did ``node``'s agent end, taking its launcher and so this run's
+        supervisor there with it (which says "sent SIGTERM")?  The supervisor's
+        word comes over its own connection and can be here before the
+        kernel's socket has seen the agent's connection close (CI, a loaded
+        machine: the wrong error, "sent SIGTERM by another process"); so the
+        agent is looked at again for up to ``AGENT_SETTLE``.  A live agent
+        (a real SIGTERM from elsewhere) costs the cell that second."""
+        deadline = time.monotonic() + AGENT_SETTLE
+        while self.agents.connected(node):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)   # nothing to wait on: the socket learns of the close by itself
+        return True
 
     def _look_at_agents(self) -> None:
         """An agent that died just before the run reached it never ran its part
