@@ -265,9 +265,9 @@ class Supervisor:
             else:
                 r.signalled = True   # never released: EOF ends it
             r.release()
-        if spec["num_nodes"] > 1 or self.stopping is not None:
+        if self.stopping is not None:
             self._say_started()
-        else:   # said with the first other message, or soon: not while the ranks start (see STARTED_NOTE)
+        elif not self.said_started:   # one node: with the first other message, or soon (see STARTED_NOTE)
             self.started_due = time.monotonic() + STARTED_NOTE
 
     def _say_started(self) -> None:

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import cloudpickle
 
+from ..environment import cpu_count
 from ..sigint import sigint_deferred
 
 
@@ -516,7 +517,7 @@ class SharedCache:
         chunk it skipped would be a change never sent).  Both ways they are
         joined before the memory can go."""
         starts = range(0, nbytes, self.CHUNK)
-        threads = max(1, min(self.COMPARE_THREADS, len(starts), len(os.sched_getaffinity(0))))
+        threads = max(1, min(self.COMPARE_THREADS, len(starts), cpu_count()))
         found: list[list[int]] = [[] for _ in range(threads)]
         failed: list[BaseException] = []
         stopped = threading.Event()   # only when the main thread's part ends early (a stop)
