@@ -40,6 +40,7 @@ STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
 THREADS_NOTE_AFTER = 2.0  # a cell's code done, its rank still waits for its threads: then it says so (rank/script_end.py)
+PEERS_JOIN_WAIT = 2.0     # a rank that set up the world, at its end: at most this long for its peers' set-up (rank/pg_guard.py)
 REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
 REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
@@ -129,6 +130,8 @@ def check_order() -> list[str]:
         (COLLAPSE_AT_START < COLLAPSE_IDLE and COLLAPSE_SLOW <= COLLAPSE_AT_START,
          "the launcher is ready after a short first collapse, and a cell that arrives while it moves its "
          "heap waits for one step, never longer than that"),
+        (PEERS_JOIN_WAIT < REAP_WAIT,
+         "a rank that waits at its end for its peers' set-up ends by itself before the supervisor kills it"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
         (2 * BEAT_INTERVAL <= STALL_CHECK,
          "a rank whose interpreter runs has beaten at least once between two stall checks"),

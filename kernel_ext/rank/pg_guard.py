@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from datetime import timedelta
 from typing import Callable, Optional
 
 #: Process groups kept alive until the rank exits (see the module doc).
@@ -36,6 +37,11 @@ _kept: list = []
 
 #: How many times this rank called ``init_process_group`` for the run's world.
 _rounds = 0
+
+#: The store and world size of the last round of the world this rank joined
+#: (its ranks count themselves in under :data:`_JOINED_KEY`); None before.
+_joined: Optional[tuple] = None
+_JOINED_KEY = "accel_magics/joined"
 
 #: Where the rank's ``joining``/``joined`` events go (the worker sets it to its
 #: event channel; None outside a rank: nothing is said).
@@ -87,8 +93,11 @@ def _watch_init(c10d, dist) -> None:
         _say("joining")
         try:
             if _rounds == 1:
-                return original(*args, **kwargs)
-            return original(*args, **_own_keys(_rounds, kwargs))
+                pg = original(*args, **kwargs)
+            else:
+                pg = original(*args, **_own_keys(_rounds, kwargs))
+            _count_in(c10d)
+            return pg
         finally:
             _say("joined")   # done waiting, whether it succeeded or raised
 
@@ -146,6 +155,42 @@ def _joins_the_world(args, kwargs) -> bool:
         return False
     size = kwargs.get("world_size", -1)
     return size in (-1, None) or str(size) == os.environ.get("WORLD_SIZE")
+
+
+def _count_in(c10d) -> None:
+    """After this rank's ``init_process_group`` of the world returned: say so
+    in the world's store, for :func:`wait_for_peers_joined`."""
+    global _joined
+    try:
+        store = c10d._get_default_store()
+        store.set(f"{_JOINED_KEY}/{c10d.get_rank()}", b"1")
+        _joined = (store, c10d.get_world_size())
+    except Exception:   # a torch whose internals differ: no wait at the end, as before
+        _joined = None
+
+
+def wait_for_peers_joined(timeout: float) -> bool:
+    """Before a rank that joined the world exits: wait (at most ``timeout``)
+    until every rank of its last round has come out of ``init_process_group``.
+
+    Why: gloo's ``connectFullMesh`` is done on one rank when its own pairs are
+    connected, while a peer may still be finishing its side of them.  A
+    cell that only sets the world up (``PartialState(cpu=True)``) and ends
+    let the first rank exit at once (a rank that holds sockets does not park,
+    so a peer waiting in a collective it never joins fails at once), and its
+    closing sockets ended the peer's set-up: "Connection closed by peer".
+    A script under torchrun has the same race, hidden by the tens of
+    milliseconds its interpreter takes to end.  Only the set-up is waited
+    for: a peer that then waits in a collective this rank never joins still
+    sees it go at once.  True when all came (or there is nothing to wait for)."""
+    if _joined is None:
+        return True
+    store, size = _joined
+    try:
+        store.wait([f"{_JOINED_KEY}/{r}" for r in range(size)], timedelta(seconds=timeout))
+        return True
+    except Exception:   # a peer that failed there (the run is being stopped), or the store gone
+        return False
 
 
 def rounds() -> int:

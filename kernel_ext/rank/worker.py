@@ -35,6 +35,7 @@ from . import liveness, pg_guard
 from .. import PACKAGE_DIR, process_tree
 from . import rank_bars, script_end
 from .. import wire
+from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
@@ -301,6 +302,8 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
                 os.close(fd)
             if code == 0 and not _holds_sockets():
                 _park(release_fd)
+            elif code == 0:   # its peers may still be connecting to it: they finish that first
+                pg_guard.wait_for_peers_joined(PEERS_JOIN_WAIT)
         finally:
             os._exit(code)
 
