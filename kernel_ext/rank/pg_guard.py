@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -38,10 +39,13 @@ _kept: list = []
 #: How many times this rank called ``init_process_group`` for the run's world.
 _rounds = 0
 
-#: The store and world size of the last round of the world this rank joined
-#: (its ranks count themselves in under :data:`_JOINED_KEY`); None before.
-_joined: Optional[tuple] = None
+#: The groups this rank set up in its run, for :func:`wait_for_peers_joined`:
+#: (a store, the keys its members set there once out of the set-up).
+_joined: list = []
 _JOINED_KEY = "accel_magics/joined"
+
+#: How many times this rank called ``new_group`` (every rank calls it in the same order).
+_groups = 0
 
 #: Where the rank's ``joining``/``joined`` events go (the worker sets it to its
 #: event channel; None outside a rank: nothing is said).
@@ -96,7 +100,7 @@ def _watch_init(c10d, dist) -> None:
                 pg = original(*args, **kwargs)
             else:
                 pg = original(*args, **_own_keys(_rounds, kwargs))
-            _count_in(c10d)
+            _count_in(c10d, f"{_JOINED_KEY}/world", range(c10d.get_world_size()), fresh=True)
             return pg
         finally:
             _say("joined")   # done waiting, whether it succeeded or raised
@@ -105,6 +109,35 @@ def _watch_init(c10d, dist) -> None:
     c10d.init_process_group = init_process_group
     if dist is not None and getattr(dist, "init_process_group", None) is original:
         dist.init_process_group = init_process_group
+    _watch_new_group(c10d, dist)
+
+
+def _watch_new_group(c10d, dist) -> None:
+    """A group's members count themselves in once ``new_group`` returned (its
+    connections are set up there too: the same race as the world's)."""
+    original = getattr(c10d, "new_group", None)
+    if original is None or getattr(original, "_accel_magics_guard", False):
+        return
+
+    @functools.wraps(original)
+    def new_group(ranks=None, *args, **kwargs):
+        global _groups
+        group = original(ranks, *args, **kwargs)
+        if kwargs.get("use_local_synchronization", len(args) > 3 and args[3]):
+            return group   # only its members call it, so the calls cannot be counted alike: not watched
+        _groups += 1
+        try:
+            members = sorted(ranks) if ranks else range(c10d.get_world_size())
+            if c10d.get_rank() in members:
+                _count_in(c10d, f"{_JOINED_KEY}/group/{_groups}", members)
+        except Exception:   # never the cause of a new_group failure
+            pass
+        return group
+
+    new_group._accel_magics_guard = True
+    c10d.new_group = new_group
+    if dist is not None and getattr(dist, "new_group", None) is original:
+        dist.new_group = new_group
 
 
 def _own_keys(round_: int, kwargs: dict) -> dict:
@@ -157,21 +190,25 @@ def _joins_the_world(args, kwargs) -> bool:
     return size in (-1, None) or str(size) == os.environ.get("WORLD_SIZE")
 
 
-def _count_in(c10d) -> None:
-    """After this rank's ``init_process_group`` of the world returned: say so
-    in the world's store, for :func:`wait_for_peers_joined`."""
+def _count_in(c10d, key: str, members, fresh: bool = False) -> None:
+    """After this rank set up a group (the world's ``init_process_group``, a
+    ``new_group``): say so in the world's store, and remember whom to wait for
+    at the end (:func:`wait_for_peers_joined`).  ``fresh``: a new round of the
+    world, whose store is a new one; the earlier rounds' waits are over."""
     global _joined
     try:
         store = c10d._get_default_store()
-        store.set(f"{_JOINED_KEY}/{c10d.get_rank()}", b"1")
-        _joined = (store, c10d.get_world_size())
+        store.set(f"{key}/{c10d.get_rank()}", b"1")
+        keys = [f"{key}/{r}" for r in members]
     except Exception:   # a torch whose internals differ: no wait at the end, as before
-        _joined = None
+        return
+    _joined = ([] if fresh else _joined) + [(store, keys)]
 
 
 def wait_for_peers_joined(timeout: float) -> bool:
     """Before a rank that joined the world exits: wait (at most ``timeout``)
-    until every rank of its last round has come out of ``init_process_group``.
+    until every rank of its world (its last round) has come out of
+    ``init_process_group``, and every member of each group it made since out of ``new_group``.
 
     Why: gloo's ``connectFullMesh`` is done on one rank when its own pairs are
     connected, while a peer may still be finishing its side of them.  A
@@ -180,17 +217,16 @@ def wait_for_peers_joined(timeout: float) -> bool:
     so a peer waiting in a collective it never joins fails at once), and its
     closing sockets ended the peer's set-up: "Connection closed by peer".
     A script under torchrun has the same race, hidden by the tens of
-    milliseconds its interpreter takes to end.  Only the set-up is waited
-    for: a peer that then waits in a collective this rank never joins still
+    milliseconds its interpreter takes to end.  The same holds for a
+    ``new_group`` at the end of a cell.  Only the set-up is waited for: a peer that then waits in a collective this rank never joins still
     sees it go at once.  True when all came (or there is nothing to wait for)."""
-    if _joined is None:
-        return True
-    store, size = _joined
-    try:
-        store.wait([f"{_JOINED_KEY}/{r}" for r in range(size)], timedelta(seconds=timeout))
-        return True
-    except Exception:   # a peer that failed there (the run is being stopped), or the store gone
-        return False
+    deadline = time.monotonic() + timeout
+    for store, keys in _joined:
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception:   # a peer that failed there (the run is being stopped), or the store gone
+            return False
+    return True
 
 
 def rounds() -> int:
