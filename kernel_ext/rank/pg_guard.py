@@ -208,7 +208,8 @@ def _count_in(c10d, key: str, members, fresh: bool = False) -> None:
 def wait_for_peers_joined(timeout: float) -> bool:
     """Before a rank that joined the world exits: wait (at most ``timeout``)
     until every rank of its world (its last round) has come out of
-    ``init_process_group``, and every member of each group it made since out of ``new_group``.
+    ``init_process_group``, and every member of each group it made since
+    out of ``new_group``.
 
     Why: gloo's ``connectFullMesh`` is done on one rank when its own pairs are
     connected, while a peer may still be finishing its side of them.  A
@@ -216,10 +217,11 @@ def wait_for_peers_joined(timeout: float) -> bool:
     let the first rank exit at once (a rank that holds sockets does not park,
     so a peer waiting in a collective it never joins fails at once), and its
     closing sockets ended the peer's set-up: "Connection closed by peer".
-    A script under torchrun has the same race, hidden by the tens of
-    milliseconds its interpreter takes to end.  The same holds for a
-    ``new_group`` at the end of a cell.  Only the set-up is waited for: a peer that then waits in a collective this rank never joins still
-    sees it go at once.  True when all came (or there is nothing to wait for)."""
+    A ``new_group`` last in a cell, the same.  A script under torchrun has
+    the same race, hidden by the tens of milliseconds its interpreter takes
+    to end.  Only the set-up is waited for: a peer that then waits in a
+    collective this rank never joins still sees it go at once.  True when
+    all came (or there is nothing to wait for)."""
     deadline = time.monotonic() + timeout
     for store, keys in _joined:
         try:
