@@ -97,6 +97,27 @@ def test_a_rank_that_left_early_is_why_its_peer_failed():
     assert "rank 1 (sys.exit(0))" in str(info.value)
 
 
+def test_a_rank_whose_set_up_failed_after_a_peer_left_is_said_to_have_failed_there():
+    """A finished rank waits PEERS_JOIN_WAIT for its peers' init_process_group,
+    no longer; a peer whose set-up then fails ("Connection closed by peer",
+    its joined event says failed) was not "waiting in a collective"."""
+    seq = list(rec.LOCAL["rank_left_early"])
+    at = next(i for i, m in enumerate(seq) if m.get("event", {}).get("kind") == "failed")
+    seq.insert(at, {"kind": "rank_event", "node_rank": 0, "rank": seq[at]["rank"],
+                    "event": {"kind": "joined", "round": 1, "failed": True}})
+    _, outcome = replay(seq)
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank 0 failed in init_process_group, still connecting to a rank that had "
+                                      "already finished the cell: rank 1 (sys.exit(0)). A finished rank waits at "
+                                      "most 2 s"), str(info.value)
+    assert "dist.barrier()" in str(info.value)
+    _, plain = replay("rank_left_early")   # its set-up went through: a collective, as before
+    with pytest.raises(DistributedRunError) as info:
+        conclude(plain, CFG, attempt=0, started=0.0)
+    assert str(info.value).startswith("rank 0 failed waiting in a collective")
+
+
 def test_restarts_a_failed_attempt_asks_for_another_and_the_next_one_succeeds():
     cfg = LaunchConfig(num_processes=2, max_restarts=1)
     events, first = replay("restart_attempt_0", attempt=0, max_restarts=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..timing import PEERS_JOIN_WAIT
 from .events import RankFailure
 
 
@@ -43,7 +44,7 @@ class DistributedRunError(ReportedError, RuntimeError):
 
     def __init__(self, root: RankFailure, failures: list[RankFailure], others: dict[int, str],
                  attempts: int = 1, stacks: Optional[dict[int, str]] = None,
-                 departed: Optional[dict[int, str]] = None) -> None:
+                 departed: Optional[dict[int, str]] = None, in_setup: bool = False) -> None:
         self.root = root
         self.failures = failures
         self.others = dict(others)    # rank -> what happened to it ("stopped", ...)
@@ -54,8 +55,14 @@ class DistributedRunError(ReportedError, RuntimeError):
         if self.departed:
             # The cause is a rank that left while this one waited for it in a collective.
             left = ", ".join(f"rank {r} ({how})" for r, how in sorted(self.departed.items()))
-            head = (f"rank {root.rank} failed waiting in a collective for a rank that had already finished "
-                    f"the cell: {left}. Every rank must take part in every collective. {root.summary}")
+            if in_setup:   # its init_process_group: a finished rank waits PEERS_JOIN_WAIT for that, no longer
+                head = (f"rank {root.rank} failed in init_process_group, still connecting to a rank that had "
+                        f"already finished the cell: {left}. A finished rank waits at most {PEERS_JOIN_WAIT:g} s "
+                        f"for its peers' set-up, and this one's took longer; a dist.barrier() after the set-up "
+                        f"makes every rank wait for the slowest. {root.summary}")
+            else:
+                head = (f"rank {root.rank} failed waiting in a collective for a rank that had already finished "
+                        f"the cell: {left}. Every rank must take part in every collective. {root.summary}")
             for rank, how in self.departed.items():
                 self.others.setdefault(rank, f"finished the cell early ({how}) while rank {root.rank} "
                                              "still waited for it")

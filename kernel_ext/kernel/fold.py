@@ -46,6 +46,7 @@ class Outcome:
     kinds: dict = field(default_factory=dict)    # a session cell: name -> (type, bytes or None) of what it bound
     in_world: bool = False                       # a rank was in the run's process group (this cell or before)
     agreed: set = field(default_factory=set)     # a session cell's stop: ranks that stopped at the agreed step
+    failed_joining: set = field(default_factory=set)   # ranks whose init_process_group raised
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -92,6 +93,7 @@ class RunFold:
         self.joining: dict[int, int] = {}  # rank -> the round of init_process_group it waits in now
         self.in_world: set[int] = set()    # got through it (this cell, or an earlier one of a session)
         self.rounds: dict[int, int] = {}   # rank -> how many rounds of the world's init it got through
+        self.failed_joining: set[int] = set()   # ranks whose init_process_group raised
         self.kinds: dict[str, tuple] = {}  # a session cell: name -> (type, bytes or None), from rank 0
         self.where: dict[int, str] = {}    # rank -> where it was when stopped ("barrier (In[5] line 3)")
         self.stopped_how: dict[int, tuple] = {}   # rank -> (by what, back at its prompt?)
@@ -189,6 +191,8 @@ class RunFold:
 
     def _rank_joined(self, rank: int, event: dict) -> None:
         self.joining.pop(rank, None)
+        if event.get("failed"):
+            self.failed_joining.add(rank)
         self.in_world.add(rank)
         self._count_rounds(rank, event.get("round", 1))
 
@@ -364,4 +368,5 @@ class RunFold:
         return Outcome(finished, self.result, others, sorted(unfinished), self.rendezvous_error,
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,
-                       bool(self.in_world or any(self.rounds.values())), set(self.agreed))
+                       bool(self.in_world or any(self.rounds.values())), set(self.agreed),
+                       set(self.failed_joining))

@@ -157,8 +157,10 @@ def conclude(outcome: Outcome, cfg: LaunchConfig, attempt: int, started: float,
     if finished.status == Status.FAILED:
         if not last:
             return None
-        raise DistributedRunError(finished.root_cause, finished.failures, outcome.others,
-                                  attempts=attempt + 1, departed=_departed_before(outcome))
+        root = finished.root_cause
+        raise DistributedRunError(root, finished.failures, outcome.others,
+                                  attempts=attempt + 1, departed=_departed_before(outcome),
+                                  in_setup=root is not None and root.rank in outcome.failed_joining)
     error = _STOPPED.get(Status.parse(finished.status))
     if error is not None:
         raise error(outcome, cfg, forced_note(outcome.forced) if outcome.forced else "") from None

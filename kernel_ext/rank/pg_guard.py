@@ -95,15 +95,17 @@ def _watch_init(c10d, dist) -> None:
         global _rounds
         _rounds += 1
         _say("joining")
+        came = False
         try:
             if _rounds == 1:
                 pg = original(*args, **kwargs)
             else:
                 pg = original(*args, **_own_keys(_rounds, kwargs))
+            came = True
             _count_in(c10d, f"{_JOINED_KEY}/world", range(c10d.get_world_size()), fresh=True)
             return pg
         finally:
-            _say("joined")   # done waiting, whether it succeeded or raised
+            _say("joined", came)   # done waiting, whether it succeeded or raised
 
     init_process_group._accel_magics_guard = True
     c10d.init_process_group = init_process_group
@@ -237,10 +239,10 @@ def rounds() -> int:
     return _rounds
 
 
-def _say(kind: str) -> None:
+def _say(kind: str, came: bool = True) -> None:
     if announce is not None:
         try:
-            announce({"kind": kind, "round": _rounds})
+            announce({"kind": kind, "round": _rounds, **({} if came else {"failed": True})})
         except Exception:   # never the cause of an init_process_group failure
             pass
 
