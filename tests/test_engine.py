@@ -35,6 +35,34 @@ def test_engine_imports_neither_ipython_nor_widgets():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_each_stop_of_a_run_control_reaches_its_run_once_whenever_it_comes():
+    """RunControl is stopped from one thread and attached in the run's: a stop
+    before the attempt exists is sent at attach, once per press (the second
+    escalates, as the stop button's does); one after it, at once."""
+    from accel_magics.kernel_ext.kernel.run import RunControl
+
+    class Attempt:
+        finished = False
+        presses = 0
+
+        def interrupt(self):
+            self.presses += 1
+
+    for before, after in ((0, 1), (1, 0), (2, 0), (1, 1)):
+        control, attempt = RunControl(), Attempt()
+        for _ in range(before):
+            control.stop()
+        assert control.stop_requested == bool(before) and attempt.presses == 0
+        control.attach(attempt)
+        assert attempt.presses == before
+        for _ in range(after):
+            control.stop()
+        assert attempt.presses == before + after
+    attempt.finished = True
+    control.stop()
+    assert attempt.presses == 2   # a finished run is not pressed again
+
+
 def test_engine_runs_a_cell(launcher):
     result, events = run(launcher, "import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'])\n41 + 1")
     lines = {e.rank: e.lines for e in events if isinstance(e, ev.Output)}

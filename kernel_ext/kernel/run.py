@@ -10,6 +10,7 @@ caller's thread) stops every rank and is re-raised as :class:`RunInterrupted`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -78,17 +79,30 @@ class RunControl:
     def __init__(self) -> None:
         self.handle: Optional[Attempt] = None
         self.stop_requested = False
+        self._unsent = 0   # stops asked before there was a handle: attach() sends them
+        # attach() runs in the run's thread, stop() in another: each stop must
+        # reach the handle exactly once.  Unlocked, a stop between attach()'s
+        # two steps was sent by both, and a second press kills the ranks (a
+        # session's cell: the session).  Found reading the code; not seen.
+        self._lock = threading.Lock()
 
     def attach(self, handle: Attempt) -> None:
-        self.handle = handle
-        if self.stop_requested:
+        with self._lock:
+            self.handle = handle
+            unsent, self._unsent = self._unsent, 0
+        for _ in range(unsent):
             handle.interrupt()
 
     def stop(self) -> None:
         """First call: stacks, then the ranks are stopped; later calls escalate (see ``Attempt.interrupt``)."""
-        self.stop_requested = True
-        if self.handle is not None and not self.handle.finished:
-            self.handle.interrupt()
+        with self._lock:
+            self.stop_requested = True
+            handle = self.handle
+            if handle is None:
+                self._unsent += 1
+                return
+        if not handle.finished:
+            handle.interrupt()
 
 
 def execute(placement, cfg: LaunchConfig, payload: Payload,

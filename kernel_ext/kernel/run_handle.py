@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Iterator, Optional
 
@@ -83,6 +84,12 @@ class RunHandle(Attempt):
         self.rank_pids: set[int] = set()
         self.finished = False
         self.interrupted = 0
+        self.said_started = False
+        # A session cell's first stop, held until its supervisor says the cell
+        # started (see interrupt); a lock, since a background run's stop comes
+        # from another thread than the one reading "started".
+        self._stop_held = False
+        self._hold_lock = threading.Lock()
         self.forced: Optional[str] = None   # why the kernel had to kill the run itself
         now = time.monotonic()
         self.timeout_at = now + timeout + timeout_slack if timeout else None
@@ -190,6 +197,11 @@ class RunHandle(Attempt):
             self.finished = True
         elif kind == "started":
             self.rank_pids = set(msg.get("pids", {}).values())
+            with self._hold_lock:
+                self.said_started = True
+                held, self._stop_held = self._stop_held, False
+            if held:   # the stop asked before the supervisor had the cell: now it has
+                self._signal(signal.SIGUSR1)
         elif kind in ("released", "output", "rank_event"):
             self.rendezvous_at = None   # past the rendezvous: the ranks run
 
@@ -262,8 +274,17 @@ class RunHandle(Attempt):
         self.interrupted += 1
         self._reason = "interrupt"
         if self.interrupted == 1:
-            self._signal(signal.SIGUSR1)
             self.term_at = time.monotonic() + self.stop_wait
+            # A session's supervisor takes a stop for the cell it runs; one
+            # that comes before it has taken this cell off its socket (the
+            # signal overtakes the message) found no cell and was dropped,
+            # the cell ran on, and the escalation ended the session (a stop
+            # right after a background cell started lost it, 1 time in 12).
+            with self._hold_lock:
+                self._stop_held = self.session_cell and not self.said_started
+                held = self._stop_held
+            if not held:
+                self._signal(signal.SIGUSR1)
         elif self.interrupted == 2:
             self.term_at = None
             self._begin_kill("it did not answer the stop")
