@@ -326,6 +326,31 @@ def test_a_slurm_session_cell_stopped_by_the_button_or_in_the_background_lives_o
         kernel.ok("%distributed_session stop", timeout=120)
 
 
+def test_a_stop_right_after_a_slurm_session_cell_was_sent_stops_that_cell_and_keeps_the_session(kernel):
+    """As on one node (test_sessions.py): each node's agent passed the cell to its
+    session supervisor, then the stop as a signal, which could overtake the cell;
+    the supervisor, with no cell yet, dropped it and the kernel's escalation ended
+    the session.  The agent now sends the stop after the cell, on the same socket."""
+    from accel_magics.kernel_ext.timing import SESSION_STOP_WAIT
+
+    kernel.ok("%distributed_session start --launcher slurm -n 1", timeout=240)
+    try:
+        for attempt in range(8):
+            res = kernel.ok("h = get_ipython().run_cell_magic('distributed', '--session --background --output text',"
+                            "\n                                 'import time\\ntime.sleep(600)')\n"
+                            "h.stop()\n"
+                            "import time as _t\n_began = _t.monotonic()\n"
+                            "try:\n    h.wait(60)\nexcept Exception as e:\n    _err = type(e).__name__\n"
+                            "print(h.status, _err, _t.monotonic() - _began)", timeout=120)
+            status, error, took = res.stdout.split()[-3:]
+            assert (status, error) == ("stopped", "RunStopped"), (attempt, res.stdout)
+            assert float(took) < SESSION_STOP_WAIT, (attempt, res.stdout)
+        res = kernel.ok("%%distributed --session --output text\nprint('alive')", timeout=120)
+        assert res.stdout.count("alive") == 2, res.stdout
+    finally:
+        kernel.ok("%distributed_session stop", timeout=120)
+
+
 def test_a_slurm_session_lost_on_one_node_ends_on_every_node_and_says_so(kernel):
     """Rank 2 (n2) fails while the ranks of n1 wait for it in an all_reduce: n1's
     ranks cannot be brought back from gloo, so the session is lost, on every node;

@@ -218,8 +218,15 @@ class Agent:
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
         elif op == "interrupt" and msg.get("run_id") == self.cell_id:
             # The kernel escalates (it reads the cell); an escalation armed here
-            # would outlive the cell and end the session cells later.
-            self.part.signal_stop()
+            # would outlive the cell and end the session cells later.  Sent after
+            # the cell on the same socket, not as a signal: a signal overtook the
+            # cell, the supervisor had none yet and dropped it, and the kernel's
+            # escalation then ended the session.
+            try:
+                self.session_signer.send(self.session_cells[0], "interrupt",
+                                         {"op": "interrupt", "run_id": self.cell_id})
+            except zmq.Again:   # no supervisor reads it (gone, not told yet): the signal, as before
+                self.part.signal_stop()
         elif op == "kill":
             self.part.rank_pids = set(msg.get("pids", ()))
             self.part.kill()
