@@ -257,3 +257,13 @@ REINIT = ("import torch, torch.distributed as dist\nsums = []\n"
           "    sums.append(float(t))\n"
           "    dist.destroy_process_group()\n"
           "print('sums', sums)\n")
+
+
+# A background session cell stopped the moment it is sent; the cell prints the
+# run's status, the error its wait() raised and how long the stop took.
+STOP_AS_SENT = ("h = get_ipython().run_cell_magic('distributed', '--session --background --output text',\n"
+                "                                 'import time\\ntime.sleep(600)')\n"
+                "h.stop()\n"
+                "import time as _t\n_began = _t.monotonic()\n"
+                "try:\n    h.wait(60)\nexcept Exception as e:\n    _err = type(e).__name__\n"
+                "print(h.status, _err, _t.monotonic() - _began)")

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from cases import STOP_AS_SENT
 from kernel_harness import KernelSession, listening_ports, wait_until
 from slurm_cluster import SlurmCluster, alive, missing
 
@@ -336,12 +337,7 @@ def test_a_stop_right_after_a_slurm_session_cell_was_sent_stops_that_cell_and_ke
     kernel.ok("%distributed_session start --launcher slurm -n 1", timeout=240)
     try:
         for attempt in range(8):
-            res = kernel.ok("h = get_ipython().run_cell_magic('distributed', '--session --background --output text',"
-                            "\n                                 'import time\\ntime.sleep(600)')\n"
-                            "h.stop()\n"
-                            "import time as _t\n_began = _t.monotonic()\n"
-                            "try:\n    h.wait(60)\nexcept Exception as e:\n    _err = type(e).__name__\n"
-                            "print(h.status, _err, _t.monotonic() - _began)", timeout=120)
+            res = kernel.ok(STOP_AS_SENT, timeout=120)
             status, error, took = res.stdout.split()[-3:]
             assert (status, error) == ("stopped", "RunStopped"), (attempt, res.stdout)
             assert float(took) < SESSION_STOP_WAIT, (attempt, res.stdout)
