@@ -300,13 +300,16 @@ def cuda_devices() -> int:
 
 
 def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, steps: int, rounds: int) -> None:
-    """DDP throughput in a cell vs torchrun (measured inside rank 0), with a
-    third arm: the same script in ranks that a plain os.fork() of a
-    torch-loaded process starts (bench/fork_ranks.py).  Single runs vary
-    +-15% on a small VM, so the arms alternate (A B C, then C B A) and each
-    ratio is the median over rounds of the per-round ratio."""
+    """DDP throughput in a cell vs torchrun (measured inside rank 0), with two
+    more arms: the same script in ranks that a plain os.fork() of a
+    torch-loaded process starts (bench/fork_ranks.py), all in one session, and
+    the same with a session per rank, as torchrun starts them (the scheduler's
+    autogroups are per session: the difference between the two forks is
+    that).  Single runs vary +-15% on a small VM, so the arms alternate
+    (A B C D, then D C B A) and each ratio is the median over rounds of the
+    per-round ratio."""
     body = template.replace("__STEPS__", str(steps))
-    rates = {"cell": [], "torchrun": [], "fork": []}
+    rates = {"cell": [], "torchrun": [], "fork": [], "fork_setsid": []}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "ddp.py")
         with open(script, "w") as f:
@@ -316,7 +319,7 @@ def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, ste
         def steps_per_s(out: str) -> float:
             return float(out.split("DDP_STEPS_PER_S")[1].split()[0])
 
-        crashed_after = {"torchrun": 0, "fork": 0}
+        crashed_after = {"torchrun": 0, "fork": 0, "fork_setsid": 0}
 
         def run(name: str, cmd: list, **kw) -> str:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
@@ -336,6 +339,8 @@ def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, ste
                                                  "--nproc_per_node", str(nproc), f"--master_port={free_port()}",
                                                  script], env=env),
             "fork": lambda: run("fork", [sys.executable, os.path.join(HERE, "fork_ranks.py"), str(nproc), script]),
+            "fork_setsid": lambda: run("fork_setsid", [sys.executable, os.path.join(HERE, "fork_ranks.py"),
+                                                       "--setsid", str(nproc), script]),
         }
         order = list(arms)
         for i in range(rounds):
@@ -361,13 +366,27 @@ def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, ste
         f"{ratio('cell', 'torchrun'):.3f}x ({interval('cell', 'torchrun')}), median of {len(rates['cell'])} "
         f"rounds' ratios (spread: cell "
         f"{min(rates['cell']):.0f}-{max(rates['cell']):.0f}, torchrun {min(rates['torchrun']):.0f}-"
-        f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script: "
-        f"{med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun; cell vs that fork "
-        f"{ratio('cell', 'fork'):.3f}x ({interval('cell', 'fork')})"
-        + (f". Runs where torch aborted a rank at exit, after measuring: torchrun "
-           f"{crashed_after['torchrun']}, fork {crashed_after['fork']}" if any(crashed_after.values()) else ""),
-        ">= 0.98x torchrun and >= 0.99x the plain fork (issue 27)",
-        ratio("cell", "torchrun") >= 0.98 and ratio("cell", "fork") >= 0.99)
+        f"{max(rates['torchrun']):.0f}). Plain os.fork() of a torch-loaded process, same script, ranks in "
+        f"one session: {med['fork']:.1f} steps/s, {ratio('fork', 'torchrun'):.3f}x torchrun "
+        f"({interval('fork', 'torchrun')}), cell vs that fork {ratio('cell', 'fork'):.3f}x; the same fork with "
+        f"a session per rank (as torchrun and the cell start them; sched_autogroup_enabled="
+        f"{autogroup_setting()}): {med['fork_setsid']:.1f} steps/s, {ratio('fork_setsid', 'torchrun'):.3f}x "
+        f"torchrun, cell vs that fork {ratio('cell', 'fork_setsid'):.3f}x ({interval('cell', 'fork_setsid')})"
+        + (". Runs where torch aborted a rank at exit, after measuring: "
+           + ", ".join(f"{k} {v}" for k, v in crashed_after.items()) if any(crashed_after.values()) else ""),
+        ">= 0.98x torchrun, >= 0.99x the plain fork and the fork with a session per rank (issue 27)",
+        ratio("cell", "torchrun") >= 0.98 and ratio("cell", "fork") >= 0.99
+        and ratio("cell", "fork_setsid") >= 0.99)
+
+
+def autogroup_setting() -> str:
+    """The kernel's autogroup switch: 1 groups processes by session for
+    scheduling, which is why a rank's session matters for its speed."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from accel_magics.kernel_ext.timing import (KILL_WAIT, NATIVE_WAIT, RANK_GRACE, STACK_WAIT, STOP_WAIT,
                                             TIMEOUT_SLACK)
-from cases import DAEMONS, DDP_TRAIN, REINIT as REINIT_ROUNDS, STUCK_IN_NATIVE, alive, memfds, stopped_supervisor
+from cases import DAEMONS, DDP_TRAIN, LEAVE_GROUP, REINIT as REINIT_ROUNDS, STUCK_IN_NATIVE, alive, memfds, stopped_supervisor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -311,15 +311,18 @@ def test_the_stop_button_ends_a_run_whose_supervisor_is_sigstopped(clean_kernel)
     assert took < STOP_WAIT + KILL_WAIT + 6, f"the stop took {took:.1f}s"   # 9 s of it fixed: the ladder
 
 
-def test_a_rank_that_leaves_its_process_group_is_still_stopped(clean_kernel):
-    """Item 4: stops used killpg only; a rank that joined another group was never stopped."""
+def test_a_rank_cannot_leave_its_process_group_and_what_it_waits_on_outside_it_is_still_stopped(clean_kernel):
+    """Item 4: stops used killpg only; a rank that joined another group was never stopped.
+
+    A rank now leads its own session (as under torchrun), so it cannot leave
+    its group at all; a child it waits on in a session of its own is stopped
+    with it."""
     started = time.monotonic()
     res = clean_kernel.run(
         "%%distributed -n 2 --output text --timeout 3\n"
-        "import os, time\n"
-        "os.setpgid(0, os.getppid())   # leave my own process group\n"
-        "time.sleep(600)\n", timeout=60)
+        + LEAVE_GROUP, timeout=60)
     assert res.error["ename"] == "DistributedTimeoutError", res.error_text
+    assert res.stdout.count("refused: it leads its session") == 2, res.stdout
     assert time.monotonic() - started < 3 + STACK_WAIT + NATIVE_WAIT + RANK_GRACE + 6
 
 
