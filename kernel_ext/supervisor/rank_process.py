@@ -182,8 +182,9 @@ class RankProcess:
 
     def signal_group(self, sig: int) -> None:
         """The rank and everything it started (stop, kill): by pid, the rank and
-        its descendants (a process can leave its process group, even the rank
-        itself), and by group, what is in the rank's process group."""
+        its descendants (a process the rank started can leave its process
+        group; the rank itself cannot, it leads its session), and by group,
+        what is in the rank's process group."""
         if self.status is None:
             self.signalled = True
             self.sent.add(sig)
