@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -597,8 +598,8 @@ def test_a_stop_right_after_a_session_cell_was_sent_stops_that_cell_and_keeps_th
     session cell started lost the session.  The stop's signal overtook the
     cell's message: the supervisor, with no cell yet, dropped it, the cell
     ran on, and SESSION_STOP_WAIT later the kernel's escalation ended the
-    session ("lost"; 10 of 30 here).  The stop now waits for the supervisor
-    to say the cell started."""
+    session ("lost"; 10 of 30 here).  The stop now goes in-band, after the
+    cell on the session's cells socket, as a Slurm node's agent sends it."""
     k = session
     for attempt in range(12):
         res = k.ok(STOP_AS_SENT, timeout=120)
@@ -991,6 +992,7 @@ def test_a_send_to_a_session_supervisor_that_is_gone_ends_when_it_is_seen_gone(t
     push.bind(f"ipc://{tmp_path}/cells")
     session = DistributedSession.__new__(DistributedSession)
     session.cells, session.signer, session.supervisor_pid = (push,), wire.signed_session(wire.new_key()), gone
+    session._sending = threading.Lock()
     try:
         began = time.monotonic()
         with pytest.raises(LauncherError, match="did not take the stop: it is gone"):

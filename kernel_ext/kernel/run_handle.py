@@ -18,11 +18,11 @@ run well before).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import zmq
 
@@ -32,6 +32,8 @@ from .placement import Attempt
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
 from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN
+
+log = logging.getLogger("accel_magics.kernel.run_handle")
 
 
 def receive_verified(sock, session, run_id: str, also: tuple = ()) -> tuple[Optional[dict], int]:
@@ -76,6 +78,10 @@ class RunHandle(Attempt):
         self.pull = pull if pull is not None else launcher.pull
         self.stop_wait = stop_wait or STOP_WAIT
         self.session_cell = False   # a cell of a session (see kernel_ext.kernel.session)
+        # How the first stop reaches the supervisor when not as SIGUSR1: a
+        # session cell's goes in-band, after the cell on the session's cells
+        # socket (see interrupt).  Raises LauncherError if nobody takes it.
+        self.send_stop: Optional[Callable[[], None]] = None
         self.also: tuple = ()       # ids whose messages are this run's too (a session cell: its session's)
         self.supervisor_pid = supervisor_pid
         self.ranks = list(ranks or [])   # the global ranks this node runs
@@ -84,12 +90,6 @@ class RunHandle(Attempt):
         self.rank_pids: set[int] = set()
         self.finished = False
         self.interrupted = 0
-        self.said_started = False
-        # A session cell's first stop, held until its supervisor says the cell
-        # started (see interrupt); a lock, since a background run's stop comes
-        # from another thread than the one reading "started".
-        self._stop_held = False
-        self._hold_lock = threading.Lock()
         self.forced: Optional[str] = None   # why the kernel had to kill the run itself
         now = time.monotonic()
         self.timeout_at = now + timeout + timeout_slack if timeout else None
@@ -197,11 +197,6 @@ class RunHandle(Attempt):
             self.finished = True
         elif kind == "started":
             self.rank_pids = set(msg.get("pids", {}).values())
-            with self._hold_lock:
-                self.said_started = True
-                held, self._stop_held = self._stop_held, False
-            if held:   # the stop asked before the supervisor had the cell: now it has
-                self._signal(signal.SIGUSR1)
         elif kind in ("released", "output", "rank_event"):
             self.rendezvous_at = None   # past the rendezvous: the ranks run
 
@@ -275,16 +270,18 @@ class RunHandle(Attempt):
         self._reason = "interrupt"
         if self.interrupted == 1:
             self.term_at = time.monotonic() + self.stop_wait
-            # A session's supervisor takes a stop for the cell it runs; one
-            # that comes before it has taken this cell off its socket (the
-            # signal overtakes the message) found no cell and was dropped,
-            # the cell ran on, and the escalation ended the session (a stop
-            # right after a background cell started lost it, 1 time in 12).
-            with self._hold_lock:
-                self._stop_held = self.session_cell and not self.said_started
-                held = self._stop_held
-            if not held:
+            if self.send_stop is None or self.finished:
                 self._signal(signal.SIGUSR1)
+            else:
+                # A session's supervisor takes a stop for the cell it runs; a
+                # signal could overtake the cell on its socket, find no cell
+                # and be dropped, the cell ran on and the escalation ended the
+                # session (a stop right after a background cell started lost
+                # it, 1 time in 12).  In-band it comes after its cell.
+                try:
+                    self.send_stop()
+                except LauncherError:   # nobody reads it: gone; the ladder's later rungs see to the rest
+                    log.info("run %s: the stop found its session's supervisor gone", self.run_id)
         elif self.interrupted == 2:
             self.term_at = None
             self._begin_kill("it did not answer the stop")

@@ -113,6 +113,7 @@ class DistributedSession:
         self.current_control: Optional[RunControl] = None
         self.cells_run = 0
         self._busy = threading.Lock()         # one cell at a time
+        self._sending = threading.Lock()      # the cells socket: a background cell's stop comes from another thread
         self._idle = threading.Event()        # no cell runs: what a waiting cell waits for (see wait_idle)
         self._idle.set()
         self.events = self.cells = None
@@ -211,13 +212,16 @@ class DistributedSession:
         prompt, the stop came as it lost the session) is seen gone within a
         slice, not after the whole wait (CI: a restart took 10 s)."""
         deadline = time.monotonic() + SEND_WAIT
-        while True:
-            try:
-                self.signer.send(self.cells[0], op, content)
-                return
-            except zmq.Again:   # nothing was queued: sending again sends it once
-                if not running(self.supervisor_pid) or time.monotonic() >= deadline:
-                    raise LauncherError(f"the session's supervisor did not take the {op}: it is gone") from None
+        with self._sending:
+            while True:
+                if self.cells is None:   # forgotten (lost, stopped) while this waited
+                    raise LauncherError(f"the session's supervisor did not take the {op}: it is gone")
+                try:
+                    self.signer.send(self.cells[0], op, content)
+                    return
+                except zmq.Again:   # nothing was queued: sending again sends it once
+                    if not running(self.supervisor_pid) or time.monotonic() >= deadline:
+                        raise LauncherError(f"the session's supervisor did not take the {op}: it is gone") from None
 
     def _learn(self, modules: list) -> None:
         self.launcher.learn_modules(modules)
@@ -239,6 +243,10 @@ class DistributedSession:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
+        with self._sending:   # not under a stop being sent from another thread
+            self._close_sockets_now()
+
+    def _close_sockets_now(self) -> None:
         for pair in (self.events, self.cells):
             if pair is not None:
                 pair[0].close(linger=0)
@@ -299,6 +307,7 @@ class DistributedSession:
                            ranks=sorted(self.pids) or [self.cfg.global_rank(i) for i in self.cfg.local_ranks])
         handle.rank_pids = set(self.pids.values())
         handle.session_cell = True
+        handle.send_stop = lambda: self._send("interrupt", {"op": "interrupt", "run_id": run_id})
         handle.also = (self.id,)   # the session's "session lost" (a rank died as the cell was sent) ends the cell
         return handle
 
