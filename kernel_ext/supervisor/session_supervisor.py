@@ -159,7 +159,7 @@ class SessionSupervisor(Supervisor):
             if content.get("op") == "cell":
                 self._start_cell(content)
             elif content.get("op") == "interrupt":
-                # The stop of one cell, after that cell on this socket (a Slurm node's agent
+                # The stop of one cell, after that cell on this socket (the kernel, or a Slurm node's agent,
                 # sends it so: a signal could overtake the cell and find none); another
                 # cell's (it ended) is not this one's to stop.
                 if self.cell is not None and self.cell["run_id"] == content.get("run_id"):
