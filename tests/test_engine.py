@@ -759,3 +759,62 @@ def test_a_spare_still_serves_where_its_warm_up_listener_is_refused(monkeypatch,
             spare.sock.close(linger=0)
             spare.ctx.term()
         spare.sel.close()
+
+
+def _press_on_attach(during_send: bool = False):
+    """A RunControl whose attach() is hit by the stop button (SIGINT to this,
+    the main, thread): the press lands after the run was started and before
+    its reader took it over; with ``during_send`` a second one lands while
+    the first stop is being sent in-band (a session's)."""
+    import signal
+
+    from accel_magics.kernel_ext.kernel.run import RunControl
+
+    class Press(RunControl):
+        def attach(self, handle):
+            if during_send:
+                send = handle.send_stop
+
+                def pressed_while_sending():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    send()
+                handle.send_stop = pressed_while_sending
+            os.kill(os.getpid(), signal.SIGINT)
+            super().attach(handle)
+    return Press()
+
+
+def test_a_press_between_starting_a_run_and_reading_it_stops_that_run(launcher):
+    # Raised there, the KeyboardInterrupt left execute() with the ranks
+    # running on, read and stopped by nobody.
+    from accel_magics.kernel_ext.kernel.errors import RunInterrupted
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        execute(launcher, LaunchConfig(num_processes=2), build_payload("import time\ntime.sleep(60)", {}),
+                control=_press_on_attach())
+    assert type(raised.value) is RunInterrupted, repr(raised.value)
+    assert time.monotonic() - began < 20
+    assert run(launcher, "1")[0].value == 1   # the launcher serves the next run
+
+
+def test_a_press_as_a_session_cell_starts_or_as_its_stop_is_sent_is_taken_by_the_cell(launcher):
+    # The first: the cell's stop (the session lives on); the second, a press
+    # while the first stop is sent in-band: the next rung (the ranks are
+    # killed, the session with them).  Neither escapes the cell, which would
+    # leave it running with nobody reading it.
+    from accel_magics.kernel_ext.kernel.errors import RunInterrupted, SessionLostError
+    from accel_magics.kernel_ext.kernel.session import DistributedSession
+    session = DistributedSession(launcher, LaunchConfig(num_processes=2))
+    session.start()
+    try:
+        sleep = "import time\ntime.sleep(60)"
+        with pytest.raises(KeyboardInterrupt) as raised:
+            session.run_cell(build_payload(sleep, {}), "In[1]", control=_press_on_attach())
+        assert type(raised.value) is RunInterrupted, repr(raised.value)
+        assert session.run_cell(build_payload("6 * 7", {}), "In[2]").value == 42   # it lives on
+        with pytest.raises(BaseException) as raised:
+            session.run_cell(build_payload(sleep, {}), "In[3]", control=_press_on_attach(during_send=True))
+        assert type(raised.value) in (SessionLostError, RunInterrupted), repr(raised.value)
+        assert not session.alive or session.run_cell(build_payload("1", {}), "In[4]").value == 1
+    finally:
+        session.stop()

@@ -23,6 +23,7 @@ from .fold import EventSink, Outcome, RunFold
 from .launcher import Launcher
 from .placement import Attempt, LocalPlacement, Placement
 from ..logs import RunLog
+from ..sigint import Deferred, sigint_deferred
 from ..rank.worker import loads_value
 from ..wire.messages import Status
 from ..wire.payload import Payload
@@ -43,11 +44,13 @@ class RunResult:
     finished: Optional[ev.RunFinished] = None
 
 
-def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat: Optional[float]) -> Outcome:
+def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat: Optional[float],
+            held: Optional[Deferred] = None) -> Outcome:
     """Drive one attempt to its end: its messages folded (:class:`fold.RunFold`)
     into events and its outcome.  The stop button (``KeyboardInterrupt`` here)
     stops every rank (stacks first), and reading goes on until the placement
-    reports them all gone."""
+    reports them all gone.  ``held``: the interrupt held since the run was
+    sent (see :func:`sigint_deferred`), raised here, where it stops the run."""
     fold = RunFold(handle.run_id, handle.ranks, attempt=attempt, max_restarts=cfg.max_restarts,
                    world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
                    master_addr=cfg.master_addr, master_port=handle.master_port, node_of=handle.node_of,
@@ -56,6 +59,9 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
     try:
         while True:
             try:
+                if held is not None:   # from here a press is the run's stop
+                    held, deferred = None, held
+                    deferred.deliver(always_restore=True)
                 for msg in messages:
                     fold.feed(msg)
                     if fold.must_stop():   # it cannot end by itself: stopped as by the button
@@ -63,13 +69,25 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
                 break
             except KeyboardInterrupt:
                 fold.interrupted = True
-                handle.interrupt()
+                press(handle)
                 messages.close()
                 messages = handle.messages(heartbeat)
     finally:
         messages.close()
         handle.close()
     return fold.outcome()
+
+
+def press(handle) -> None:
+    """``handle.interrupt()``, once more for each press that lands while it
+    runs (each is the next rung): none escapes the reading loop, which would
+    leave the run going with nobody reading or stopping it."""
+    while True:
+        try:
+            handle.interrupt()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 class RunControl:
@@ -147,12 +165,14 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
         except KeyboardInterrupt:
             raise RunInterrupted({}, [], message="interrupted while the run was starting; no rank was "
                                  "still running") from None
-        if control is not None:
-            control.attach(handle)
-        try:
-            outcome = collect(handle, cfg, attempt, emit, heartbeat)
-        finally:
-            placement.done(handle)
+        # A press once the run is started is its stop, read as one: held until the reading begins.
+        with sigint_deferred() as held:
+            if control is not None:
+                control.attach(handle)
+            try:
+                outcome = collect(handle, cfg, attempt, emit, heartbeat, held=held)
+            finally:
+                placement.done(handle)
         res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
         if res is not None:
             placement.learn_modules(res.new_modules)

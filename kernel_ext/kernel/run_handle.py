@@ -265,7 +265,15 @@ class RunHandle(Attempt):
     def interrupt(self) -> None:
         """The stop button.  First press: stacks, then the ranks are stopped;
         second: kill the ranks now; third: the kernel kills everything itself.
-        Unanswered presses escalate by themselves (see the module doc)."""
+        Unanswered presses escalate by themselves (see the module doc).
+
+        A press that lands while this runs is raised when it is done (the
+        first stop's in-band send is Python code: cut in half, the press was
+        counted and nothing sent); the reader takes it as the next press."""
+        with sigint_deferred():
+            self._press()
+
+    def _press(self) -> None:
         self.interrupted += 1
         self._reason = "interrupt"
         if self.interrupted == 1:

@@ -34,6 +34,7 @@ from ..logs import RunLog
 from ..wire.payload import Payload
 from ..gpu_memory import GpuMemory
 from ..process_tree import running, stat_fields
+from ..sigint import sigint_deferred
 from .run import RunControl, RunResult, collect, conclude
 from .run_handle import RunHandle
 # The ladders' order: see timing.py.
@@ -211,8 +212,8 @@ class DistributedSession:
         takes it at once; one that died as it was sent (a rank died at its
         prompt, the stop came as it lost the session) is seen gone within a
         slice, not after the whole wait (CI: a restart took 10 s)."""
-        deadline = time.monotonic() + SEND_WAIT
         with self._sending:
+            deadline = time.monotonic() + SEND_WAIT   # from now: not the time spent waiting for the lock
             while True:
                 if self.cells is None:   # forgotten (lost, stopped) while this waited
                     raise LauncherError(f"the session's supervisor did not take the {op}: it is gone")
@@ -243,7 +244,8 @@ class DistributedSession:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        with self._sending:   # not under a stop being sent from another thread
+        with self._sending:   # the cells socket not under a stop sent from another thread (the events
+                              # socket's reader is the cell's own, which ended or is being ended)
             self._close_sockets_now()
 
     def _close_sockets_now(self) -> None:
@@ -336,23 +338,9 @@ class DistributedSession:
         # Marked current only once there is a handle to close: ``finally`` unmarks it.
         self.current, self.current_control = label, control
         try:
-            try:
-                self._send("cell", {"op": "cell", "run_id": run_id, "payload": payload, "timeout": timeout,
-                                    "log_dir": log_dir, "excerpt": excerpt})
-            except LauncherError as exc:   # it ended since the check: its last word says why, if it said one
-                why = self._said_lost(GONE_DRAIN)
-                self.lost = why or str(exc)
-                self._forget()
-                raise SessionLostError(why or "its supervisor ended before the cell reached it",
-                                       None if why else exc) from None
-            if control is not None:
-                control.attach(handle)
-            try:
-                outcome = collect(handle, cfg, 0, emit, heartbeat)
-            except LauncherError as exc:
-                self.lost = str(exc)
-                self._forget()
-                raise SessionLostError("its supervisor ended during the cell", exc) from None
+            outcome = self._send_and_collect(handle, {"op": "cell", "run_id": run_id, "payload": payload,
+                                                      "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt},
+                                             cfg, emit, heartbeat, control)
             self.cells_run += 1
             for name in outcome.deleted:
                 self.owned.pop(name, None)
@@ -384,6 +372,32 @@ class DistributedSession:
             handle.close()
             payload.release()
             self.current = self.current_control = None
+
+    def _send_and_collect(self, handle: RunHandle, cell: dict, cfg: LaunchConfig, emit, heartbeat,
+                          control: Optional[RunControl]):
+        """Send the cell, then read it to its end (its :class:`Outcome`).
+
+        A press from the moment the cell is on its way is held until the
+        reading has begun, and taken there as the cell's stop: raised in
+        between, it left the cell running with nobody reading or stopping it.
+        """
+        with sigint_deferred() as held:
+            try:
+                self._send("cell", cell)
+            except LauncherError as exc:   # it ended since the check: its last word says why, if it said one
+                why = self._said_lost(GONE_DRAIN)
+                self.lost = why or str(exc)
+                self._forget()
+                raise SessionLostError(why or "its supervisor ended before the cell reached it",
+                                       None if why else exc) from None
+            if control is not None:
+                control.attach(handle)
+            try:
+                return collect(handle, cfg, 0, emit, heartbeat, held=held)
+            except LauncherError as exc:
+                self.lost = str(exc)
+                self._forget()
+                raise SessionLostError("its supervisor ended during the cell", exc) from None
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""
