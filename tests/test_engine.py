@@ -761,6 +761,17 @@ def test_a_spare_still_serves_where_its_warm_up_listener_is_refused(monkeypatch,
         spare.sel.close()
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process, as in a kernel: a
+    process started in the background by a non-interactive shell (CI's
+    ``nohup ... &``) inherits SIGINT ignored, and Python keeps it ignored."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _press_on_attach(during_send: bool = False):
     """A RunControl whose attach() is hit by the stop button (SIGINT to this,
     the main, thread): the press lands after the run was started and before
@@ -784,7 +795,7 @@ def _press_on_attach(during_send: bool = False):
     return Press()
 
 
-def test_a_press_between_starting_a_run_and_reading_it_stops_that_run(launcher):
+def test_a_press_between_starting_a_run_and_reading_it_stops_that_run(launcher, sigint_raises):
     # Raised there, the KeyboardInterrupt left execute() with the ranks
     # running on, read and stopped by nobody.
     from accel_magics.kernel_ext.kernel.errors import RunInterrupted
@@ -797,7 +808,7 @@ def test_a_press_between_starting_a_run_and_reading_it_stops_that_run(launcher):
     assert run(launcher, "1")[0].value == 1   # the launcher serves the next run
 
 
-def test_a_press_as_a_session_cell_starts_or_as_its_stop_is_sent_is_taken_by_the_cell(launcher):
+def test_a_press_as_a_session_cell_starts_or_as_its_stop_is_sent_is_taken_by_the_cell(launcher, sigint_raises):
     # The first: the cell's stop (the session lives on); the second, a press
     # while the first stop is sent in-band: the next rung (the ranks are
     # killed, the session with them).  Neither escapes the cell, which would
