@@ -120,6 +120,17 @@ class LoadedKernel(KernelSession):
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process, as in a kernel: a
+    process started in the background by a non-interactive shell (CI's
+    ``nohup ... &``) inherits SIGINT ignored, and Python keeps it ignored."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def launcher():
     """The engine's launcher on its own, no kernel (one per test module)."""

@@ -439,7 +439,7 @@ def test_ranks_never_see_the_channel_key(launcher):
     assert result.value and all("key" not in keys for keys in result.value)
 
 
-def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launcher):
+def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launcher, sigint_raises):
     import signal
     import threading
     sent = threading.Event()
@@ -451,20 +451,13 @@ def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launch
 
     timer = threading.Timer(0.005, interrupt)
     interrupted = False
-    # A process started in the background by a non-interactive shell inherits
-    # SIGINT ignored (POSIX), and Python then keeps it ignored: this test is
-    # about the engine's reaction to an interrupt, so it asks for the default.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        try:
-            timer.start()
-            execute(launcher, LaunchConfig(num_processes=2), big)
-            sent.wait(10)
-        except KeyboardInterrupt:
-            interrupted = True
-        timer.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        timer.start()
+        execute(launcher, LaunchConfig(num_processes=2), big)
+        sent.wait(10)
+    except KeyboardInterrupt:
+        interrupted = True
+    timer.join()
     assert interrupted
     result, _ = run(launcher, "7")
     assert result.value == 7
@@ -759,17 +752,6 @@ def test_a_spare_still_serves_where_its_warm_up_listener_is_refused(monkeypatch,
             spare.sock.close(linger=0)
             spare.ctx.term()
         spare.sel.close()
-
-
-@pytest.fixture
-def sigint_raises():
-    """SIGINT raises KeyboardInterrupt in this process, as in a kernel: a
-    process started in the background by a non-interactive shell (CI's
-    ``nohup ... &``) inherits SIGINT ignored, and Python keeps it ignored."""
-    import signal
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def _press_on_attach(during_send: bool = False):

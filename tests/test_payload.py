@@ -112,7 +112,7 @@ def _memfds() -> int:
 
 
 @pytest.mark.parametrize("case", ["new array", "kept, unchanged", "kept, changed in place", "over the budget"])
-def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(case):
+def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(case, sigint_raises):
     """The stop button can land between any two lines of the kernel's work on
     a big global (a memfd made, its lock taken, the run's descriptor handed
     to the arena): each line is tried in turn, with a real SIGINT sent to
@@ -177,7 +177,6 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
         del array
         return lines[0], interrupted
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         total, interrupted = attempt(0)
         assert not interrupted and total > 10, total
@@ -187,7 +186,6 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
             assert interrupted, f"the interrupt at line event {at} of {total} was lost"
             assert _memfds() == per_entry * len(cache), f"an interrupt at line event {at} of {total} leaked a descriptor"
     finally:
-        signal.signal(signal.SIGINT, previous)
         cache.clear()
     # The tracer is a closure that refers to itself, and the interrupt's
     # handler ran in its frame: cycles of the test's own, holding the frames

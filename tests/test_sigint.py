@@ -32,13 +32,12 @@ _WAKE = []
 
 
 @pytest.fixture
-def threaded_process():
+def threaded_process(sigint_raises):
     """A second thread, as in a kernel, and a wake-up fd to see the C handler run."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     _WAKE[:] = [r]
     old_fd = signal.set_wakeup_fd(w)
-    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
     other.start()
@@ -47,7 +46,6 @@ def threaded_process():
     finally:
         stop.set()
         other.join()
-        signal.signal(signal.SIGINT, old_handler)
         signal.set_wakeup_fd(old_fd)
         os.close(r)
         os.close(w)

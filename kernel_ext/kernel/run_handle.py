@@ -271,9 +271,9 @@ class RunHandle(Attempt):
         first stop's in-band send is Python code: cut in half, the press was
         counted and nothing sent); the reader takes it as the next press."""
         with sigint_deferred():
-            self._press()
+            self._next_rung()
 
-    def _press(self) -> None:
+    def _next_rung(self) -> None:
         self.interrupted += 1
         self._reason = "interrupt"
         if self.interrupted == 1:

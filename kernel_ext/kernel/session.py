@@ -244,20 +244,18 @@ class DistributedSession:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        with self._sending:   # the cells socket not under a stop sent from another thread (the events
-                              # socket's reader is the cell's own, which ended or is being ended)
-            self._close_sockets_now()
-
-    def _close_sockets_now(self) -> None:
-        for pair in (self.events, self.cells):
-            if pair is not None:
-                pair[0].close(linger=0)
-                path = pair[1][len("ipc://"):]
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        self.events = self.cells = None
+        # Under the send lock: a background cell's stop is sent from another
+        # thread (the events socket's reader is the cell's own, ended or ending).
+        with self._sending:
+            for pair in (self.events, self.cells):
+                if pair is not None:
+                    pair[0].close(linger=0)
+                    path = pair[1][len("ipc://"):]
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+            self.events = self.cells = None
 
     def check(self) -> None:
         """Raise SessionGone if the session ended by itself since the last cell
