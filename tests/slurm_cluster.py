@@ -190,14 +190,22 @@ class SlurmCluster:
         for pid in self.pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        # slurmstepd processes of our spool dir (a step that outlived its slurmd)
+        # Step daemons of this cluster (a step that outlived its slurmd, then
+        # waited for ever for a slurmctld that is gone).  slurmstepd rewrites
+        # its command line to "slurmstepd: [job.step]": it is known by the
+        # SLURM_CONF in its environment, which names this cluster's directory.
+        ours = f"SLURM_CONF={self.conf}".encode()
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         cmd = f.read()
-                except OSError:
-                    continue
-                if cmd.startswith(b"slurmstepd") and self.dir.encode() in cmd:
+                    if not cmd.startswith(b"slurmstepd"):
+                        continue
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        if ours not in f.read().split(b"\0"):
+                            continue
                     os.kill(int(pid), signal.SIGKILL)
+                except (OSError, ProcessLookupError):
+                    continue
         shutil.rmtree(self.dir, ignore_errors=True)
