@@ -27,6 +27,7 @@ _registered: list = []   # the Magics instances registered with IPython (unload 
 
 def load_ipython_extension(ip) -> None:
     global _magics
+    from .kernel_ext import hooks
     from .magics import DistributedMagics
     from . import slurm_magic  # noqa: F401  (its cells: magics.CELL_MODES["slurm"])
     from .session_magic import SessionMagics
@@ -38,7 +39,7 @@ def load_ipython_extension(ip) -> None:
     for instance in _registered:
         ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)
-    magics.tracker.install()
+    hooks.install("cuda_watch", magics.tracker.install, guard=magics.tracker.unsupported)
     _magics = magics
     try:
         magics.launcher.start()   # torch loads in the background meanwhile

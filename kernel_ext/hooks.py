@@ -132,8 +132,8 @@ def report(name: str, state: HookState, detail: str = "") -> None:
     """Record and log what became of hook ``name`` in this process."""
     if name not in HOOKS:
         raise KeyError(f"no hook named {name!r}")
-    if _states.get(name) == (state, detail):
-        return   # said once per process (a fork inherits what its parent said)
+    if _states.get(name, (None,))[0] is state:
+        return   # said once per process tree (a fork inherits what its parent said; see preview)
     _states[name] = (state, detail)
     level = logging.WARNING if state is HookState.FAILED else logging.INFO
     log.log(level, "hook %s %s%s", name, state.value, f": {detail}" if detail else "")
@@ -172,6 +172,22 @@ def install(name: str, do: Callable[[], object], guard: Optional[Callable[[], Op
         report(name, HookState.FAILED, f"{type(exc).__name__}: {exc}")
         return False
     report(name, HookState.INSTALLED, detail if isinstance(detail, str) else "")
+    return True
+
+
+def preview(name: str, guard: Optional[Callable[[], Optional[str]]] = None, detail: str = "",
+            environ: Optional[Mapping[str, str]] = None) -> bool:
+    """In the launcher, for a hook each rank installs: decide and log it once
+    here (every fork inherits what was said, so a rank logs only a state that
+    differs).  True when the ranks will install it."""
+    if not enabled(name, environ):
+        report(name, HookState.DISABLED, ENV)
+        return False
+    why = guard() if guard is not None else None
+    if why:
+        report(name, HookState.STEPPED_ASIDE, why)
+        return False
+    report(name, HookState.INSTALLED, detail)
     return True
 
 

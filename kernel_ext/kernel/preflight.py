@@ -66,13 +66,28 @@ class InitSiteTracker:
         self._lock = threading.Lock()
         self._patched: set[str] = set()
 
-    def install(self) -> None:
+    @staticmethod
+    def unsupported() -> Optional[str]:
+        """The ``cuda_watch`` hook's guard: where torch is imported, the
+        functions it wraps are there (checked again as each runtime's module
+        is imported: a runtime without them is not watched)."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        for runtime in RUNTIMES:
+            module = sys.modules.get(f"torch.{runtime}")
+            if module is not None and not (hasattr(module, "_lazy_init") and hasattr(module, "is_initialized")):
+                return f"torch.{runtime} has no _lazy_init/is_initialized"
+        return None
+
+    def install(self) -> str:
         for runtime in RUNTIMES:
             if f"torch.{runtime}" in sys.modules:
                 self._patch(runtime)
         if len(self._patched) < len(RUNTIMES) and self._finder is None:
             self._finder = _PatchOnImport(self)
             sys.meta_path.insert(0, self._finder)
+        return "torch's lazy CUDA/XPU init is watched (where it happens, for the pre-flight message)"
 
     def uninstall(self) -> None:
         if self._finder is not None and self._finder in sys.meta_path:

@@ -21,29 +21,50 @@ import socket
 import struct
 import sys
 from datetime import timedelta
+from typing import Optional
 
 # glibc's struct __res_state on 64-bit Linux: int retrans; int retry;
 # unsigned long options; int nscount; struct sockaddr_in nsaddr_list[3]; ...
 _NSCOUNT, _NSADDR = 16, 20
 
 
-def disable_reverse_dns() -> str:
-    """Trip torch's flag; returns what happened (for the launcher's log)."""
+def _resolver():
+    """(libc, glibc's resolver state address), or why this is not the resolver the fix knows."""
     if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
-        return "skipped: not 64-bit Linux"
+        return "not 64-bit Linux"
     try:
         libc = ctypes.CDLL(None)
         res_init, res_state = libc.__res_init, libc.__res_state
     except (OSError, AttributeError):
-        return "skipped: not glibc"
+        return "not glibc"
     res_state.restype = ctypes.c_void_p
     if res_init() != 0:
-        return "skipped: resolver did not initialise"
+        return "the resolver did not initialise"
     state = res_state()
-    nscount = ctypes.c_int.from_address(state + _NSCOUNT)
+    nscount = ctypes.c_int.from_address(state + _NSCOUNT).value
+    family = struct.unpack("=H", bytes((ctypes.c_char * 2).from_address(state + _NSADDR)))[0]
+    if not 1 <= nscount <= 3 or family != socket.AF_INET:
+        return f"glibc's resolver state is not laid out as expected (nscount={nscount}, family={family})"
+    return libc, state
+
+
+def unsupported() -> Optional[str]:
+    """The ``reverse_dns`` hook's guard: glibc's resolver state where the fix writes."""
+    found = _resolver()
+    return found if isinstance(found, str) else None
+
+
+def install() -> bool:
+    """The ``reverse_dns`` hook, in the launcher (every fork inherits torch's flag)."""
+    from .. import hooks
+
+    return hooks.install("reverse_dns", disable_reverse_dns, guard=unsupported)
+
+
+def disable_reverse_dns() -> str:
+    """Trip torch's flag (the guard said the resolver is the one we know)."""
+    libc, state = _resolver()
     ns0 = (ctypes.c_char * 16).from_address(state + _NSADDR)
-    if not 1 <= nscount.value <= 3 or struct.unpack("=H", bytes(ns0)[:2])[0] != socket.AF_INET:
-        return f"skipped: unexpected resolver layout (nscount={nscount.value})"
     saved = bytes(ns0)
     from torch.distributed import TCPStore
 
@@ -57,8 +78,8 @@ def disable_reverse_dns() -> str:
         client = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
         del client, server
     finally:
-        res_init()
-    if bytes((ctypes.c_char * 16).from_address(res_state() + _NSADDR)) != saved:
+        libc.__res_init()
+    if bytes((ctypes.c_char * 16).from_address(libc.__res_state() + _NSADDR)) != saved:
         ns0[:] = saved
         return "resolver restored by hand"
     return "reverse DNS lookups of torch.distributed sockets disabled"

@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Iterable, Optional
 
+from .. import hooks
 from ..timing import COLLAPSE_SLOW
 
 log = logging.getLogger("accel_magics.launcher")
@@ -83,6 +84,11 @@ def supported() -> bool:
         area.close()
 
 
+def unsupported() -> Optional[str]:
+    """The ``hugepages`` hook's guard."""
+    return None if supported() else "this kernel does not collapse memory on request (no MADV_COLLAPSE)"
+
+
 def _madvise():
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.madvise
@@ -119,13 +125,13 @@ class Collapser:
         self.started: Optional[float] = None    # when this pass began (monotonic), for its report
         self.stopped_by: Optional[float] = None # a step that took longer than COLLAPSE_SLOW: none after it
 
+    def _take(self) -> str:
+        self._madvise = _madvise()
+        return "the launcher's heap moves to huge pages while idle"
+
     def plan(self) -> None:
         if self.supported is None:
-            self.supported = supported()
-            if self.supported:
-                self._madvise = _madvise()
-            else:
-                log.info("launcher: the heap stays in small pages (no MADV_COLLAPSE here)")
+            self.supported = hooks.install("hugepages", self._take, guard=unsupported)
         if not self.supported or self.stopped_by is not None:
             return
         try:

@@ -31,6 +31,8 @@ from typing import Optional
 from .. import logs, wire  # noqa: F401
 from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
 from ..supervisor import session_supervisor, supervisor  # noqa: F401
+from .. import hooks
+from ..supervisor import native_stacks, rendezvous
 from ..supervisor import spare as spare_supervisor
 from ..wire import payload, transport  # noqa: F401
 from ..process_tree import children, kill_orphans, running
@@ -136,6 +138,7 @@ class Zygote:
             except BaseException as exc:  # a module that fails here may work in a rank
                 self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
         pg_guard.install()   # inherited by every rank (see pg_guard)
+        self.preview_rank_hooks()
         worker.note_launcher_modules()
         spare_supervisor.make_session_ahead()
         gc.collect()
@@ -151,6 +154,16 @@ class Zygote:
                 except OSError:
                     pass
         return files
+
+    @staticmethod
+    def preview_rank_hooks() -> None:
+        """The hooks every rank installs, decided and logged once here."""
+        from ..rank import liveness, script_end
+
+        hooks.preview("tqdm", detail="in each rank: bars become progress events")
+        hooks.preview("script_end", script_end.unsupported, "in each rank: a cell ends as a script ends")
+        hooks.preview("heartbeat", liveness.unsupported, "in each rank: a thread beats, dumps stacks when asked")
+        hooks.preview("step_stop", worker.step_hook_unsupported, "in each session rank")
 
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
@@ -182,13 +195,12 @@ class Zygote:
         except (AttributeError, OSError):
             kernel = None
         self.preload(init.get("preload", DEFAULT_PRELOAD))
+        native_stacks.install()
         if "torch.distributed" in sys.modules:
-            from .dnsfix import disable_reverse_dns
+            from . import dnsfix
             threads_before = os_threads()   # numpy's OpenBLAS keeps a (fork-safe) pool thread
-            try:
-                print(f"accel_magics launcher: {disable_reverse_dns()}", file=sys.stderr, flush=True)
-            except Exception as exc:  # an optimisation only
-                print(f"accel_magics launcher: reverse DNS fix failed: {exc!r}", file=sys.stderr, flush=True)
+            rendezvous.install_store_hook()   # tries a store on a bound socket: its threads end below too
+            dnsfix.install()
             gc.freeze()   # the few objects the fix made (preload already collected)
             # The throwaway store's threads end as it is destroyed: wait for
             # that, forks must not copy a thread of ours in the middle of work.

@@ -109,6 +109,23 @@ def stop_dumps() -> None:
         _stack_fd = None
 
 
+def unsupported() -> Optional[str]:
+    """The ``heartbeat`` hook's guard."""
+    for module, name in ((sys, "_current_frames"), (faulthandler, "dump_traceback"), (_thread, "start_new_thread")):
+        if not hasattr(module, name):
+            return f"{module.__name__}.{name} is missing"
+    return None
+
+
+def install(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None) -> bool:
+    """The ``heartbeat`` hook: :func:`start`, unless it is off or cannot work here.
+    Without it the stall check cannot tell a GIL deadlock from a wait (a rank
+    is judged by its native stack alone) and stacks come by signal only."""
+    from .. import hooks
+
+    return hooks.install("heartbeat", lambda: start(counter, ask_fd, stack_fd), guard=unsupported)
+
+
 def start(counter, ask_fd: Optional[int] = None, stack_fd: Optional[int] = None) -> None:
     """In the rank, once its run is known: count while the interpreter runs.
     A thread of ``_thread``'s, not ``threading``'s: it is not the user's, so

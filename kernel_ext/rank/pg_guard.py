@@ -1,28 +1,39 @@
 """Runs in a rank (installed once in the launcher, inherited by every fork):
-process groups are never destroyed by a C++ destructor that holds the GIL.
+the wrappers of ``torch.distributed``, each a hook of its own (see
+``kernel_ext/hooks.py``; each checks the torch internals it needs when it
+installs, and ``ACCEL_MAGICS_DISABLE=name`` turns it off):
 
-Why: DDP's ``Reducer`` holds a reference to its process group, and pybind11
-destroys a Reducer with the GIL held.  After ``destroy_process_group()`` the
-Reducer holds the *last* reference, so dropping the DDP model (the end of a
-``train()`` function) runs ``~ProcessGroupGloo`` with the GIL held, which joins
-the gloo worker threads.  A worker that is just then releasing the last
-reference to a finished collective decrefs the Python tensors of that
-collective, which needs the GIL: deadlock, the cell hangs for good (the class
-of torch bug in pytorch#56297).  Measured in forked ranks: 5-10 of 30 cells;
-a 1 ms sleep before the destroy was enough to avoid it, so it is a race with
-the worker's last decref.
-
-The guard keeps a reference to every process group that
-``destroy_process_group`` removes, so a Reducer's reference is never the last
-one.  The group is still shut down (``destroy_process_group`` does that); its
-memory and sockets go when the rank process exits, with ``os._exit`` (no
-destructor runs then).  A rank that holds sockets does not park after its
-result (``worker._park``), so peers still see the connection close at once.
-
-It also says when a rank enters and leaves ``init_process_group`` for the
-default world (``joining``, ``joined``: see :data:`announce`), so the kernel
-can tell a rank that waits there for a peer that already finished the cell
-(the peer will never come: the world is fixed) from one that is merely slow.
+``keep_groups``
+    Process groups are never destroyed by a C++ destructor that holds the
+    GIL.  DDP's ``Reducer`` holds a reference to its process group, and
+    pybind11 destroys a Reducer with the GIL held.  After
+    ``destroy_process_group()`` the Reducer holds the *last* reference, so
+    dropping the DDP model (the end of a ``train()`` function) runs
+    ``~ProcessGroupGloo`` with the GIL held, which joins the gloo worker
+    threads.  A worker that is just then releasing the last reference to a
+    finished collective decrefs the Python tensors of that collective, which
+    needs the GIL: deadlock, the cell hangs for good (the class of torch bug
+    in pytorch#56297; in forked ranks 5-10 of 30 cells).  So the groups that
+    ``destroy_process_group`` removes are kept until the rank exits (with
+    ``os._exit``: no destructor runs), until the world's next round is set up,
+    or, in a session, until the next cell starts (:func:`release_kept`: by
+    then none of their workers is still finishing a collective), so fds and
+    threads do not grow with rounds.
+``round_keys``
+    A second ``init_process_group`` of the world after a destroy rendezvous
+    under store keys of its own round (:func:`_own_keys`).
+``join_wait``
+    A rank that set up the world (or a ``new_group``) waits at its end until
+    its peers are out of their set-up too (:func:`wait_for_peers_joined`).
+``world_size_check``
+    ``init_process_group(world_size=N)`` through env:// with N other than the
+    run's ranks raises at once (:func:`_refuse_another_world_size`).
+``init_events``
+    The rank says when it enters and leaves ``init_process_group`` of the
+    default world (``joining``, ``joined``: see :data:`announce`), so the
+    kernel can tell a rank that waits there for a peer that already finished
+    the cell (the peer will never come: the world is fixed) from one that is
+    merely slow.
 """
 from __future__ import annotations
 
@@ -52,80 +63,165 @@ _groups = 0
 announce: Optional[Callable[[dict], object]] = None
 
 
+_installed = False
+
+#: Which of the concerns below are in place in this process (see :func:`install`).
+on: dict[str, bool] = {}
+
+
+def _c10d():
+    return sys.modules.get("torch.distributed.distributed_c10d"), sys.modules.get("torch.distributed")
+
+
+def _parameters(fn) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
+
+
+# -- each concern's guard: None when the torch it needs is here, else why not -------------------------
+
+def keep_groups_unsupported() -> Optional[str]:
+    c10d, _ = _c10d()
+    if not hasattr(getattr(c10d, "_world", None), "pg_map"):
+        return "torch.distributed.distributed_c10d._world.pg_map is missing"
+    if not hasattr(getattr(c10d, "GroupMember", None), "WORLD"):
+        return "torch.distributed.distributed_c10d.GroupMember.WORLD is missing"
+    if _parameters(c10d.destroy_process_group)[:1] != ["group"]:
+        return "destroy_process_group's first parameter is not 'group'"
+    return None
+
+
+def _init_unsupported(*needed: str) -> Optional[str]:
+    c10d, _ = _c10d()
+    missing = [p for p in needed if p not in _parameters(c10d.init_process_group)]
+    if missing:
+        return f"init_process_group has no parameter {', '.join(missing)}"
+    return None
+
+
+def round_keys_unsupported() -> Optional[str]:
+    import torch.distributed as dist
+
+    for name in ("rendezvous", "PrefixStore"):
+        if not hasattr(dist, name):
+            return f"torch.distributed.{name} is missing"
+    try:
+        from torch.distributed.constants import default_pg_timeout  # noqa: F401
+    except ImportError:
+        return "torch.distributed.constants.default_pg_timeout is missing"
+    return _init_unsupported("init_method", "store", "rank", "world_size", "timeout")
+
+
+def join_wait_unsupported() -> Optional[str]:
+    c10d, _ = _c10d()
+    for name in ("_get_default_store", "get_rank", "get_world_size", "new_group"):
+        if not hasattr(c10d, name):
+            return f"torch.distributed.distributed_c10d.{name} is missing"
+    if "use_local_synchronization" not in _parameters(c10d.new_group):
+        return "new_group has no parameter use_local_synchronization"
+    return None
+
+
+def world_size_check_unsupported() -> Optional[str]:
+    return _init_unsupported("init_method", "store", "world_size")
+
+
+def init_events_unsupported() -> Optional[str]:
+    return _init_unsupported("init_method", "store", "world_size")
+
+
 def install() -> bool:
-    """Wrap ``torch.distributed.destroy_process_group`` if torch.distributed is
-    loaded (idempotent); True when the guard is in place."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    """Install the wrappers of ``torch.distributed`` that are turned on, each
+    a hook of its own (``kernel_ext/hooks.py``): ``keep_groups``,
+    ``round_keys``, ``join_wait``, ``world_size_check``, ``init_events``.
+    Done once in the launcher when torch.distributed is loaded (every rank
+    inherits it); True when torch.distributed was there to wrap."""
+    global _installed
+    if _installed:
+        return True
+    c10d, dist = _c10d()
     if c10d is None:
         return False
-    original = getattr(c10d, "destroy_process_group", None)
-    if original is None:
-        return False
-    if getattr(original, "_accel_magics_guard", False):
-        return True
+    _installed = True
+    from .. import hooks
 
-    @functools.wraps(original)
+    for name, guard in (("keep_groups", keep_groups_unsupported), ("round_keys", round_keys_unsupported),
+                        ("join_wait", join_wait_unsupported), ("world_size_check", world_size_check_unsupported),
+                        ("init_events", init_events_unsupported)):
+        on[name] = hooks.install(name, lambda name=name: on.__setitem__(name, True), guard=guard)
+    if on["keep_groups"]:
+        _wrap(c10d, dist, "destroy_process_group", _guarded_destroy)
+    if on["round_keys"] or on["world_size_check"] or on["init_events"] or on["join_wait"]:
+        _wrap(c10d, dist, "init_process_group", _watched_init)
+    if on["join_wait"]:
+        _new_group_sync_at = _parameters(c10d.new_group).index("use_local_synchronization")
+        _wrap(c10d, dist, "new_group", functools.partial(_watched_new_group, sync_at=_new_group_sync_at))
+    return True
+
+
+def _wrap(c10d, dist, name: str, make) -> None:
+    """Replace ``c10d.name`` (and ``torch.distributed.name``, the same function)
+    with ``make(original)``, marked as ours; once."""
+    original = getattr(c10d, name)
+    if getattr(original, "_accel_magics_guard", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._accel_magics_guard = True
+    setattr(c10d, name, wrapper)
+    if dist is not None and getattr(dist, name, None) is original:
+        setattr(dist, name, wrapper)
+
+
+def _guarded_destroy(original):
     def destroy_process_group(group=None):
+        c10d, _ = _c10d()
         held = _groups_destroyed_by(c10d, group)
         try:
             return original(group)
         finally:
             _kept.extend(held)
-
-    destroy_process_group._accel_magics_guard = True
-    c10d.destroy_process_group = destroy_process_group
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and getattr(dist, "destroy_process_group", None) is original:
-        dist.destroy_process_group = destroy_process_group
-    _watch_init(c10d, dist)
-    return True
+    return destroy_process_group
 
 
-def _watch_init(c10d, dist) -> None:
-    original = getattr(c10d, "init_process_group", None)
-    if original is None or getattr(original, "_accel_magics_guard", False):
-        return
-
-    @functools.wraps(original)
+def _watched_init(original):
     def init_process_group(*args, **kwargs):
-        _refuse_another_world_size(args, kwargs)
-        watched = _joins_the_world(args, kwargs)
-        if not watched:
+        c10d, _ = _c10d()
+        if on.get("world_size_check"):
+            _refuse_another_world_size(args, kwargs)
+        if not _joins_the_world(args, kwargs):
             return original(*args, **kwargs)
         global _rounds
         _rounds += 1
         _say("joining")
         came = False
         try:
-            if _rounds == 1:
+            if _rounds == 1 or not on.get("round_keys"):
                 pg = original(*args, **kwargs)
             else:
                 pg = original(*args, **_own_keys(_rounds, kwargs))
             came = True
-            _count_in(c10d, f"{_JOINED_KEY}/world", range(c10d.get_world_size()), fresh=True)
+            # A safe point for the groups of earlier rounds: a whole rendezvous
+            # since their destroy, so none of their workers is still finishing a
+            # collective (what the deadlock needs).
+            release_kept()
+            if on.get("join_wait"):
+                _count_in(c10d, f"{_JOINED_KEY}/world", range(c10d.get_world_size()), fresh=True)
             return pg
         finally:
             _say("joined", came)   # done waiting, whether it succeeded or raised
-
-    init_process_group._accel_magics_guard = True
-    c10d.init_process_group = init_process_group
-    if dist is not None and getattr(dist, "init_process_group", None) is original:
-        dist.init_process_group = init_process_group
-    _watch_new_group(c10d, dist)
+    return init_process_group
 
 
-def _watch_new_group(c10d, dist) -> None:
+def _watched_new_group(original, sync_at: int):
     """A group's members count themselves in once ``new_group`` returned (its
     connections are set up there too: the same race as the world's)."""
-    original = getattr(c10d, "new_group", None)
-    if original is None or getattr(original, "_accel_magics_guard", False):
-        return
-
-    @functools.wraps(original)
     def new_group(ranks=None, *args, **kwargs):
         global _groups
+        c10d, _ = _c10d()
         group = original(ranks, *args, **kwargs)
-        if kwargs.get("use_local_synchronization", len(args) > 3 and args[3]):
+        local = kwargs.get("use_local_synchronization", len(args) > sync_at - 1 and args[sync_at - 1])
+        if local:
             return group   # only its members call it, so the calls cannot be counted alike: not watched
         _groups += 1
         try:
@@ -135,11 +231,16 @@ def _watch_new_group(c10d, dist) -> None:
         except Exception:   # never the cause of a new_group failure
             pass
         return group
+    return new_group
 
-    new_group._accel_magics_guard = True
-    c10d.new_group = new_group
-    if dist is not None and getattr(dist, "new_group", None) is original:
-        dist.new_group = new_group
+
+def release_kept() -> int:
+    """A safe point (a session's next cell, nothing of the last one running):
+    let the groups kept by ``keep_groups`` go, with their sockets and threads.
+    Returns how many were let go."""
+    count = len(_kept)
+    _kept.clear()
+    return count
 
 
 def _own_keys(round_: int, kwargs: dict) -> dict:
@@ -202,7 +303,10 @@ def _count_in(c10d, key: str, members, fresh: bool = False) -> None:
         store = c10d._get_default_store()
         store.set(f"{key}/{c10d.get_rank()}", b"1")
         keys = [f"{key}/{r}" for r in members]
-    except Exception:   # a torch whose internals differ: no wait at the end, as before
+    except Exception as exc:   # checked at install: a group whose store is not the world's
+        from .. import hooks
+
+        hooks.step_aside("join_wait", f"no store to count in on ({type(exc).__name__}: {exc})")
         return
     _joined = ([] if fresh else _joined) + [(store, keys)]
 
@@ -240,7 +344,7 @@ def rounds() -> int:
 
 
 def _say(kind: str, came: bool = True) -> None:
-    if announce is not None:
+    if announce is not None and on.get("init_events"):
         try:
             announce({"kind": kind, "round": _rounds, **({} if came else {"failed": True})})
         except Exception:   # never the cause of an init_process_group failure
@@ -253,7 +357,10 @@ def _groups_destroyed_by(c10d, group) -> list:
         if group is None or group is c10d.GroupMember.WORLD:
             return list(world.pg_map)
         return [group] if group in world.pg_map else []
-    except Exception:   # a torch whose internals differ: no guard, never an error
+    except Exception as exc:   # checked at install; never the cause of an error
+        from .. import hooks
+
+        hooks.step_aside("keep_groups", f"the groups could not be read ({type(exc).__name__}: {exc})")
         return []
 
 

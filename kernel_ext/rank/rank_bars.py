@@ -26,6 +26,8 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from .. import hooks
+
 INTERVAL = 0.1   # seconds between two events of one bar (its first and last state always go)
 
 _emit: Optional[Callable[[dict], bool]] = None
@@ -148,8 +150,20 @@ def flush() -> None:
                 pass
 
 
+def unsupported(tqdm_cls) -> Optional[str]:
+    """The ``tqdm`` hook's guard, for a tqdm class: what the patch wraps and reads."""
+    for name in ("__init__", "display", "close", "format_dict"):
+        if not hasattr(tqdm_cls, name):
+            return f"tqdm's {tqdm_cls.__name__} has no {name}"
+    return None
+
+
 def _patch(tqdm_cls) -> None:
-    if getattr(tqdm_cls, "_accel_patched", False):
+    if getattr(tqdm_cls, "_accel_patched", False) or not hooks.enabled("tqdm"):
+        return
+    why = unsupported(tqdm_cls)
+    if why:
+        hooks.step_aside("tqdm", why)
         return
     original_init, original_display, original_close = tqdm_cls.__init__, tqdm_cls.display, tqdm_cls.close
 
@@ -252,8 +266,11 @@ class _PatchingLoader:
 
 
 def install(emit: Callable[[dict], bool]) -> None:
-    """In a rank, before the cell runs: bars report through ``emit``."""
+    """In a rank, before the cell runs: bars report through ``emit`` (the
+    ``tqdm`` hook: the class is patched when tqdm is, or once it is, imported)."""
     global _emit, _owner
+    if not hooks.install("tqdm", lambda: "bars become progress events"):
+        return
     _emit, _owner = emit, os.getpid()
     std = sys.modules.get("tqdm.std")
     if std is not None and hasattr(std, "tqdm"):

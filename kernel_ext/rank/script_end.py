@@ -22,14 +22,37 @@ import logging
 import sys
 import threading
 import weakref
+from typing import Optional
+
+from .. import hooks
 
 from ..timing import THREADS_NOTE_AFTER
 
 log = logging.getLogger("accel_magics.rank")
 
 
+#: The ``script_end`` hook is in place in this rank (see :func:`begin`).
+on = False
+
+
+def unsupported() -> Optional[str]:
+    """The ``script_end`` hook's guard: the interpreter internals it calls."""
+    for module, name in ((atexit, "_clear"), (atexit, "_run_exitfuncs"), (threading, "_shutdown"),
+                         (weakref.finalize, "_registry"), (weakref.finalize, "_registered_with_atexit")):
+        if not hasattr(module, name):
+            return f"{getattr(module, '__name__', module)}.{name} is missing"
+    return None
+
+
 def begin() -> None:
-    """At the rank's start, before the cell: nothing inherited runs at its end."""
+    """At the rank's start, before the cell: nothing inherited runs at its end
+    (the ``script_end`` hook; off, the rank ends with ``os._exit`` after the
+    cell, as before it existed: no thread waited for, no handler run)."""
+    global on
+    on = hooks.install("script_end", _begin, guard=unsupported)
+
+
+def _begin() -> None:
     atexit._clear()
     for inherited in list(weakref.finalize._registry):
         inherited.atexit = False   # the launcher's objects: not this rank's to finalize
@@ -54,6 +77,8 @@ def end() -> None:
     """After a cell that succeeded, before its result is reported: wait for
     its non-daemon threads, then run its ``atexit`` handlers (an exception in
     one is printed and the others still run, as at a script's end)."""
+    if not on:
+        return
     note = None
     if _waited_for():
         note = threading.Timer(THREADS_NOTE_AFTER, _say_waiting)

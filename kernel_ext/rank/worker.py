@@ -32,7 +32,7 @@ import cloudpickle
 
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
-from .. import PACKAGE_DIR, process_tree
+from .. import PACKAGE_DIR, hooks, process_tree
 from . import rank_bars, script_end
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
@@ -268,7 +268,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
-        liveness.start(beat, ask_fd, stack_fd)
+        liveness.install(beat, ask_fd, stack_fd)
     except BaseException:
         os._exit(1)
     run_rank(spec, local_rank, event_fd, stack_fd, go_fd)
@@ -806,14 +806,28 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         raise stop
 
 
+def step_hook_unsupported() -> Optional[str]:
+    if "torch" not in sys.modules:
+        return "torch is not imported"
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: F401
+    except ImportError:
+        return "torch.optim.optimizer.register_optimizer_step_post_hook is missing"
+    return None
+
+
 def _install_step_hook() -> None:
+    """The ``step_stop`` hook (a session's stop lands after an optimizer step);
+    without it the stop raises at once, as in any cell."""
     global _step_hook
-    if _step_hook is None and "torch" in sys.modules:
-        try:
+    if _step_hook is None:
+        def register() -> None:
+            global _step_hook
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
-        except Exception:   # an old torch: the stop raises at once, as in any cell
+
+        if not hooks.install("step_stop", register, guard=step_hook_unsupported):
             _step_hook = False
 
 
@@ -839,6 +853,7 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         _steps, _stop_wanted, _stop_step = 0, False, None
         cell = pickle.loads(frame)
         _cell_id = cell["run_id"]
+        pg_guard.release_kept()   # nothing of the last cell runs now: its destroyed groups may go
         emit({"kind": "cell_started", "cell": cell["run_id"]})
         event, code = _run_cell(cell["payload"], main.__dict__, local_rank == 0, session=True)
         if _in_forked_child(event):   # it never reads the next cell

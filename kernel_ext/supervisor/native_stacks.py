@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import PACKAGE_DIR
+from .. import PACKAGE_DIR, hooks
 from ..process_tree import descendants, stat_fields
 
 PR_SET_PTRACER = 0x59616D61
@@ -37,6 +37,38 @@ def allow_supervisor_to_trace(supervisor_pid: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PTRACER, supervisor_pid, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - non-Linux; no Yama: not needed
         pass
+
+
+#: The ``native_stacks`` hook is in place (decided in the launcher, inherited).
+on = False
+
+
+def unsupported() -> Optional[str]:
+    """The ``native_stacks`` hook's guard: a tool, and ptrace allowed to this user."""
+    if tool() is None:
+        return "neither py-spy nor gdb is installed"
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        scope = 0
+    if scope >= 2:
+        return (f"ptrace is restricted (kernel.yama.ptrace_scope={scope}): no process may read another's "
+                "stacks without CAP_SYS_PTRACE")
+    return None
+
+
+def install() -> bool:
+    """In the launcher: decide :data:`on` for every supervisor it forks."""
+    global on
+
+    def take() -> str:
+        global on
+        on = True
+        return " ".join(tool()[:1])
+
+    on = False
+    return hooks.install("native_stacks", take, guard=unsupported)
 
 
 def tool() -> Optional[list[str]]:
@@ -57,7 +89,7 @@ def _beside_python(name: str) -> Optional[str]:
 
 def dump(pids: list[int], timeout: float = 2.5) -> dict[int, str]:
     """{pid: native stack text} for each pid that could be dumped within ``timeout``."""
-    command = tool()
+    command = tool() if on else None
     if not command or not pids:
         return {}
     procs = {}

@@ -82,6 +82,8 @@ class RankProcess:
         if self.beat is None:
             return 0.0
         count = liveness.read(self.beat)
+        if not count:   # no heartbeat (not started, or the hook is off): nothing to judge by
+            return 0.0
         if count != self.beat_seen:
             self.beat_seen, self.beat_since = count, now
         return now - self.beat_since

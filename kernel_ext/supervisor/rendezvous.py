@@ -11,6 +11,16 @@ During the run the store carries one more thing between nodes: the first
 failure, so the other nodes stop with that root cause instead of hanging or
 reporting their own secondary "connection closed" errors.
 
+Where the store comes up is the ``store`` hook (``kernel_ext/hooks.py``):
+on one node the port is bound before the ranks start and torch's store
+takes that socket over at the first connection (:meth:`NodeRendezvous.listen`),
+off the run's critical path.  That needs a TCPStore whose default backend
+accepts ``master_listen_fd``; torch 2.4-2.7's libuv backend does not
+("does not support initialization with an listen fd"), so there, or with
+``ACCEL_MAGICS_DISABLE=store``, node 0 creates the store on the port before
+the ranks start, with torch's default backend, exactly as torchrun's agent
+does (:data:`prebound`).
+
 Restarts (``--max_restarts`` with one kernel per node) are rendezvous
 *rounds*, as in torch elastic: every node's kernel starts attempt N on the
 same address, node 0's store says which round it hosts (``ROUND``), and a
@@ -25,6 +35,7 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+from .. import hooks
 from ..environment import resolve_host
 # The ladders' order: see timing.py.
 from ..timing import HOST_RETRY
@@ -38,8 +49,57 @@ DEPARTED = "accel_magics/departed"   # ranks that finished the cell, with their 
 ALIVE = "accel_magics/alive"         # a session: each node's count of its beats (see beat)
 
 
+#: The ``store`` hook is in place in this process (set in the launcher,
+#: inherited by every supervisor it forks): one node binds its port first and
+#: hosts the store on it at the first connection.  False: the store is
+#: created eagerly, as torchrun's agent creates it.
+prebound = False
+
+
 class RendezvousTimeout(Exception):
     pass
+
+
+def prebound_store_unsupported() -> Optional[str]:
+    """The ``store`` hook's guard: None when this torch's TCPStore, with its
+    default backend (the one torchrun's agent gets), takes over a listening
+    socket (``master_listen_fd``); else why not.  Tried for real on a
+    loopback port: a version list would be a guess (torch 2.4-2.7's libuv
+    backend refuses, 2.3 and 2.8+ take it)."""
+    import inspect
+
+    from torch.distributed import TCPStore
+
+    try:
+        if "master_listen_fd" not in inspect.signature(TCPStore.__init__).parameters:
+            return "TCPStore takes no master_listen_fd"
+    except (TypeError, ValueError):   # a pybind11 signature inspect cannot read: try it
+        pass
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+    except Exception as exc:   # NotImplementedError on torch 2.4-2.7 (libuv)
+        sock.close()
+        return f"this torch's TCPStore cannot take over a bound socket ({type(exc).__name__}: {exc})"
+    del store
+    return None
+
+
+def install_store_hook() -> bool:
+    """In the launcher (inherited by every fork): decide :data:`prebound`."""
+    global prebound
+
+    def take() -> str:
+        global prebound
+        prebound = True
+        return "one node binds its port before the ranks start, the store comes up at the first connection"
+
+    prebound = False
+    return hooks.install("store", take, guard=prebound_store_unsupported)
 
 
 def _bounded(call, timeout: float):

@@ -38,6 +38,7 @@ from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
 from .resources import ResourceSampler
+from . import rendezvous
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 from .run_state import RunState, tell
 # The ladders' order: see timing.py.
@@ -298,6 +299,9 @@ class Supervisor:
                                    spec["rdzv_timeout"], attempt=spec.get("attempt", 0))
         try:
             if nodes == 1 or (spec.get("dispatched_together") and spec["node_rank"] == 0):
+                if not rendezvous.prebound:   # the store hook is off here: the store now, as torchrun's agent
+                    self.rdzv.host_store()
+                    return
                 fd = self.rdzv.listen()
                 self.sel.register(fd, selectors.EVENT_READ, ("store", None))
                 return

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import cloudpickle
 
+from .. import hooks
 from ..environment import cpu_count
 from ..sigint import sigint_deferred
 
@@ -275,7 +276,7 @@ def build_payload(
 
     shipped = {n: namespace[n] for n in wanted}
     arena = SharedArena()
-    arena.enabled = share
+    arena.enabled = share and hooks.install("shared_globals", lambda: f"values of {SHARE_THRESHOLD >> 20} MB and more")
     with _noting_interrupts() as interrupts:
         try:
             blob, sources = _dumps(shipped, arena, namespace, code_label, keep_out=defined)
