@@ -270,3 +270,43 @@ def test_a_run_with_every_hook_off_is_a_plain_run_and_the_launcher_log_says_so(m
         {name: "disabled" for name in rank_side}
     for name in rank_side:
         assert f"hook {name} disabled" in log
+
+
+# -- keep_groups lets its groups go at safe points ------------------------------------------------------
+
+ROUNDS = """
+import os, torch, torch.distributed as dist
+seen = []
+for round_ in range(ROUNDS):
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    seen.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
+print("rounds", seen[4], seen[-1])
+"""
+
+
+def _rounds(kernel, count: int, flags: str = "-n 2") -> list[tuple]:
+    res = kernel.run(f"%%distributed --output text {flags}\n" + ROUNDS.replace("ROUNDS", str(count)),
+                     timeout=120)
+    assert res.status == "ok", res.error_text + res.stderr
+    found = re.findall(r"\[rank (\d)\] rounds \((\d+), (\d+)\) \((\d+), (\d+)\)", res.stdout)
+    assert len(found) == 2, res.stdout
+    return [tuple(map(int, f[1:])) for f in found]
+
+
+def test_destroy_and_init_rounds_keep_fds_and_threads_flat_in_a_cell_and_a_session(clean_kernel):
+    """Kept groups (each holds the sockets and threads of its round) go once the
+    next round is set up: 50 rounds in one cell, and two cells of a session,
+    end with the fds and threads of the fifth."""
+    for fifth_fds, fifth_threads, last_fds, last_threads in _rounds(clean_kernel, 50):
+        assert (last_fds, last_threads) == (fifth_fds, fifth_threads)
+    clean_kernel.ok("%distributed_session start -n 2")
+    try:
+        first = _rounds(clean_kernel, 25, "--session")
+        second = _rounds(clean_kernel, 25, "--session")
+    finally:
+        clean_kernel.run("%distributed_session stop", timeout=60)
+    for (f5, t5, f25, t25), (g5, u5, g25, u25) in zip(first, second):
+        assert (f25, t25) == (f5, t5) and (g5, u5, g25, u25) == (f5, t5, f5, t5)
