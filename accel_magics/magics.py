@@ -22,6 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from accel_magics.kernel_ext.kernel import accelerate_config, preflight
 from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
+from accel_magics.kernel_ext import hooks
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
@@ -527,6 +528,10 @@ class DistributedMagics(Magics):
             validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), kernel_env=os.environ,
                      allow_oversubscribe=bool(values.get("oversubscribe")) or not wait)
         except ConfigError as exc:
+            raise UsageError(f"{exc}\nNothing was launched.") from None
+        try:
+            hooks.check_names(os.environ)   # a typo would turn nothing off, silently
+        except hooks.UnknownHook as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None
         return cfg
 

@@ -310,3 +310,13 @@ def test_destroy_and_init_rounds_keep_fds_and_threads_flat_in_a_cell_and_a_sessi
         clean_kernel.run("%distributed_session stop", timeout=60)
     for (f5, t5, f25, t25), (g5, u5, g25, u25) in zip(first, second):
         assert (f25, t25) == (f5, t5) and (g5, u5, g25, u25) == (f5, t5, f5, t5)
+
+
+def test_a_name_that_is_no_hook_is_a_usage_error_before_anything_runs(clean_kernel):
+    clean_kernel.ok("%env ACCEL_MAGICS_DISABLE=tqmd")
+    try:
+        res = clean_kernel.run("%%distributed -n 2\nprint('ran')")
+    finally:
+        clean_kernel.ok("%env ACCEL_MAGICS_DISABLE=")
+    assert res.error["ename"] == "UsageError" and "'tqmd', which is not a hook" in res.error["evalue"]
+    assert "Nothing was launched" in res.error["evalue"] and "ran" not in res.stdout
