@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -320,3 +321,28 @@ def test_a_name_that_is_no_hook_is_a_usage_error_before_anything_runs(clean_kern
         clean_kernel.ok("%env ACCEL_MAGICS_DISABLE=")
     assert res.error["ename"] == "UsageError" and "'tqmd', which is not a hook" in res.error["evalue"]
     assert "Nothing was launched" in res.error["evalue"] and "ran" not in res.stdout
+
+
+def test_a_rank_that_skips_a_round_makes_its_peer_fail_at_once_as_under_torchrun(clean_kernel):
+    """Rank 0 destroys and re-inits the world; rank 1 goes on with a collective
+    on the first round's group.  Nothing else holds that group, so it goes at
+    the destroy as torch lets it go: rank 1's all_reduce fails at once
+    (connection closed), and no sum is printed.  Kept open, rank 1 waited for
+    ever and rank 0 in the next round's set-up."""
+    started = time.monotonic()
+    res = clean_kernel.run(textwrap.dedent("""\
+        %%distributed -n 2 --output text --timeout 60
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        dist.barrier()
+        if rank == 0:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo")
+        t = torch.ones(1) * (rank + 1)
+        dist.all_reduce(t)
+        print("sum", t.item())
+        """), timeout=90)
+    assert res.status == "error" and time.monotonic() - started < 20, res.error_text
+    assert re.search(r"rank 1 failed: .*Connection (closed|reset) by peer", res.error["evalue"]), res.error_text
+    assert "sum" not in res.stdout

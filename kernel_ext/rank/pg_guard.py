@@ -180,8 +180,24 @@ def _guarded_destroy(original):
         try:
             return original(group)
         finally:
-            _kept.extend(held)
+            _keep_referenced(held)
     return destroy_process_group
+
+
+def _keep_referenced(groups: list) -> None:
+    """Keep those of the destroyed ``groups`` that something else still
+    references (a DDP module, its Reducer, a variable): their last reference
+    could go in a destructor that holds the GIL.  One nothing else holds is
+    let go now, as torch lets it go: its connections close at once, so a peer
+    still in a collective on it fails ("Connection reset by peer") as under
+    torchrun, instead of waiting for ever on a group kept open."""
+    probe = [object()]
+    for unreferenced in probe:   # the same code shape as below: its count is "no other reference"
+        alone = sys.getrefcount(unreferenced)
+    for group in groups:
+        if sys.getrefcount(group) > alone:
+            _kept.append(group)
+    groups.clear()
 
 
 def _watched_init(original):
