@@ -48,7 +48,7 @@ plugin = FullyShardedDataParallelPlugin()
 env = sorted(f"{k}={v}" for k, v in os.environ.items()
              if k.startswith(("ACCELERATE_", "FSDP_")) and k != "ACCELERATE_USE_CPU")
 line = " ".join(map(str, ("probe", os.environ["RANK"], os.environ["WORLD_SIZE"], acc.mixed_precision,
-                           plugin.sharding_strategy, plugin.state_dict_type, plugin.fsdp_version, "|".join(env))))
+                           plugin.sharding_strategy, plugin.state_dict_type, getattr(plugin, "fsdp_version", 1), "|".join(env))))
 with open(f"probe-{os.environ['RANK']}.txt", "w") as f:   # accelerate launch interleaves the ranks' stdout
     f.write(line)
 """

@@ -732,7 +732,7 @@ def test_a_frozen_or_dead_launcher_is_replaced_and_says_why():
         wait_until(lambda: not alive([dying]), 10, "the launcher to exit")
         res = k.ok("%%distributed -n 2 --output text\nprint('after a death')", timeout=120)
         assert "[rank 1] after a death" in res.stdout
-        assert "the launcher process had exited" in res.stderr and "accel_magics launcher:" in res.stderr
+        assert "the launcher process had exited" in res.stderr and "accel_magics.hooks INFO: hook " in res.stderr   # its log's tail
     finally:
         k.shutdown()
 
@@ -778,7 +778,8 @@ def test_a_rank_that_only_waits_after_its_peers_finished_runs_to_the_end(clean_k
     assert max(text.count("not stuck") for text in views) == 1, views[-1]   # once, not every 1.5 s
     said = [line for line in views[-1].splitlines() if "not stuck" in line]
     assert said[0].startswith("[accel_magics] rank(s) 0 have used no CPU and printed nothing for") and \
-        "since rank(s) 1 finished the cell" in said[0] and "clock_nanosleep" in said[0], said[0]
+        "since rank(s) 1 finished the cell" in said[0] and \
+        ("clock_nanosleep" in said[0] or "in select in" in said[0]), said[0]   # time.sleep: select() on 3.10
 
 
 def test_a_session_rank_that_waits_after_its_peers_finished_runs_to_the_end(clean_kernel):

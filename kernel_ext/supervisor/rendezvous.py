@@ -12,14 +12,17 @@ failure, so the other nodes stop with that root cause instead of hanging or
 reporting their own secondary "connection closed" errors.
 
 Where the store comes up is the ``store`` hook (``kernel_ext/hooks.py``):
-on one node the port is bound before the ranks start and torch's store
-takes that socket over at the first connection (:meth:`NodeRendezvous.listen`),
-off the run's critical path.  That needs a TCPStore whose default backend
-accepts ``master_listen_fd``; torch 2.4-2.7's libuv backend does not
-("does not support initialization with an listen fd"), so there, or with
-``ACCEL_MAGICS_DISABLE=store``, node 0 creates the store on the port before
-the ranks start, with torch's default backend, exactly as torchrun's agent
-does (:data:`prebound`).
+on one node the port is bound (to the master address only: torch's own
+store listens on every interface) before the ranks start, and torch's
+store takes that socket over at the first connection
+(:meth:`NodeRendezvous.listen`), off the run's critical path.  That needs a
+TCPStore that accepts ``master_listen_fd``: torch's default backend does,
+but torch 2.4-2.7's libuv backend does not ("does not support initialization
+with an listen fd"), so there the store runs on torch's other backend
+(``use_libuv=False``: the ranks, its clients, are torch's own either way).
+Where neither takes a bound socket, or with ``ACCEL_MAGICS_DISABLE=store``,
+node 0 creates the store on the port before the ranks start, with torch's
+default backend, exactly as torchrun's agent does (:data:`prebound`).
 
 Restarts (``--max_restarts`` with one kernel per node) are rendezvous
 *rounds*, as in torch elastic: every node's kernel starts attempt N on the
@@ -54,39 +57,72 @@ ALIVE = "accel_magics/alive"         # a session: each node's count of its beats
 #: hosts the store on it at the first connection.  False: the store is
 #: created eagerly, as torchrun's agent creates it.
 prebound = False
+#: The TCPStore arguments that make it take a bound socket (the backend).
+_prebound_backend: dict = {}
 
 
 class RendezvousTimeout(Exception):
     pass
 
 
-def prebound_store_unsupported() -> Optional[str]:
-    """The ``store`` hook's guard: None when this torch's TCPStore, with its
-    default backend (the one torchrun's agent gets), takes over a listening
-    socket (``master_listen_fd``); else why not.  Tried for real on a
-    loopback port: a version list would be a guess (torch 2.4-2.7's libuv
-    backend refuses, 2.3 and 2.8+ take it)."""
-    import inspect
+def _store_on_bound_socket(**backend) -> Optional[str]:
+    """Host a TCPStore on a socket bound (loopback, a free port), with
+    ``backend``'s arguments, in a child process: None when it works, else
+    why not.  Never here: libuv's process-wide state (its thread pool) does
+    not survive a fork, and every supervisor is forked from this process
+    (a libuv store tried here left node 0's store of a two-node run mute)."""
+    import os
 
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - the child
+        try:
+            os.close(read)
+            os.write(write, (_try_store(**backend) or "").encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        why = answer.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return f"the child that tried it ended with status {status}"
+    return why or None
+
+
+def _try_store(**backend) -> Optional[str]:
     from torch.distributed import TCPStore
 
-    try:
-        if "master_listen_fd" not in inspect.signature(TCPStore.__init__).parameters:
-            return "TCPStore takes no master_listen_fd"
-    except (TypeError, ValueError):   # a pybind11 signature inspect cannot read: try it
-        pass
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
         port = sock.getsockname()[1]
         store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False,
-                         master_listen_fd=sock.detach())
-    except Exception as exc:   # NotImplementedError on torch 2.4-2.7 (libuv)
+                         master_listen_fd=sock.detach(), **backend)
+    except Exception as exc:   # NotImplementedError from torch 2.4-2.7's libuv backend
         sock.close()
-        return f"this torch's TCPStore cannot take over a bound socket ({type(exc).__name__}: {exc})"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     del store
     return None
+
+
+def prebound_store_unsupported() -> Optional[str]:
+    """The ``store`` hook's guard: None when this torch's TCPStore takes over a
+    listening socket (``master_listen_fd``) with its default backend or,
+    where that backend refuses (torch 2.4-2.7's libuv), with the other one;
+    else why not.  Tried for real on a loopback port: a version list would
+    be a guess.  Sets the backend the store will use."""
+    global _prebound_backend
+    default = _store_on_bound_socket()
+    if default is None:
+        _prebound_backend = {}
+        return None
+    legacy = _store_on_bound_socket(use_libuv=False)
+    if legacy is None:
+        _prebound_backend = {"use_libuv": False}
+        return None
+    return f"this torch's TCPStore takes no bound socket (default backend: {default}; use_libuv=False: {legacy})"
 
 
 def install_store_hook() -> bool:
@@ -96,7 +132,9 @@ def install_store_hook() -> bool:
     def take() -> str:
         global prebound
         prebound = True
-        return "one node binds its port before the ranks start, the store comes up at the first connection"
+        how = ("on torch's non-libuv backend (this torch's libuv backend takes no bound socket)"
+               if _prebound_backend else "on torch's default backend")
+        return f"one node binds its port before the ranks start; the store comes up at the first connection, {how}"
 
     prebound = False
     return hooks.install("store", take, guard=prebound_store_unsupported)
@@ -152,12 +190,13 @@ class NodeRendezvous:
         listen_fd = None
         if self.listener is not None:
             listen_fd, self.listener = self.listener.detach(), None   # the store owns it now
+        backend = _prebound_backend if listen_fd is not None else {}
         retry_until = time.monotonic() + (HOST_RETRY if listen_fd is None and self.attempt else 0)
         while True:
             try:
                 self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
                                       timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False,
-                                      master_listen_fd=listen_fd)
+                                      master_listen_fd=listen_fd, **backend)
                 break
             except Exception:   # a restart: this node's last round may still hold the port a moment
                 if time.monotonic() >= retry_until:
