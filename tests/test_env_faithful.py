@@ -19,8 +19,6 @@ import sys
 
 import pytest
 
-from accel_magics.kernel_ext.environment import (EnvironmentReads, error_dir, error_file, import_time_changes,
-                                                 rank_base_environment)
 from accel_magics.kernel_ext.kernel.fold import failure_of_exit
 from conftest import LoadedKernel
 from kernel_harness import KernelSession, descendants, listening_ports, temp_entries, wait_until
@@ -295,53 +293,7 @@ def test_an_error_file_of_each_attempt(env_kernel):
         assert re.search(r"/torchelastic_[0-9a-f]+/attempt_1/[01]/error\.json$", path), path
 
 
-# -- the parts, against the installed torch -----------------------------------------------
-
-def test_the_names_imports_look_up_are_recorded_and_the_class_restored():
-    reads = EnvironmentReads()
-    plain = type(os.environ)
-    reads.start()
-    try:
-        os.environ.get("ACCEL_TEST_MISSING_A")
-        "ACCEL_TEST_MISSING_B" in os.environ   # noqa: B015
-        os.getenv("HOME")
-        os.environb.get(b"ACCEL_TEST_BYTES")
-        assert type(os.environ) is not plain
-    finally:
-        reads.stop()
-    assert type(os.environ) is plain and type(os.environb) is plain
-    os.environ.get("ACCEL_TEST_AFTER")
-    names, _ = reads.take()
-    assert {"ACCEL_TEST_MISSING_A", "ACCEL_TEST_MISSING_B", "HOME", "ACCEL_TEST_BYTES"} <= names
-    assert "ACCEL_TEST_AFTER" not in names
-
-
-@pytest.mark.parametrize("then,now,read,changed", [
-    ({}, {"TORCH_CPP_LOG_LEVEL": "INFO"}, set(), ["TORCH_CPP_LOG_LEVEL"]),
-    ({"NCCL_DEBUG": "INFO"}, {}, set(), ["NCCL_DEBUG"]),
-    ({}, {"CUDA_VISIBLE_DEVICES": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, set(),
-     ["CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"]),
-    ({}, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "ACCEL_MAGICS_DISABLE": "tqdm"}, set(),
-     ["ACCEL_MAGICS_DISABLE", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"]),
-    ({"HF_HOME": "/a"}, {"HF_HOME": "/b"}, {"HF_HOME"}, ["HF_HOME"]),      # a library's import looked it up
-    ({}, {"WANDB_PROJECT": "x"}, set(), []),                              # nothing did
-    ({"MY_DATA": "1"}, {"MY_DATA": "1"}, {"MY_DATA"}, []),                # unchanged
-])
-def test_which_changes_count(then, now, read, changed):
-    assert import_time_changes(then, now, read) == changed
-
-
-def test_a_terminal_variable_the_ranks_never_get_does_not_count():
-    """The kernel's FORCE_COLOR and friends are not a rank's (rank_base_environment)."""
-    then = rank_base_environment({"FORCE_COLOR": "1", "TERM": "xterm-color"})
-    now = rank_base_environment({"FORCE_COLOR": "0", "TERM": "xterm-256color"})
-    assert import_time_changes(then, now, {"FORCE_COLOR", "TERM"}) == []
-
-
-def test_error_files_are_laid_out_as_torchruns():
-    assert error_dir("/p", "abc") == "/p/torchelastic_abc"
-    assert error_file("/p", "abc", 2, 1) == "/p/torchelastic_abc/attempt_2/1/error.json"
-
+# -- the fold of a recorded failure (the environment's own parts: test_environment.py) ----
 
 def test_a_recorded_exit_folds_into_the_recorded_exception():
     msg = {"kind": "exit", "rank": 1, "exitcode": 3, "signal": None, "stopped": False, "timestamp": 20.0,
