@@ -6,6 +6,7 @@ and the same messages, before anything is launched.
 """
 from __future__ import annotations
 
+import collections.abc
 import ipaddress
 import os
 import socket
@@ -361,6 +362,14 @@ def import_time_changes(then: Mapping[str, str], now: Mapping[str, str], read: I
     return sorted(name for name in changed if name in read or name.startswith(IMPORT_TIME_PREFIXES))
 
 
+#: The code that reads every value of a mapping in turn (a scan, not a lookup by name).
+_SCANS = frozenset(code for code in (
+    getattr(collections.abc.ItemsView.__iter__, "__code__", None),
+    getattr(collections.abc.ValuesView.__iter__, "__code__", None),
+    getattr(getattr(type(os.environ), "copy", None), "__code__", None),
+) if code is not None)
+
+
 class EnvironmentReads:
     """Record the names Python code looks up in ``os.environ`` (and
     ``os.environb``) between :meth:`start` and :meth:`stop`.
@@ -372,10 +381,15 @@ class EnvironmentReads:
     a fresh launcher.  Every lookup goes through ``__getitem__`` (``get``,
     ``in``, ``os.getenv``, ``items()``, ``copy()``), so the mapping's class is
     swapped for a subclass that notes the name, and swapped back by
-    :meth:`stop`: what the launcher forks has the plain ``os._Environ``.  A
-    scan of every name (``for k in os.environ``) reads the names present then,
-    not one added later: where it was made is kept in :attr:`scans` for the
-    log.
+    :meth:`stop`: what the launcher forks has the plain ``os._Environ``.
+
+    A scan of every variable (``os.environ.items()``, ``.copy()``: tqdm looks
+    for its TQDM_* variables so, this package's py-spy runner keeps a copy)
+    is not a lookup of each: counting it so would make every variable count,
+    down to those that change by themselves (pytest's PYTEST_CURRENT_TEST
+    between tests), and every change would cost a fresh launcher.  Where
+    a scan was made is kept in :attr:`scans` for the log; what such a module
+    keeps is covered by :data:`IMPORT_TIME_PREFIXES` where it is known.
     """
 
     def __init__(self) -> None:
@@ -408,7 +422,8 @@ class EnvironmentReads:
 
         class Recording(plain):
             def __getitem__(self, key):
-                reads.names.add(key if isinstance(key, str) else os.fsdecode(key))
+                if sys._getframe(1).f_code not in _SCANS:
+                    reads.names.add(key if isinstance(key, str) else os.fsdecode(key))
                 return super().__getitem__(key)
 
             def __iter__(self):

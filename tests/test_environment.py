@@ -166,6 +166,23 @@ def test_the_names_imports_look_up_are_recorded_and_the_class_restored():
     assert "ACCEL_TEST_AFTER" not in names
 
 
+def test_a_scan_of_the_environment_is_not_a_lookup_of_each_variable(monkeypatch):
+    """tqdm scans every variable at import for its TQDM_* ones: a variable that
+    changes by itself (pytest's PYTEST_CURRENT_TEST) must not count as read."""
+    monkeypatch.setenv("ACCEL_TEST_SCANNED", "1")
+    reads = EnvironmentReads()
+    reads.start()
+    try:
+        {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}   # noqa: B018
+        os.environ.copy()
+        list(os.environ.values())
+    finally:
+        reads.stop()
+    names, scans = reads.take()
+    assert "ACCEL_TEST_SCANNED" not in names and not names
+    assert any(site.startswith(__file__) for site in scans), scans
+
+
 @pytest.mark.parametrize("then,now,read,changed", [
     ({}, {"TORCH_CPP_LOG_LEVEL": "INFO"}, set(), ["TORCH_CPP_LOG_LEVEL"]),
     ({"NCCL_DEBUG": "INFO"}, {}, set(), ["NCCL_DEBUG"]),
