@@ -358,6 +358,7 @@ def import_time_changes(then: Mapping[str, str], now: Mapping[str, str], read: I
     (:data:`IMPORT_TIME_PREFIXES`).  Sorted; [] when the launcher is as a
     fresh process would be."""
     read = set(read)
+    then, now = _as_read(then), _as_read(now)
     changed = [name for name in then.keys() | now.keys() if then.get(name) != now.get(name)]
     return sorted(name for name in changed if name in read or name.startswith(IMPORT_TIME_PREFIXES))
 
@@ -368,6 +369,23 @@ _SCANS = frozenset(code for code in (
     getattr(collections.abc.ValuesView.__iter__, "__code__", None),
     getattr(getattr(type(os.environ), "copy", None), "__code__", None),
 ) if code is not None)
+
+
+def _as_read(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` as what reads it makes of it: ACCEL_MAGICS_DISABLE is the hooks
+    it turns off (unset, empty or a name that is no hook turn none off; the
+    kernel refuses the last before a run, see hooks.check_names)."""
+    from . import hooks
+
+    if hooks.ENV not in env:
+        return env
+    env = dict(env)
+    off = ",".join(sorted(hooks.disabled(env) & set(hooks.HOOKS)))
+    if off:
+        env[hooks.ENV] = off
+    else:
+        del env[hooks.ENV]
+    return env
 
 
 class EnvironmentReads:

@@ -193,6 +193,10 @@ def test_a_scan_of_the_environment_is_not_a_lookup_of_each_variable(monkeypatch)
     ({"HF_HOME": "/a"}, {"HF_HOME": "/b"}, {"HF_HOME"}, ["HF_HOME"]),      # a library's import looked it up
     ({}, {"WANDB_PROJECT": "x"}, set(), []),                              # nothing did
     ({"MY_DATA": "1"}, {"MY_DATA": "1"}, {"MY_DATA"}, []),                # unchanged
+    ({}, {"ACCEL_MAGICS_DISABLE": ""}, set(), []),                        # turns no hook off, as unset
+    ({}, {"ACCEL_MAGICS_DISABLE": "tqmd"}, set(), []),                    # no hook: refused before a run
+    ({"ACCEL_MAGICS_DISABLE": "tqdm"}, {"ACCEL_MAGICS_DISABLE": " tqdm, "}, set(), []),
+    ({"ACCEL_MAGICS_DISABLE": "tqdm"}, {"ACCEL_MAGICS_DISABLE": "tqdm,store"}, set(), ["ACCEL_MAGICS_DISABLE"]),
 ])
 def test_which_changes_count(then, now, read, changed):
     assert import_time_changes(then, now, read) == changed
