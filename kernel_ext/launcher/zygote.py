@@ -32,8 +32,10 @@ from ..environment import EnvironmentReads, error_dir
 # What the imports look up in the environment, from here to the ready reply and
 # during each preload: the kernel replaces this process when one of those
 # variables changes (see kernel.launcher), as a new process would see it.
+# Only in the launcher process itself, not in one that imports this module.
 ENV_READS = EnvironmentReads()
-ENV_READS.start()
+if __name__ == "__main__":
+    ENV_READS.start()
 
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
