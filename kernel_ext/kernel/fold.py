@@ -65,7 +65,8 @@ def failure_of_exit(rank: int, msg: dict) -> Optional[ev.RankFailure]:
     if recorded and (msg.get("signal") or msg.get("exitcode")):
         then = f"killed by {msg['signal']}" if msg.get("signal") else f"exited with code {msg['exitcode']}"
         return ev.RankFailure(rank, "exception", f"{failure_summary(recorded)} (recorded by @record in its "
-                              f"TORCHELASTIC_ERROR_FILE; the rank then {then})", traceback=recorded.get("traceback", ""),
+                              f"TORCHELASTIC_ERROR_FILE; the rank then {then})",
+                              traceback=recorded.get("traceback", ""),
                               timestamp=recorded.get("timestamp", msg["timestamp"]),
                               secondary=bool(recorded.get("secondary")))
     if msg.get("signal"):

@@ -350,10 +350,11 @@ class Launcher:
         seen = tuple((name, os.environ.get(name)) for name in changed)
         if seen != self._env_warned:   # once per change, not every cell
             self._env_warned = seen
+            one = len(changed) == 1
             warnings.warn(f"accel_magics: {names} changed in the kernel since the launcher process started, and "
-                          f"what it imported depends on {'it' if len(changed) == 1 else 'them'} (read as torch and "
+                          f"what it imported depends on {'it' if one else 'them'} (read as torch and "
                           "the preloaded modules loaded). A session or a background run is alive on the launcher, "
-                          f"so this run and they keep the effect of the old {'value' if len(changed) == 1 else 'values'}. "
+                          f"so this run and they keep the effect of the old {'value' if one else 'values'}. "
                           "Stop them (%distributed_session stop, h.stop() or wait for the background run) and the "
                           "next cell starts a fresh launcher with the new environment.", RuntimeWarning, stacklevel=4)
         return False
