@@ -6,11 +6,13 @@ and the same messages, before anything is launched.
 """
 from __future__ import annotations
 
+import collections.abc
 import ipaddress
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 from .options import DEFAULT_MULTINODE_PORT, DEFAULTS, MIXED_PRECISION_CHOICES  # noqa: F401 (re-exported)
 
@@ -244,8 +246,14 @@ def rank_environment(
     run_id: str,
     attempt: int,
     gpu_count: int,
+    error_file: Optional[str] = None,
 ) -> dict[str, str]:
     """The variables torchrun would set for this rank, plus Accelerate's.
+
+    ``error_file``: the rank's ``TORCHELASTIC_ERROR_FILE`` (see
+    :func:`error_file`), where ``torch.distributed.elastic``'s ``@record``
+    writes the exception that ends the rank; the run reads it when the rank
+    fails without an exception of its own reaching the kernel.
 
     ``OMP_NUM_THREADS``, where the user set none, is the machine's cores
     divided between the local ranks, on GPU machines too: otherwise N ranks
@@ -285,6 +293,8 @@ def rank_environment(
     if cfg.mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     env.update({k: str(v) for k, v in cfg.extra_env.items()})
+    if error_file is not None:   # torchrun's own, whatever a config file says
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
     if not env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")).strip():
         env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.num_processes))
     return env
@@ -300,3 +310,148 @@ def host_address(override: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+# -- the error files of torch elastic's @record ----------------------------------
+
+def error_dir(private_dir: str, run_id: str) -> str:
+    """The run's folder of error files, in the launcher's private directory
+    (torchrun's is ``torchelastic_*`` in the temp directory): made by the
+    run's supervisor before the ranks start, removed when it ends (and by the
+    launcher if the supervisor is killed)."""
+    return os.path.join(private_dir, f"torchelastic_{run_id}")
+
+
+def error_file(private_dir: str, run_id: str, attempt: int, local_rank: int) -> str:
+    """A rank's ``TORCHELASTIC_ERROR_FILE``, laid out as torchrun's
+    (``<run>/attempt_<restart count>/<local rank>/error.json``, see
+    ``torch.distributed.elastic.multiprocessing.DefaultLogsSpecs.reify``); the
+    file itself is written only by ``@record``, if at all."""
+    return os.path.join(error_dir(private_dir, run_id), f"attempt_{attempt}", str(local_rank), "error.json")
+
+
+# -- which variables the launcher's imports depend on ----------------------------
+
+#: Prefixes of the variables that native code reads when it is loaded or
+#: initialised, where no Python lookup shows it: the interpreter at its start
+#: (PYTHON*), libtorch and c10d (TORCH_CPP_LOG_LEVEL, TORCH_SHOW_CPP_STACKTRACES,
+#: TORCH_DISTRIBUTED_DEBUG, PYTORCH_CUDA_ALLOC_CONF...), NCCL, gloo, the CUDA
+#: and ROCm libraries, the OpenMP / MKL / OpenBLAS runtimes (their thread
+#: pools are sized at load), the dynamic loader and the allocators, and this
+#: package's own (ACCEL_MAGICS_DISABLE turns hooks off in the launcher).
+#: TQDM_: tqdm reads every TQDM_* variable at import by scanning the
+#: environment, so one set later is not a lookup the launcher made.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON", "TORCH", "PYTORCH_", "NCCL_", "GLOO_", "UCC_", "UCX_",
+    "CUDA_", "CUBLAS", "CUDNN_", "NVIDIA_", "HIP_", "ROCM_", "HSA_", "MIOPEN_", "ROCBLAS_",
+    "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GOTO", "BLIS_", "ONEDNN_", "DNNL_",
+    "LD_", "MALLOC_", "GLIBC_TUNABLES", "TCMALLOC_", "XLA_", "PJRT_", "TRITON_", "KINETO_",
+    "ACCEL_MAGICS_", "TQDM_",
+)
+
+
+def import_time_changes(then: Mapping[str, str], now: Mapping[str, str], read: Iterable[str]) -> list[str]:
+    """The variables that differ between ``then`` (the environment the
+    launcher imported its modules under) and ``now`` (what a rank started now
+    would import under) and that an import may have depended on: a name
+    Python code looked up (``read``, found or not) or one native code reads
+    (:data:`IMPORT_TIME_PREFIXES`).  Sorted; [] when the launcher is as a
+    fresh process would be."""
+    read = set(read)
+    then, now = _as_read(then), _as_read(now)
+    changed = [name for name in then.keys() | now.keys() if then.get(name) != now.get(name)]
+    return sorted(name for name in changed if name in read or name.startswith(IMPORT_TIME_PREFIXES))
+
+
+#: The code that reads every value of a mapping in turn (a scan, not a lookup by name).
+_SCANS = frozenset(code for code in (
+    getattr(collections.abc.ItemsView.__iter__, "__code__", None),
+    getattr(collections.abc.ValuesView.__iter__, "__code__", None),
+    getattr(getattr(type(os.environ), "copy", None), "__code__", None),
+) if code is not None)
+
+
+def _as_read(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` as what reads it makes of it: ACCEL_MAGICS_DISABLE is the hooks
+    it turns off (unset, empty or a name that is no hook turn none off; the
+    kernel refuses the last before a run, see hooks.check_names)."""
+    from . import hooks
+
+    if hooks.ENV not in env:
+        return env
+    env = dict(env)
+    off = ",".join(sorted(hooks.disabled(env) & set(hooks.HOOKS)))
+    if off:
+        env[hooks.ENV] = off
+    else:
+        del env[hooks.ENV]
+    return env
+
+
+class EnvironmentReads:
+    """Record the names Python code looks up in ``os.environ`` (and
+    ``os.environb``) between :meth:`start` and :meth:`stop`.
+
+    The launcher records while it imports torch and the modules payloads use:
+    a module that read a variable at import (``torch.distributed``'s
+    TORCH_DISTRIBUTED_DEBUG, a library's cache path) keeps what it read, and
+    forked ranks inherit it, so a change of that variable in the kernel needs
+    a fresh launcher.  Every lookup goes through ``__getitem__`` (``get``,
+    ``in``, ``os.getenv``, ``items()``, ``copy()``), so the mapping's class is
+    swapped for a subclass that notes the name, and swapped back by
+    :meth:`stop`: what the launcher forks has the plain ``os._Environ``.
+
+    A scan of every variable (``os.environ.items()``, ``.copy()``: tqdm looks
+    for its TQDM_* variables so, this package's py-spy runner keeps a copy)
+    is not a lookup of each: counting it so would make every variable count,
+    down to those that change by themselves (pytest's PYTEST_CURRENT_TEST
+    between tests), and every change would cost a fresh launcher.  Where
+    a scan was made is kept in :attr:`scans` for the log; what such a module
+    keeps is covered by :data:`IMPORT_TIME_PREFIXES` where it is known.
+    """
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.scans: set[str] = set()
+        self._swapped: list = []
+
+    def start(self) -> None:
+        if self._swapped:
+            return
+        for mapping in (os.environ, getattr(os, "environb", None)):
+            if mapping is not None:
+                plain = type(mapping)
+                mapping.__class__ = self._recording(plain)
+                self._swapped.append((mapping, plain))
+
+    def stop(self) -> None:
+        for mapping, plain in self._swapped:
+            mapping.__class__ = plain
+        self._swapped = []
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """The names and scan sites noted since the last take."""
+        names, scans = self.names, self.scans
+        self.names, self.scans = set(), set()
+        return names, scans
+
+    def _recording(self, plain: type) -> type:
+        reads = self
+
+        class Recording(plain):
+            def __getitem__(self, key):
+                if sys._getframe(1).f_code not in _SCANS:
+                    reads.names.add(key if isinstance(key, str) else os.fsdecode(key))
+                return super().__getitem__(key)
+
+            def __iter__(self):
+                frame = sys._getframe(1)
+                while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
+                                             or frame.f_code.co_filename == os.__file__):
+                    frame = frame.f_back
+                if frame is not None:
+                    reads.scans.add(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+                return super().__iter__()
+
+        Recording.__name__ = Recording.__qualname__ = f"Recording{plain.__name__}"
+        return Recording

@@ -87,19 +87,31 @@ def _by_rank(text: str, tagged: str) -> dict[int, list[str]]:
     return dict(ranks)
 
 
+@pytest.fixture(scope="module")
+def kernel():
+    """The module's kernel, started with COMMON_ENV: OMP_NUM_THREADS is read as
+    torch loads, so setting it in the kernel per test would start a fresh
+    launcher each time (as it must: a rank is a new process)."""
+    from conftest import LoadedKernel
+
+    k = LoadedKernel(extra_env=COMMON_ENV)
+    try:
+        yield k
+    finally:
+        k.shutdown()
+
+
 def in_cell(kernel, script: str, tmp_path, nproc: int = 2, setup: str = "") -> dict[int, list[str]]:
     """What each rank printed in a %%distributed cell; asserts it succeeded."""
     tmp_path = tmp_path / "cell"
     tmp_path.mkdir()
-    kernel.ok(f"import os\nos.chdir({str(tmp_path)!r})\n" + "".join(
-        f"os.environ[{k!r}] = {v!r}\n" for k, v in COMMON_ENV.items()))
+    kernel.ok(f"import os\nos.chdir({str(tmp_path)!r})\n")
     try:
         if setup:
             kernel.ok(setup)
         res = kernel.run(f"%%distributed -n {nproc} --output text\n{MERGE_STDERR}{script}", timeout=400)
     finally:
-        kernel.ok("os.chdir(os.path.expanduser('~'))\n" + "".join(f"os.environ.pop({k!r}, None)\n"
-                                                               for k in COMMON_ENV))
+        kernel.ok("os.chdir(os.path.expanduser('~'))\n")
     assert res.status == "ok", res.error_text
     return _by_rank(res.stdout, r"\[rank (\d+)\] ?(.*)$")
 

@@ -1,12 +1,14 @@
 """Launch topology: validation messages and the torchrun environment."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
-from accel_magics.kernel_ext.environment import (ConfigError, LaunchConfig, cpu_count, free_port, rank_environment, validate,
-                                                 visible_gpus)
+from accel_magics.kernel_ext.environment import (ConfigError, EnvironmentReads, LaunchConfig, cpu_count, error_dir,
+                                                 error_file, free_port, import_time_changes, rank_base_environment,
+                                                 rank_environment, validate, visible_gpus)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -141,3 +143,80 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+# -- the environment the launcher imported under (issue 44, item 3) ------------------------
+
+def test_the_names_imports_look_up_are_recorded_and_the_class_restored():
+    reads = EnvironmentReads()
+    plain = type(os.environ)
+    reads.start()
+    try:
+        os.environ.get("ACCEL_TEST_MISSING_A")
+        "ACCEL_TEST_MISSING_B" in os.environ   # noqa: B015
+        os.getenv("HOME")
+        os.environb.get(b"ACCEL_TEST_BYTES")
+        assert type(os.environ) is not plain
+    finally:
+        reads.stop()
+    assert type(os.environ) is plain and type(os.environb) is plain
+    os.environ.get("ACCEL_TEST_AFTER")
+    names, _ = reads.take()
+    assert {"ACCEL_TEST_MISSING_A", "ACCEL_TEST_MISSING_B", "HOME", "ACCEL_TEST_BYTES"} <= names
+    assert "ACCEL_TEST_AFTER" not in names
+
+
+def test_a_scan_of_the_environment_is_not_a_lookup_of_each_variable(monkeypatch):
+    """tqdm scans every variable at import for its TQDM_* ones: a variable that
+    changes by itself (pytest's PYTEST_CURRENT_TEST) must not count as read."""
+    monkeypatch.setenv("ACCEL_TEST_SCANNED", "1")
+    reads = EnvironmentReads()
+    reads.start()
+    try:
+        {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}   # noqa: B018
+        os.environ.copy()
+        list(os.environ.values())
+    finally:
+        reads.stop()
+    names, scans = reads.take()
+    assert "ACCEL_TEST_SCANNED" not in names and not names
+    assert any(site.startswith(__file__) for site in scans), scans
+
+
+@pytest.mark.parametrize("then,now,read,changed", [
+    ({}, {"TORCH_CPP_LOG_LEVEL": "INFO"}, set(), ["TORCH_CPP_LOG_LEVEL"]),
+    ({"NCCL_DEBUG": "INFO"}, {}, set(), ["NCCL_DEBUG"]),
+    ({}, {"CUDA_VISIBLE_DEVICES": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, set(),
+     ["CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"]),
+    ({}, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "ACCEL_MAGICS_DISABLE": "tqdm"}, set(),
+     ["ACCEL_MAGICS_DISABLE", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"]),
+    ({"HF_HOME": "/a"}, {"HF_HOME": "/b"}, {"HF_HOME"}, ["HF_HOME"]),      # a library's import looked it up
+    ({}, {"WANDB_PROJECT": "x"}, set(), []),                              # nothing did
+    ({"MY_DATA": "1"}, {"MY_DATA": "1"}, {"MY_DATA"}, []),                # unchanged
+    ({}, {"ACCEL_MAGICS_DISABLE": ""}, set(), []),                        # turns no hook off, as unset
+    ({}, {"ACCEL_MAGICS_DISABLE": "tqmd"}, set(), []),                    # no hook: refused before a run
+    ({"ACCEL_MAGICS_DISABLE": "tqdm"}, {"ACCEL_MAGICS_DISABLE": " tqdm, "}, set(), []),
+    ({"ACCEL_MAGICS_DISABLE": "tqdm"}, {"ACCEL_MAGICS_DISABLE": "tqdm,store"}, set(), ["ACCEL_MAGICS_DISABLE"]),
+])
+def test_which_changes_count(then, now, read, changed):
+    assert import_time_changes(then, now, read) == changed
+
+
+def test_a_terminal_variable_the_ranks_never_get_does_not_count():
+    """The kernel's FORCE_COLOR and friends are not a rank's (rank_base_environment)."""
+    then = rank_base_environment({"FORCE_COLOR": "1", "TERM": "xterm-color"})
+    now = rank_base_environment({"FORCE_COLOR": "0", "TERM": "xterm-256color"})
+    assert import_time_changes(then, now, {"FORCE_COLOR", "TERM"}) == []
+
+
+def test_error_files_are_laid_out_as_torchruns():
+    assert error_dir("/p", "abc") == "/p/torchelastic_abc"
+    assert error_file("/p", "abc", 2, 1) == "/p/torchelastic_abc/attempt_2/1/error.json"
+
+
+def test_a_rank_gets_its_error_file_whatever_a_config_file_says():
+    cfg = LaunchConfig(num_processes=2, extra_env={"TORCHELASTIC_ERROR_FILE": "/elsewhere"})
+    env = rank_environment(cfg, 1, 1, run_id="r", attempt=0, gpu_count=0, error_file=error_file("/p", "r", 0, 1))
+    assert env["TORCHELASTIC_ERROR_FILE"] == "/p/torchelastic_r/attempt_0/1/error.json"
+    assert "TORCHELASTIC_ERROR_FILE" not in rank_environment(LaunchConfig(num_processes=2), 1, 1, run_id="r",
+                                                             attempt=0, gpu_count=0)

@@ -57,7 +57,18 @@ def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
 
 def failure_of_exit(rank: int, msg: dict) -> Optional[ev.RankFailure]:
     """The one failure record of a rank that ended without reporting one (a
-    signal, ``os._exit``, a crash in native code); None for a clean exit."""
+    signal, ``os._exit``, a crash in native code); None for a clean exit.
+    Where ``@record`` wrote the rank's exception to its
+    ``TORCHELASTIC_ERROR_FILE`` (``recorded``), that exception is the
+    failure, as torchrun shows it, with its traceback and when it was written."""
+    recorded = msg.get("recorded")
+    if recorded and (msg.get("signal") or msg.get("exitcode")):
+        then = f"killed by {msg['signal']}" if msg.get("signal") else f"exited with code {msg['exitcode']}"
+        return ev.RankFailure(rank, "exception", f"{failure_summary(recorded)} (recorded by @record in its "
+                              f"TORCHELASTIC_ERROR_FILE; the rank then {then})",
+                              traceback=recorded.get("traceback", ""),
+                              timestamp=recorded.get("timestamp", msg["timestamp"]),
+                              secondary=bool(recorded.get("secondary")))
     if msg.get("signal"):
         return ev.RankFailure(rank, "signal", f"killed by {msg['signal']}", timestamp=msg["timestamp"])
     if msg.get("exitcode"):

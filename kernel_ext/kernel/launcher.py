@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import logging
 import os
 import pickle
 import shutil
@@ -29,13 +30,16 @@ import zmq
 
 from .. import child_environment, process_tree
 from .. import wire
-from ..environment import LaunchConfig, free_port, rank_base_environment, rank_environment, visible_gpus
+from ..environment import (LaunchConfig, error_dir, error_file, free_port, import_time_changes, rank_base_environment,
+                           rank_environment, visible_gpus)
 from .errors import LauncherError
 from ..wire.payload import Payload
 from .run_handle import RunHandle
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
 from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
+
+log = logging.getLogger("accel_magics.launcher")
 
 _live_launchers: "weakref.WeakSet[Launcher]" = weakref.WeakSet()
 
@@ -150,6 +154,12 @@ class Launcher:
         self._denied: set[str] = set()
         self._pending_preload: list[str] = []
         self._preload_files: dict[str, tuple[int, int]] = {}   # what the launcher imported for runs
+        self._stale_warned = False
+        # The environment the launcher imported under (a rank's, from the
+        # kernel's at its start) and the names its imports looked up.
+        self.env_at_start: dict[str, str] = {}
+        self.env_reads: set[str] = set()
+        self._env_warned: Optional[tuple] = None
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -195,7 +205,12 @@ class Launcher:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.dir}/events")
-        env = child_environment(os.environ)
+        # What a rank gets of the kernel's environment, not the kernel's own
+        # (a terminal's TERM and colours, the inline MPLBACKEND): the imports
+        # here are a rank's, and see what a process torchrun started would.
+        self.env_at_start = rank_base_environment(os.environ)
+        self.env_reads = set()
+        env = child_environment(self.env_at_start)
         # Every process of this launcher carries the marker (ranks keep it too),
         # so whatever escapes the process tree is still found and killed (close).
         self.token = uuid.uuid4().hex
@@ -225,6 +240,7 @@ class Launcher:
             self.start()
         if not self.info:
             self.info = self._reply("ready", timeout)
+            self.env_reads.update(self.info.get("env_reads", ()))
         return self.info
 
     @property
@@ -267,6 +283,9 @@ class Launcher:
         self.live.clear()
         self._pending_preload = []
         self._preload_files = {}
+        self._stale_warned = False
+        self.env_reads = set()
+        self._env_warned = None
         self._preloaded.clear()   # a new launcher preloads from scratch
         _live_launchers.discard(self)
 
@@ -281,21 +300,64 @@ class Launcher:
             # A module it keeps imported changed on disk (pip upgraded it): a
             # run must never see old code, so a fresh launcher imports it anew.
             # Not while a session or a background run lives on it: they would die.
-            if self.live:
+            if not self.live:
+                log.info("replacing the launcher process (pid %d): a module it imported changed on disk",
+                         self.proc.pid)
+                self.close()
+            elif not self._stale_warned:
+                self._stale_warned = True
                 warnings.warn("accel_magics: a module the launcher keeps imported changed on disk, but a session "
                               "or a background run is alive, so this run still uses the version loaded before. "
                               "Stop them (%distributed_session stop) to get the new one.", RuntimeWarning,
                               stacklevel=3)
-                self._preload_files = {}
-            else:
-                self.close()
+        if self.alive and not self.info and not self.live and self._environment_outdated(reads=()):
+            # Still importing (a cell right after %load_ext and an %env): what
+            # native code reads has changed already; no need to wait for it.
+            self.close(kill=True)
         if self.proc is not None and not self.alive:
             warnings.warn(f"the launcher process had exited (code {self.proc.returncode}); starting a new one. "
                           f"Its log:\n{self.launch_log_tail()}", RuntimeWarning, stacklevel=2)
             self.close()
         if self.proc is None:
             self.start()
-        return self.wait_ready()
+        info = self.wait_ready()
+        if self._environment_outdated():   # known once it is ready: what its imports looked up
+            self.close()
+            self.start()
+            info = self.wait_ready()
+        return info
+
+    def _environment_outdated(self, reads: Optional[set] = None) -> bool:
+        """Has a variable the launcher's imports depend on changed in the
+        kernel since it started?  Then a rank forked from it would not be what
+        a new process is (torch read TORCH_DISTRIBUTED_DEBUG and
+        TORCH_CPP_LOG_LEVEL as it loaded, the OpenMP runtime sized its pool
+        from OMP_NUM_THREADS...), so a fresh launcher imports them anew: True,
+        after a log line naming them.  Not while a session or a background run
+        lives on it (they would die): a warning says that this run and they
+        keep the launcher's environment, and how to get the new one.
+        ``reads``: the names looked up, if not those the launcher said."""
+        changed = import_time_changes(self.env_at_start, rank_base_environment(os.environ),
+                                      self.env_reads if reads is None else reads)
+        if not changed:
+            self._env_warned = None
+            return False
+        names = ", ".join(changed)
+        if not self.live:
+            log.info("replacing the launcher process (pid %d): %s changed in the kernel since it started, "
+                     "and its imports depend on %s", self.proc.pid, names, "it" if len(changed) == 1 else "them")
+            return True
+        seen = tuple((name, os.environ.get(name)) for name in changed)
+        if seen != self._env_warned:   # once per change, not every cell
+            self._env_warned = seen
+            one = len(changed) == 1
+            warnings.warn(f"accel_magics: {names} changed in the kernel since the launcher process started, and "
+                          f"what it imported depends on {'it' if one else 'them'} (read as torch and "
+                          "the preloaded modules loaded). A session or a background run is alive on the launcher, "
+                          f"so this run and they keep the effect of the old {'value' if one else 'values'}. "
+                          "Stop them (%distributed_session stop, h.stop() or wait for the background run) and the "
+                          "next cell starts a fresh launcher with the new environment.", RuntimeWarning, stacklevel=4)
+        return False
 
     def _stale_preload(self) -> bool:
         for path, (mtime, size) in self._preload_files.items():
@@ -408,6 +470,7 @@ class Launcher:
             self.close(kill=True)
             return
         self._preload_files.update(reply.get("files", {}))
+        self.env_reads.update(reply.get("env_reads", ()))
         if reply.get("taint"):
             self._denied.update(pending)
             self._preloaded.difference_update(pending)
@@ -488,9 +551,11 @@ class Launcher:
             # the kernel's own flags: argparse in a rank sees no arguments.
             "argv": [os.path.abspath(sys.argv[0])] if sys.argv and sys.argv[0] else [""],
             "rank_env": [
-                rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus)
+                rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus,
+                                 error_file=error_file(self.dir, run_id, attempt, i))
                 for i in cfg.local_ranks
             ],
+            "error_dir": error_dir(self.dir, run_id),
             "payload": payload,
             "gpu_count": gpus,
             "timeout": cfg.timeout,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import logging
 import os
 import selectors
 import shutil
@@ -26,20 +27,32 @@ import time
 import traceback
 from typing import Optional
 
+from ..environment import EnvironmentReads, error_dir
+
+# What the imports look up in the environment, from here to the ready reply and
+# during each preload: the kernel replaces this process when one of those
+# variables changes (see kernel.launcher), as a new process would see it.
+# Only in the launcher process itself, not in one that imports this module.
+ENV_READS = EnvironmentReads()
+if __name__ == "__main__":
+    ENV_READS.start()
+
 # Everything a supervisor and a rank need, imported once here rather than after
 # every fork (an import after the fork costs each run milliseconds).
-from .. import logs, wire  # noqa: F401
-from ..rank import pg_guard, rank_stdio, worker  # noqa: F401
-from ..supervisor import session_supervisor, supervisor  # noqa: F401
-from .. import hooks
-from ..supervisor import native_stacks, rendezvous
-from ..supervisor import spare as spare_supervisor
-from ..wire import payload, transport  # noqa: F401
-from ..process_tree import children, kill_orphans, running
-from ..supervisor.run_state import RunState
+from .. import logs, wire  # noqa: E402,F401
+from ..rank import pg_guard, rank_stdio, worker  # noqa: E402,F401
+from ..supervisor import session_supervisor, supervisor  # noqa: E402,F401
+from .. import hooks  # noqa: E402
+from ..supervisor import native_stacks, rendezvous  # noqa: E402
+from ..supervisor import spare as spare_supervisor  # noqa: E402
+from ..wire import payload, transport  # noqa: E402,F401
+from ..process_tree import children, kill_orphans, running  # noqa: E402
+from ..supervisor.run_state import RunState  # noqa: E402
 # The ladders' order: see timing.py.
-from ..timing import COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT
-from .hugepages import Collapser
+from ..timing import COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT  # noqa: E402
+from .hugepages import Collapser  # noqa: E402
+
+log = logging.getLogger("accel_magics.launcher")
 
 SUPERVISOR_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD}
 PR_SET_CHILD_SUBREAPER = 36
@@ -128,6 +141,7 @@ class Zygote:
     def preload(self, modules) -> dict:
         """Import ``modules``; returns {file: (mtime_ns, size)} of every module
         this imported, so the kernel can tell when one changed on disk."""
+        ENV_READS.start()   # on already for the first preload: until ready (see env_reads)
         before = set(sys.modules)
         for name in modules:
             if name in sys.modules or name in self.failed_preload:
@@ -154,6 +168,15 @@ class Zygote:
                 except OSError:
                     pass
         return files
+
+    def env_reads(self) -> list[str]:
+        """Stop recording (forks get the plain ``os.environ``): the names
+        looked up since the last call, for the kernel."""
+        ENV_READS.stop()
+        names, scans = ENV_READS.take()
+        if scans:   # not lookups of each variable (see EnvironmentReads): for the log
+            log.info("the environment was scanned whole at import by %s", ", ".join(sorted(scans)))
+        return sorted(names)
 
     @staticmethod
     def preview_rank_hooks() -> None:
@@ -194,7 +217,7 @@ class Zygote:
             self.extra_fds.append(kernel)
         except (AttributeError, OSError):
             kernel = None
-        self.preload(init.get("preload", DEFAULT_PRELOAD))
+        self.preload(init.get("preload", DEFAULT_PRELOAD))   # recording goes on until ready
         native_stacks.install()
         if "torch.distributed" in sys.modules:
             from . import dnsfix
@@ -213,6 +236,7 @@ class Zygote:
             try:
                 self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
                             "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
+                            "env_reads": self.env_reads(),
                             "python": sys.version})
             except OSError:
                 # The kernel went away while torch was importing (shut down right
@@ -299,6 +323,7 @@ class Zygote:
             self.drop_spare()   # it lacks the new modules
             files = self.preload(msg["modules"])
             self.reply({"kind": "preloaded", "preloaded": self.preloaded, "files": files,
+                        "env_reads": self.env_reads(),
                         "failed": self.failed_preload, "taint": taint(self.baseline_threads)})
         elif op == "ping":
             self.reply({"kind": "pong"})
@@ -470,7 +495,9 @@ class Zygote:
                 return
             if pid == 0:
                 break
-            self.supervisors.pop(pid, None)
+            run_id = self.supervisors.pop(pid, None)
+            if run_id not in (None, "spare"):   # a supervisor removes it as it ends; not one that was killed
+                shutil.rmtree(error_dir(self.private_dir, run_id), ignore_errors=True)
             self.forget_status(pid)
             self.ranks_gone.discard(pid)
             self.finished.discard(pid)

@@ -29,7 +29,7 @@ import signal
 import time
 from typing import NoReturn, Optional
 
-from . import native_stacks
+from . import error_file, native_stacks
 from .. import wire
 from ..wire import transport
 from ..wire.messages import failure_summary
@@ -97,6 +97,7 @@ class Supervisor:
         self.sampler = ResourceSampler()
         self.stall_judged = float("-inf")   # when quiet ranks were last judged (see _check_stall)
         self.said_quiet: set[int] = set()   # ranks the user was told wait (once each)
+        self.recorded: dict[int, Optional[dict]] = {}   # rank -> what @record wrote (error_file), once read
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.logs = RankLogs("")
         # The one event loop's tables (a session's supervisor adds to them):
@@ -132,6 +133,7 @@ class Supervisor:
                 pass
         finally:
             self.logs.close()
+            error_file.remove(self.spec)
             try:
                 self.sock.close(linger=2000)
                 self.ctx.term()
@@ -240,6 +242,7 @@ class Supervisor:
         self._discard_idle(len(self.idle) - need)
         self.ranks, self.idle = self.idle, []
         self.logs = RankLogs(spec.get("log_dir", ""))
+        error_file.prepare(spec)   # as torchrun's agent, before the ranks start
         excerpt = spec.get("excerpt")
         for rank in self.ranks:
             rank.rank = spec["ranks"][rank.local]
@@ -678,8 +681,26 @@ class Supervisor:
         if code != 0 and self.stopping is None:
             if not r.failed:
                 what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                self._note_failure(False, time.time(), r.rank, what)
+                recorded = self._recorded(r)
+                if recorded is not None:
+                    self._note_failure(recorded["secondary"], recorded["timestamp"], r.rank,
+                                       f"{failure_summary(recorded)} (recorded by @record; it then {what})")
+                else:
+                    self._note_failure(False, time.time(), r.rank, what)
             self._stop("failed", stacks=False)
+
+    def _recorded(self, r: RankProcess) -> Optional[dict]:
+        """What ``@record`` wrote for a rank that failed without reporting an
+        exception (read once; see error_file), bounded as a failure's text."""
+        if r.rank not in self.recorded:
+            found = error_file.recorded(error_file.path_of(self.spec, r.local))
+            if found is not None:
+                self.logs.note(r.rank, f"--- recorded by @record in {error_file.VARIABLE}: "
+                                       f"{failure_summary(found)} ---\n{found['traceback']}")
+                found["message"] = bound_text(found["message"], head=20, tail=20)
+                found["traceback"] = bound_text(found["traceback"])
+            self.recorded[r.rank] = found
+        return self.recorded[r.rank]
 
     def _on_readable(self, kind: str, r: RankProcess, fd: int) -> bool:
         """Read what is there; False once nothing more is (EAGAIN or EOF)."""
@@ -857,9 +878,11 @@ class Supervisor:
             r.exit_time = time.monotonic()
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         stopped = r.stopped_by_us(sig)
+        recorded = None
         if not r.failed and not stopped and (sig or os.WEXITSTATUS(status)):
             how = f"killed by {signal.Signals(sig).name}" if sig else f"exited with code {os.WEXITSTATUS(status)}"
             self.logs.note(r.rank, f"--- {how} ---")
+            recorded = self._recorded(r)   # the failure torchrun would show for it
         self._send({
             "kind": "exit",
             "rank": r.rank,
@@ -867,5 +890,6 @@ class Supervisor:
             "signal": signal.Signals(sig).name if sig else None,
             "stopped": stopped,
             "timestamp": time.time() - (time.monotonic() - r.exit_time),
+            **({"recorded": recorded} if recorded is not None else {}),
         })
         r.reported = True

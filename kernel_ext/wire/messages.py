@@ -19,7 +19,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``output``             ``rank``, ``text`` (lines, or None), ``omitted``, ``progress``
 ``rank_event``         ``rank``, ``event``: a rank's report, see :class:`RankEvent`
 ``stacks``             ``rank``, ``text``, ``native``, ``where``: where the rank was when stopped
-``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``, ``where``
+``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``, ``where``;
+                       ``recorded``: what @record wrote (a failed rank's TORCHELASTIC_ERROR_FILE)
 ``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
