@@ -17,13 +17,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 . "$VENV/bin/activate"
 stamp="$VENV/.accel_magics-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS ${TORCH_VERSION:-2.13.0}"
+# TORCH_PINS: a pip constraints file (torch and what goes with it, e.g. .ci/torch-floor.txt);
+# it replaces any constraint of pip's configuration, so releases newer than a machine's cap come from PyPI.
+if [ -n "${TORCH_PINS:-}" ]; then
+    export PIP_CONSTRAINT="$(cd "$(dirname "$TORCH_PINS")" && pwd)/$(basename "$TORCH_PINS")"
+    TORCH_VERSION=$(sed -n 's/^torch==//p' "$TORCH_PINS")
+fi
+want="$(cat pyproject.toml scripts/setup.sh ${TORCH_PINS:-} | sha256sum | cut -d' ' -f1) $EXTRAS ${TORCH_VERSION:-2.13.0}"
 if [ "${ACCEL_MAGICS_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
         && python -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'accel_magics.kernel_ext.kernel.run')))" 2>/dev/null; then
     exit 0   # up to date
 fi
 rm -f "$stamp"
 python -m pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION:-}' or not '${TORCH_VERSION:-}'" 2>/dev/null \
+    || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e ".[$EXTRAS]"
 echo "$want" > "$stamp"

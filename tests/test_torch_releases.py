@@ -78,8 +78,13 @@ def test_an_all_reduce_cell_gives_torchruns_numbers(clean_kernel, tmp_path):
     assert_same(in_cell(clean_kernel, ALL_REDUCE, tmp_path), torchrun(ALL_REDUCE, tmp_path), "sum")
 
 
-def test_destroy_and_init_three_times_in_a_cell_gives_torchruns_numbers(clean_kernel, tmp_path):
-    assert_same(in_cell(clean_kernel, REINIT, tmp_path), torchrun(REINIT, tmp_path), "round 2")
+def test_destroy_and_init_three_times_in_a_cell_gives_each_rounds_numbers(clean_kernel, tmp_path):
+    """Not compared with a torchrun run: there the rounds share their store keys,
+    and a rank that reads them before its peers rewrote them connects to the
+    last round's addresses (racy in torch itself: "Connection refused", or a
+    hang in gloo's set-up, seen here on 2.13)."""
+    expected = {rank: [f"round {r} {[3.0 * (r + 1)] * 2} {rank} 2" for r in range(3)] for rank in (0, 1)}
+    assert in_cell(clean_kernel, REINIT, tmp_path) == expected
 
 
 def test_a_session_over_two_cells_is_one_torchrun_script(clean_kernel, tmp_path):
