@@ -506,8 +506,8 @@ class SharedCache:
                 # on while someone maps it; then old and new both take memory,
                 # as two values do) and writes a new one.
                 self._drop(key)
+            self._make_room(view.nbytes)   # before the write: what gives way is freed first
             fd, mapping = self._write(view, held)
-            self._make_room(view.nbytes)
             try:
                 if self.kept_bytes() + view.nbytes > self.budget:
                     raise TypeError("over the budget")
