@@ -424,6 +424,23 @@ def _address(view) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data
 
 
+@functools.lru_cache(maxsize=None)
+def _memoryview_from_memory():
+    import ctypes
+
+    from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+    from_memory.restype = ctypes.py_object
+    from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    return from_memory
+
+
+def _memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` at ``address`` (no ctypes array
+    type per size: ctypes keeps every one it makes).  It does not keep the
+    memory alive: the caller holds its owner."""
+    return _memoryview_from_memory()(address, nbytes, 0x200)   # PyBUF_WRITE
+
+
 class SharedCache:
     """Big buffers already in shared memory, kept across cells (issue 27
     item 2): a 1 GB global used by cell after cell was written into fresh
@@ -897,8 +914,6 @@ class _SharingPickler(cloudpickle.Pickler):
         each time, so two tensors that share one share nothing in the rank,
         as under plain pickle.  None: pickled as torch pickles it
         (``torch.save`` of the storage, in band)."""
-        import ctypes
-
         typed = isinstance(storage, torch.storage.TypedStorage)
         untyped = storage._untyped_storage if typed else storage
         nbytes = untyped.nbytes()
@@ -919,7 +934,7 @@ class _SharingPickler(cloudpickle.Pickler):
         if why is not None:
             hooks.step_aside("shared_globals", why)
             return None
-        buffer = pickle.PickleBuffer((ctypes.c_ubyte * nbytes).from_address(address))
+        buffer = pickle.PickleBuffer(_memory_at(address, nbytes))
         self.out_of_band.storages[id(buffer)] = (buffer, untyped)
         return _shared_storage, (buffer, storage.dtype)
 
