@@ -288,6 +288,8 @@ def test_the_reductions_shared_memory_relies_on_are_there():
     assert isinstance(reduced[1][0], std_pickle.PickleBuffer) and reduced[1][1].names == ("x", "y")
     storage = torch.zeros(4).__reduce_ex__(5)[1][0]
     assert type(storage) is torch.storage.TypedStorage and storage.dtype == torch.float32
+    from accel_magics.kernel_ext.wire.payload import shared_globals_unsupported
+    assert shared_globals_unsupported() is None   # the hook's guard checks both
 
 
 def test_sending_a_value_never_changes_the_kernels_object(low_threshold):

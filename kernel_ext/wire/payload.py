@@ -335,7 +335,10 @@ def share_threshold(environ=None) -> int:
 
 
 def shared_globals_unsupported() -> Optional[str]:
-    """Why the kernel cannot share memory with its ranks here, or None."""
+    """Why the kernel cannot share memory with its ranks here, or None: the
+    platform's memfds, and the hook points, numpy's reduction of an array
+    to a ``PickleBuffer`` and torch's of a tensor to a ``TypedStorage``
+    (each once the kernel has imported it: neither is imported for this)."""
     import importlib.util
 
     if not hasattr(os, "memfd_create"):
@@ -344,6 +347,23 @@ def shared_globals_unsupported() -> Optional[str]:
         return "no /proc/<pid>/fd: the ranks could not open the kernel's memory"
     if importlib.util.find_spec("numpy") is None:
         return "numpy is not installed (kept memory is compared through it)"
+    return _reductions_unsupported("numpy" in sys.modules, "torch" in sys.modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _reductions_unsupported(with_numpy: bool, with_torch: bool) -> Optional[str]:
+    if with_numpy:
+        import numpy as np
+
+        reduced = np.zeros(2).__reduce_ex__(5)
+        if not (len(reduced) > 1 and reduced[1] and isinstance(reduced[1][0], pickle.PickleBuffer)):
+            return f"numpy {np.__version__} no longer reduces an array to a PickleBuffer"
+    if with_torch:
+        import torch
+
+        reduced = torch.zeros(2).__reduce_ex__(5)
+        if not (len(reduced) > 1 and reduced[1] and type(reduced[1][0]) is torch.storage.TypedStorage):
+            return f"torch {torch.__version__} no longer reduces a tensor to a TypedStorage"
     return None
 
 
