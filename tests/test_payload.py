@@ -75,10 +75,16 @@ def test_annotations_and_defaults_are_shipped():
     assert p.shipped_names == ["DEFAULT", "MyType", "Out"]
 
 
+def _add(arena, array) -> None:
+    """Put ``array``'s bytes in ``arena`` as the pickler does a buffer of it."""
+    arena.add(memoryview(array).cast("B"), (array.ctypes.data, array.nbytes))
+
+
 def test_kept_shared_memory_stays_within_its_budget():
-    """A kept array's shared memory stays taken between cells, so the cache
+    """A kept buffer's shared memory stays taken between cells, so the cache
     keeps at most its budget (a quarter of the machine's memory); beyond it
-    an array's memory is its run's alone, as before."""
+    a buffer's memory is its run's alone, as before.  What this payload uses
+    is never pushed out; what it does not use gives way to what it does."""
     import numpy as np
 
     from accel_magics.kernel_ext.wire.payload import SharedArena, SharedCache
@@ -86,14 +92,15 @@ def test_kept_shared_memory_stays_within_its_budget():
     cache = SharedCache(budget=40 << 20)
     first, second = np.ones(3 << 20), np.ones(3 << 20)   # 24 MB each
     for _ in range(2):
+        cache.next_payload()
         arena = SharedArena(cache)
-        arena.add(memoryview(first).cast("B"), first)
-        arena.add(memoryview(second).cast("B"), second)
+        _add(arena, first)
+        _add(arena, second)
         assert len(cache) == 1 and cache.kept_bytes() == 24 << 20
         arena.close()
-    del first
+    cache.next_payload()
     arena = SharedArena(cache)
-    arena.add(memoryview(second).cast("B"), second)   # room now
+    _add(arena, second)   # first's entry, unused by this payload, makes room
     assert len(cache) == 1 and cache.kept_bytes() == 24 << 20
     arena.close()
     cache.clear()
@@ -133,7 +140,7 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
     probe = SharedCache()
     arena = SharedArena(probe)
     owner = np.ones(1 << 17)
-    arena.add(memoryview(owner).cast("B"), owner)
+    _add(arena, owner)
     arena.close()
     per_entry = _memfds()   # the memfd, and its mapping's own descriptor
     probe.clear()
@@ -143,7 +150,7 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
     kept = np.ones(1 << 17)   # 1 MB
     if case.startswith("kept"):
         arena = SharedArena(cache)
-        arena.add(memoryview(kept).cast("B"), kept)
+        _add(arena, kept)
         arena.close()
         assert len(cache) == 1
 
@@ -166,7 +173,7 @@ def test_an_interrupt_at_any_line_of_sharing_a_big_global_leaks_no_descriptor(ca
         interrupted = False
         sys.settrace(tracer)
         try:
-            arena.add(memoryview(array).cast("B"), array)
+            _add(arena, array)
             for _ in range(1000):   # bytecodes: a signal sent at the last line is handled by here
                 pass
         except KeyboardInterrupt:
@@ -252,3 +259,134 @@ def test_a_big_globals_comparison_finds_every_differing_chunk_on_every_thread(mo
     with pytest.raises(KeyboardInterrupt):
         cache._differing_chunks(mine.ctypes.data, theirs.ctypes.data, mine.nbytes, Held())
     assert not [t for t in threading.enumerate() if t.name == "accel_magics-compare"]
+
+
+# -- values as cloudpickle delivers them (issue 44 item 4) -------------------------------
+
+@pytest.fixture
+def low_threshold(monkeypatch):
+    """Buffers of 1 kB and more go through shared memory (the kernel's own cache, emptied after)."""
+    from accel_magics.kernel_ext.wire.payload import SHARED
+
+    monkeypatch.setenv("ACCEL_MAGICS_SHARE_THRESHOLD", "1024")
+    monkeypatch.delenv("ACCEL_MAGICS_DISABLE", raising=False)
+    yield
+    SHARED.clear()
+
+
+def test_the_reductions_shared_memory_relies_on_are_there():
+    """The hook points: numpy hands pickle a contiguous array's memory as a
+    PickleBuffer (protocol 5), and torch reduces a tensor to a TypedStorage
+    that pickle meets as an object of its own.  Were either to move, big
+    values would step aside for the plain pickle (exact, only slower)."""
+    import pickle as std_pickle
+
+    import numpy as np
+    import torch
+
+    reduced = np.zeros((3, 4), dtype=[("x", "f8"), ("y", "S4")]).__reduce_ex__(5)
+    assert isinstance(reduced[1][0], std_pickle.PickleBuffer) and reduced[1][1].names == ("x", "y")
+    storage = torch.zeros(4).__reduce_ex__(5)[1][0]
+    assert type(storage) is torch.storage.TypedStorage and storage.dtype == torch.float32
+    from accel_magics.kernel_ext.wire.payload import shared_globals_unsupported
+    assert shared_globals_unsupported() is None   # the hook's guard checks both
+
+
+def test_sending_a_value_never_changes_the_kernels_object(low_threshold):
+    """Issue 44: ``.numpy()`` on the way to shared memory made torch mark the
+    storage not resizable for ever, and the cache's weak reference made numpy
+    refuse ``resize(..., refcheck=False)``."""
+    import weakref as std_weakref
+
+    import numpy as np
+    import torch
+
+    tensor, array, frozen = torch.zeros(10_000), np.zeros(10_000), np.arange(1000.0)
+    frozen.flags.writeable = False
+    ns = {"tensor": tensor, "array": array, "frozen": frozen}
+    payload = build_payload("tensor, array, frozen", ns)
+    assert len(payload.shared.refs) == 3
+    loaded = {}
+    payload.load_into(loaded)
+    assert not loaded["frozen"].flags.writeable and loaded["array"].flags.writeable
+    payload.release()
+    assert tensor.untyped_storage().resizable() and std_weakref.getweakrefcount(array) == 0
+    assert not frozen.flags.writeable
+    tensor.resize_(20_000)
+    tensor.add_(1)
+    array.resize(20_000, refcheck=False)
+    assert float(tensor[-1]) == 1.0 and array.shape == (20_000,)
+
+
+def test_shared_globals_can_be_turned_off_by_name(low_threshold, monkeypatch):
+    import numpy as np
+
+    from accel_magics.kernel_ext import hooks
+
+    ns = {"array": np.ones(10_000)}
+    assert build_payload("array", ns).shared is not None
+    monkeypatch.setenv("ACCEL_MAGICS_DISABLE", "shared_globals")
+    payload = build_payload("array", ns)
+    assert payload.shared is None and len(payload.globals_blob) > ns["array"].nbytes
+    assert hooks.state("shared_globals") is hooks.HookState.DISABLED
+    loaded = {}
+    payload.load_into(loaded)
+    assert (loaded["array"] == 1).all()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_big_value_that_goes_by_pickle_says_why_once(low_threshold, monkeypatch, caplog):
+    import logging
+
+    import numpy as np
+    import torch
+
+    from accel_magics.kernel_ext import hooks
+
+    class Sub(np.ndarray):
+        pass
+
+    monkeypatch.setattr(hooks, "_asides", set())
+    ns = {"q": torch.quantize_per_tensor(torch.randn(10_000), 0.1, 3, torch.qint8),
+          "strided": np.arange(10_000.0)[::2], "sub": np.zeros(1000).view(Sub), "plain": np.zeros(1000),
+          "small": torch.quantize_per_tensor(torch.randn(10), 0.1, 3, torch.qint8)}
+    with caplog.at_level(logging.INFO, logger="accel_magics.hooks"):
+        for _ in range(2):
+            build_payload("q, strided, sub, plain, small", ns).release()
+    asides = sorted(r.getMessage().split("hook shared_globals stepped aside: ", 1)[1]
+                    for r in caplog.records if "stepped aside" in r.getMessage())
+    assert len(asides) == 3, asides
+    assert asides[0] == "a non-contiguous ndarray (numpy pickles a copy of its elements)"
+    assert asides[1] == "quantized dtype qint8"
+    assert asides[2].endswith("<locals>.Sub, an ndarray subclass (numpy pickles it with its data in the pickle)")
+
+
+def test_the_threshold_comes_from_the_environment():
+    from accel_magics.kernel_ext.wire.payload import SHARE_THRESHOLD, share_threshold
+
+    assert share_threshold({}) == SHARE_THRESHOLD == 8 << 20
+    assert share_threshold({"ACCEL_MAGICS_SHARE_THRESHOLD": "4096"}) == 4096
+    assert share_threshold({"ACCEL_MAGICS_SHARE_THRESHOLD": "0"}) == 1   # an empty buffer never
+    with pytest.raises(PayloadError, match="ACCEL_MAGICS_SHARE_THRESHOLD='8MB' is not a number of bytes"):
+        share_threshold({"ACCEL_MAGICS_SHARE_THRESHOLD": "8MB"})
+
+
+def test_a_kept_buffer_goes_after_payloads_that_do_not_use_it_or_with_its_storage(low_threshold):
+    """An array's entry (no weak reference: numpy would refuse to resize it)
+    is kept for the payloads after the last that used it; a tensor's goes
+    with its storage."""
+    import numpy as np
+    import torch
+
+    from accel_magics.kernel_ext.wire.payload import SHARED
+
+    array, tensor = np.ones(10_000), torch.ones(10_000)
+    build_payload("array, tensor", {"array": array, "tensor": tensor}).release()
+    assert len(SHARED) == 2
+    del tensor
+    assert len(SHARED) == 1
+    for _ in range(SHARED.KEEP_PAYLOADS - 1):
+        build_payload("x = 1", {}).release()
+    assert len(SHARED) == 1
+    build_payload("x = 1", {}).release()
+    assert len(SHARED) == 0

@@ -15,6 +15,7 @@ import fcntl
 import functools
 import mmap
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -45,7 +46,7 @@ class Payload:
     return_names: list[str] = field(default_factory=list)
     sys_path: list[str] = field(default_factory=list)
     cwd: str = ""
-    shared: Optional["SharedArena"] = None   # big arrays, shipped once through shared memory
+    shared: Optional["SharedArena"] = None   # big buffers (pickle's out-of-band ones), through shared memory
     sources: dict = field(default_factory=dict)   # notebook cells' source by label ("Cell In[2]")
 
     def load_into(self, namespace: dict) -> set:
@@ -56,7 +57,8 @@ class Payload:
         Returns the names it set."""
         import linecache
 
-        loaded = cloudpickle.loads(self.globals_blob)
+        refs = self.shared.refs if self.shared is not None else []
+        loaded = cloudpickle.loads(self.globals_blob, buffers=map(_map_shared, refs))
         if not (isinstance(loaded, tuple) and len(loaded) == 3):   # a plain {name: value} blob
             namespace.update(loaded)
             return set(loaded)
@@ -276,7 +278,11 @@ def build_payload(
 
     shipped = {n: namespace[n] for n in wanted}
     arena = SharedArena()
-    arena.enabled = share and hooks.install("shared_globals", lambda: f"values of {SHARE_THRESHOLD >> 20} MB and more")
+    arena.threshold = share_threshold()
+    arena.enabled = share and hooks.install("shared_globals", lambda: f"buffers of {arena.threshold} bytes and more",
+                                            guard=shared_globals_unsupported)
+    if arena.enabled:
+        arena.cache.next_payload()
     with _noting_interrupts() as interrupts:
         try:
             blob, sources = _dumps(shipped, arena, namespace, code_label, keep_out=defined)
@@ -308,43 +314,104 @@ def build_payload(
     )
 
 
-# -- big arrays through shared memory -------------------------------------------------
+# -- big buffers through shared memory ------------------------------------------------
 
-SHARE_THRESHOLD = 8 * 1024 * 1024   # bytes: smaller arrays are simply pickled
+SHARE_THRESHOLD = 8 * 1024 * 1024   # bytes: smaller buffers travel inside the pickle
+THRESHOLD_ENV = "ACCEL_MAGICS_SHARE_THRESHOLD"
+
+
+def share_threshold(environ=None) -> int:
+    """The size from which a buffer goes through shared memory: the kernel's
+    ``ACCEL_MAGICS_SHARE_THRESHOLD`` (bytes), read at each cell (tests lower
+    it so that small values take this path), else :data:`SHARE_THRESHOLD`."""
+    text = (os.environ if environ is None else environ).get(THRESHOLD_ENV, "").strip()
+    if not text:
+        return SHARE_THRESHOLD
+    try:
+        return max(1, int(text))   # an empty buffer never: there is nothing to map
+    except ValueError:
+        raise PayloadError(f"{THRESHOLD_ENV}={text!r} is not a number of bytes "
+                           f"(the default is {SHARE_THRESHOLD}).") from None
+
+
+def shared_globals_unsupported() -> Optional[str]:
+    """Why the kernel cannot share memory with its ranks here, or None: the
+    platform's memfds, and the hook points, numpy's reduction of an array
+    to a ``PickleBuffer`` and torch's of a tensor to a ``TypedStorage``
+    (each once the kernel has imported it: neither is imported for this)."""
+    import importlib.util
+
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is missing (Linux only)"
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return "no /proc/<pid>/fd: the ranks could not open the kernel's memory"
+    if importlib.util.find_spec("numpy") is None:
+        return "numpy is not installed (kept memory is compared through it)"
+    return _reductions_unsupported("numpy" in sys.modules, "torch" in sys.modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _reductions_unsupported(with_numpy: bool, with_torch: bool) -> Optional[str]:
+    if with_numpy:
+        import numpy as np
+
+        reduced = np.zeros(2).__reduce_ex__(5)
+        if not (len(reduced) > 1 and reduced[1] and isinstance(reduced[1][0], pickle.PickleBuffer)):
+            return f"numpy {np.__version__} no longer reduces an array to a PickleBuffer"
+    if with_torch:
+        import torch
+
+        reduced = torch.zeros(2).__reduce_ex__(5)
+        if not (len(reduced) > 1 and reduced[1] and type(reduced[1][0]) is torch.storage.TypedStorage):
+            return f"torch {torch.__version__} no longer reduces a tensor to a TypedStorage"
+    return None
 
 
 class SharedArena:
-    """The shared memory of one run's big arrays: one memfd per array,
+    """The shared memory of one payload's big buffers: one memfd per buffer,
     written by the kernel, mapped copy-on-write by the ranks.
 
-    Ranks map each array ``MAP_PRIVATE`` through ``/proc/<kernel pid>/fd/<fd>``:
+    The buffers are pickle's own out-of-band buffers (protocol 5): what a
+    value's reduction hands pickle as a ``PickleBuffer`` (a numpy array does,
+    with its whole dtype; a torch storage does in :class:`_SharingPickler`)
+    of :attr:`threshold` bytes and more.  All the rest of the value is in the
+    pickle as cloudpickle writes it, and the ranks' ``pickle.loads`` gets the
+    buffers back in their order (:meth:`Payload.load_into`): each value is
+    rebuilt by its own code, as from an in-band pickle, read-only where the
+    original was (pickle's ``READONLY_BUFFER``).
+
+    Ranks map each buffer ``MAP_PRIVATE`` through ``/proc/<kernel pid>/fd/<fd>``:
     no copy per rank, and a rank that writes to its array changes only its
     own pages, as after notebook_launcher's fork.  The memfds come from
-    :data:`SHARED` (kept across cells while the kernel holds the array and
-    it is unchanged, or can be updated in place); the arena holds its own
-    descriptor of each, with a shared lock, until the run is over
-    (:meth:`close`), so nothing the cache does meanwhile can pull one from
-    under a rank that has not mapped it yet, nor write into it.
+    :data:`SHARED` (kept across cells while the memory is unchanged, or can
+    be updated in place); the arena holds its own descriptor of each, with a
+    shared lock, until the run is over (:meth:`close`), so nothing the cache
+    does meanwhile can pull one from under a rank that has not mapped it
+    yet, nor write into it.
     """
 
-    enabled = True   # False: ranks on other machines (nothing is shared, arrays are pickled)
+    enabled = True   # False: ranks on other machines, or the hook turned off (everything is pickled)
+    threshold = SHARE_THRESHOLD
     open_arenas: "weakref.WeakSet[SharedArena]" = weakref.WeakSet()   # holding descriptors now
 
     def __init__(self, cache: Optional["SharedCache"] = None) -> None:
         self.cache = cache if cache is not None else SHARED
         self.fds: list[int] = []
+        self.refs: list[tuple] = []   # per out-of-band buffer, in pickle's order: (kernel pid, fd, offset, nbytes)
         self.size = 0
 
     @property
     def used(self) -> bool:
         return self.size > 0
 
-    def add(self, view: memoryview, owner=None) -> tuple:
-        """``view``: the bytes of ``owner`` (the kernel's array)."""
+    def add(self, view: memoryview, key: tuple, token=None) -> None:
+        """``view`` (bytes of the kernel's) becomes the next out-of-band
+        buffer.  ``key``: its (address, size), as the cache knows it;
+        ``token``: an object that lives exactly as long as that memory, or None."""
         SharedArena.open_arenas.add(self)
-        fd = self.cache.hold(owner, view, into=self.fds)   # in self.fds before an interrupt can land
+        fd = self.cache.hold(key, view, into=self.fds, token=token)   # in self.fds before an interrupt can land
         self.size += view.nbytes
-        return (os.getpid(), fd, 0, view.nbytes)
+        self.refs.append((os.getpid(), fd, 0, view.nbytes))
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
@@ -357,7 +424,7 @@ class SharedArena:
     def __getstate__(self) -> dict:
         # The fds are the kernel's: a copy unpickled in another process (a
         # supervisor, a session's rank) must never close those numbers there.
-        return {"fds": [], "size": self.size, "cache": None}
+        return {"fds": [], "refs": list(self.refs), "size": self.size, "cache": None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,19 +438,50 @@ def _memcmp():
     return memcmp
 
 
+def _address(view) -> int:
+    import numpy as np
+
+    return np.frombuffer(view, np.uint8).ctypes.data
+
+
+@functools.lru_cache(maxsize=None)
+def _memoryview_from_memory():
+    import ctypes
+
+    from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+    from_memory.restype = ctypes.py_object
+    from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    return from_memory
+
+
+def _memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` at ``address`` (no ctypes array
+    type per size: ctypes keeps every one it makes).  It does not keep the
+    memory alive: the caller holds its owner."""
+    return _memoryview_from_memory()(address, nbytes, 0x200)   # PyBUF_WRITE
+
+
 class SharedCache:
-    """Big arrays already in shared memory, kept across cells (issue 27
+    """Big buffers already in shared memory, kept across cells (issue 27
     item 2): a 1 GB global used by cell after cell was written into fresh
     shared memory for every cell, 0.7x the data in extra memory each time.
 
-    Keyed by the kernel's array object, alive (a weak reference: when the
-    kernel drops the name, its memfd goes), the same size.  Reused only when
-    its bytes are *exactly* the memfd's: a full comparison, no version
+    Keyed by the memory's address and size, and kept while one of the last
+    :attr:`KEEP_PAYLOADS` payloads used it (an entry unused in this payload
+    gives way, the longest unused first, when a new buffer needs room in the
+    budget).  A torch storage's entry also goes as soon as the storage does:
+    a weak reference to its Python object (torch keeps that object for as
+    long as the storage lives; a weak reference changes nothing torch does).
+    A numpy array gets none: numpy refuses to resize an array that has a
+    weak reference, ``refcheck=False`` or not, so the notebook's own array
+    would change.  An entry is reused only when its bytes are *exactly* the
+    memory's: a full comparison, no version
     counter or sampled checksum that a write through ``.data``, ``.numpy()``
-    or a C extension could get past; comparing reads at memory speed, several
-    times faster than writing fresh pages.
+    or a C extension could get past (nor an array freed and another made at
+    its address); comparing reads at memory speed, several times faster than
+    writing fresh pages.
 
-    A changed array's memfd is brought up to date in place (only the chunks
+    A changed buffer's memfd is brought up to date in place (only the chunks
     that differ are written: ``big[0] += 1`` costs a comparison, not 512 MB
     of fresh pages) when nobody can see it change.  Who can is told by
     ``flock``: every run's arena and every process that maps the memfd (a
@@ -392,28 +490,39 @@ class SharedCache:
     process exits or its mapping goes.  The kernel writes only under an
     exclusive lock taken without waiting; while anyone holds a shared one
     (a background run, a session's value, ranks still exiting) the changed
-    array gets a new memfd, and they keep the values they were sent.
+    buffer gets a new memfd, and they keep the values they were sent.
     """
 
     CHUNK = 16 << 20          # bytes compared at a time (between two, a stop is let through)
     COMPARE_THREADS = 4       # at most this many threads compare (memory bandwidth, not cores, is the limit)
     WRITE_CHUNK = 128 << 20   # bytes written by one pwrite (between two, a stop is let through)
+    KEEP_PAYLOADS = 4         # an entry is kept while one of the last this many payloads used it
 
     def __init__(self, budget: Optional[int] = None) -> None:
         # Kept memory stays taken between cells: at most a quarter of the
-        # machine's (beyond it an array's shared memory is its run's only, as before).
+        # machine's (beyond it a buffer's shared memory is its run's only, as before).
         self.budget = budget if budget is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
         self._lock = threading.RLock()   # a weak reference's callback may run inside hold() (a GC there)
-        self._entries: dict[int, tuple] = {}   # id(owner) -> (weakref, memfd, its mapping)
+        # (address, nbytes) -> [weak reference to the token or None, memfd, its mapping, payload that used it last]
+        self._entries: dict[tuple, list] = {}
+        self.payloads = 0
 
-    def hold(self, owner, view: memoryview, into: list) -> int:
+    def next_payload(self) -> None:
+        """A payload begins: entries that none of the last
+        :attr:`KEEP_PAYLOADS` payloads used go now."""
+        with self._lock:
+            self.payloads += 1
+            stale = [key for key, entry in self._entries.items() if entry[3] <= self.payloads - self.KEEP_PAYLOADS]
+        for key in stale:
+            self._drop(key)
+
+    def hold(self, key: tuple, view: memoryview, into: list, token=None) -> int:
         """A descriptor of a memfd holding ``view``'s bytes, appended to
-        ``into`` (the caller's, to close): the memfd kept for ``owner``,
-        brought up to date if it can be, else a new one, kept for ``owner``
-        from now on, each with a shared lock on it (see the class).  Past the
-        budget (or for an owner without weak references) a new memfd that is
-        this run's alone: the caller's own descriptor, kept nowhere, so never
-        written again and unlocked.
+        ``into`` (the caller's, to close): the memfd kept under ``key``,
+        brought up to date if it can be, else a new one, kept from now on,
+        each with a shared lock on it (see the class).  Past the budget a new
+        memfd that is this run's alone: the caller's own descriptor, kept
+        nowhere, so never written again and unlocked.
 
         The kernel's interrupt (the stop button) is held while descriptors
         change hands and let through between chunks of the long comparisons
@@ -421,35 +530,45 @@ class SharedCache:
         cache whenever it can land, so an interrupted cell leaks none (one
         left open, with its lock, would also have kept its memfd from ever
         being updated in place again)."""
-        key = id(owner)
         with sigint_deferred() as held:
             with self._lock:
                 entry = self._entries.get(key)
-                if entry is not None and entry[0]() is owner and len(entry[2]) == view.nbytes \
-                        and self._up_to_date(view, entry[1], entry[2], held):
+                if entry is not None and len(entry[2]) == view.nbytes \
+                        and self._up_to_date(key[0], view, entry[1], entry[2], held):
+                    entry[3] = self.payloads
                     into.append(self._lease(entry[1]))
                     return into[-1]
             if entry is not None:
-                # Changed and still seen (or resized): the kernel lets its memfd go
-                # (it lives on while someone maps it; then old and new both take
-                # memory, as two values do) and writes a new one.
+                # Changed and still seen: the kernel lets its memfd go (it lives
+                # on while someone maps it; then old and new both take memory,
+                # as two values do) and writes a new one.
                 self._drop(key)
+            self._make_room(view.nbytes)   # before the write: what gives way is freed first
             fd, mapping = self._write(view, held)
-            kept = self.kept_bytes()
             try:
-                if kept + view.nbytes > self.budget:
+                if self.kept_bytes() + view.nbytes > self.budget:
                     raise TypeError("over the budget")
-                ref = weakref.ref(owner, lambda _, key=key: self._drop(key))
-            except TypeError:   # no weak reference to it, or too much kept already: this run's alone
+                ref = None if token is None else weakref.ref(token, lambda ref, key=key: self._drop(key, ref))
+            except TypeError:   # too much kept already (or a token without weak references): this run's alone
                 mapping.close()
                 into.append(fd)
                 return fd
             with self._lock:
-                old, self._entries[key] = self._entries.get(key), (ref, fd, mapping)
+                old, self._entries[key] = self._entries.get(key), [ref, fd, mapping, self.payloads]
                 into.append(self._lease(fd))
             if old is not None:   # another thread's meanwhile
                 self._release(old)
             return into[-1]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Entries that this payload has not used go, the longest unused
+        first, until ``nbytes`` more fit in the budget."""
+        with self._lock:
+            spare = sorted((entry[3], key) for key, entry in self._entries.items() if entry[3] < self.payloads)
+        for _, key in spare:
+            if self.kept_bytes() + nbytes <= self.budget:
+                return
+            self._drop(key)
 
     @staticmethod
     def _lease(fd: int) -> int:
@@ -479,15 +598,12 @@ class SharedCache:
             raise
         return fd, mapping
 
-    def _up_to_date(self, view: memoryview, fd: int, mapping, held) -> bool:
-        """Compare ``view`` with the memfd; where chunks differ, go on only if
-        nobody holds a shared lock (then write each differing chunk in
-        place).  True: the memfd now holds ``view``'s bytes; False: it
-        differs and someone may see it."""
-        import numpy as np
-
-        differ = self._differing_chunks(np.frombuffer(view, np.uint8).ctypes.data,
-                                        np.frombuffer(mapping, np.uint8).ctypes.data, view.nbytes, held)
+    def _up_to_date(self, address: int, view: memoryview, fd: int, mapping, held) -> bool:
+        """Compare ``view`` (at ``address``) with the memfd; where chunks
+        differ, go on only if nobody holds a shared lock (then write each
+        differing chunk in place).  True: the memfd now holds ``view``'s
+        bytes; False: it differs and someone may see it."""
+        differ = self._differing_chunks(address, _address(mapping), view.nbytes, held)
         if not differ:
             return True
         try:
@@ -556,15 +672,18 @@ class SharedCache:
             return list(starts)
         return sorted(start for part in found for start in part)
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: tuple, ref=None) -> None:
+        """Let the entry under ``key`` go (only if it is still ``ref``'s, when given)."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._release(entry)
+            entry = self._entries.get(key)
+            if entry is None or (ref is not None and entry[0] is not ref):
+                return
+            del self._entries[key]
+        self._release(entry)
 
     @staticmethod
-    def _release(entry: tuple) -> None:
-        _, fd, mapping = entry
+    def _release(entry: list) -> None:
+        _, fd, mapping, _ = entry
         try:
             mapping.close()
         except BufferError:   # a comparison's frame still holds a view (an error's traceback): it
@@ -580,13 +699,13 @@ class SharedCache:
 
     def kept_bytes(self) -> int:
         with self._lock:
-            return sum(len(mapping) for _, _, mapping in self._entries.values())
+            return sum(len(entry[2]) for entry in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-#: The kernel's cache of big arrays in shared memory (one per process).
+#: The kernel's cache of big buffers in shared memory (one per process).
 SHARED = SharedCache()
 
 
@@ -620,21 +739,18 @@ def _map_shared(ref: tuple):
     return memoryview(mm)[offset:offset + nbytes]
 
 
-def _rebuild_ndarray(ref: tuple, dtype: str, shape: tuple, order: str):
-    import numpy as np
-
-    return np.frombuffer(_map_shared(ref), dtype=np.dtype(dtype)).reshape(shape, order=order)
-
-
-def _rebuild_tensor(ref: tuple, dtype: str, shape: tuple, requires_grad: bool):
+def _shared_storage(buffer, dtype):
+    """In a rank: the ``TypedStorage`` of ``dtype`` over one out-of-band
+    buffer, as torch's own ``_load_from_bytes`` gives it under plain pickle;
+    the tensor around it is rebuilt by torch's reduction (see ``_SharingPickler``)."""
     import warnings
 
     import torch
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # "non-writable buffer": ours is writable, copy-on-write
-        flat = torch.frombuffer(_map_shared(ref), dtype=getattr(torch, dtype))
-    return flat.reshape(shape).requires_grad_(requires_grad)
+        warnings.simplefilter("ignore")   # "non-writable buffer": a rank's is writable, copy-on-write
+        untyped = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
 class _RankMain:
@@ -669,14 +785,64 @@ def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
     return code.replace(co_filename=filename, co_consts=consts)
 
 
+#: dtypes of a TypedStorage that is plain bytes (a quantized one, or one torch adds later, is pickled)
+_PLAIN_TORCH_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+                       "float64", "complex64", "complex128")
+
+
+class _OutOfBand:
+    """pickle's ``buffer_callback`` for one payload: a buffer of the arena's
+    threshold and more goes to the arena (the ranks' next out-of-band
+    buffer), any other stays in the pickle.  It also keeps what the pickler
+    noted on the way: big arrays and tensors whose memory has not (yet)
+    gone out of band, and the storages behind the buffers it made itself."""
+
+    def __init__(self, arena: SharedArena) -> None:
+        self.arena = arena
+        self.pending: dict[tuple, object] = {}   # (address, nbytes) -> a big array or tensor not sent out of band yet
+        self.storages: dict[int, tuple] = {}   # id(PickleBuffer) -> (it, the torch storage whose memory it is)
+
+    def __call__(self, buffer) -> bool:
+        view = buffer.raw()   # no ``with``: a release that fails on an error's views would replace the error
+        if view.nbytes < self.arena.threshold:
+            return True
+        key = (_address(view), view.nbytes)
+        self.pending.pop(key, None)
+        self.arena.add(view, key, self.storages.get(id(buffer), (None, None))[1])
+        return False
+
+    def report(self) -> None:
+        """Each big value that went into the pickle after all says why, once (the hook's log)."""
+        for value in self.pending.values():
+            hooks.step_aside("shared_globals", _why_pickled(value))
+        self.clear()
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.storages.clear()
+
+
+def _why_pickled(value) -> str:
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray:
+            return f"{_describe(value)}, an ndarray subclass (numpy pickles it with its data in the pickle)"
+        if value.dtype.hasobject:
+            return "an ndarray of Python objects"
+        return "a non-contiguous ndarray (numpy pickles a copy of its elements)"
+    return f"{_describe(value)}, reduced without its storage"
+
+
 class _SharingPickler(cloudpickle.Pickler):
-    """cloudpickle, with big contiguous CPU arrays put in the shared arena,
-    notebook functions bound to the rank's ``__main__``, and code that keeps
-    its cell's name (cloudpickle renames every file ``<dynamic-code>``)."""
+    """cloudpickle, with big buffers put in the shared arena (pickle's own
+    out-of-band buffers: see :class:`SharedArena`), notebook functions bound
+    to the rank's ``__main__``, and code that keeps its cell's name
+    (cloudpickle renames every file ``<dynamic-code>``)."""
 
     def __init__(self, file, arena: SharedArena, main_ns: Optional[dict] = None,
                  code_label: Optional[Callable[[str], Optional[str]]] = None) -> None:
-        super().__init__(file, protocol=5)
+        self.out_of_band = _OutOfBand(arena) if arena.enabled else None
+        super().__init__(file, protocol=5, buffer_callback=self.out_of_band)
         self.arena = arena
         self.main_ns = main_ns
         self.code_label = code_label
@@ -732,22 +898,65 @@ class _SharingPickler(cloudpickle.Pickler):
         elif type(obj).__name__ == "_lru_cache_wrapper" and getattr(obj, "__module__", None) == "__main__":
             self._note_definition(obj)
             return _lru_cached, (obj.__wrapped__, obj.cache_parameters())
-        if not self.arena.enabled:
-            return super().reducer_override(obj)
-        np = sys.modules.get("numpy")
-        if np is not None and type(obj) is np.ndarray and obj.nbytes >= SHARE_THRESHOLD \
-                and not obj.dtype.hasobject and (obj.flags.c_contiguous or obj.flags.f_contiguous):
-            order = "C" if obj.flags.c_contiguous else "F"
-            data = memoryview(obj.reshape(-1, order=order)).cast("B")
-            return _rebuild_ndarray, (self.arena.add(data, obj), obj.dtype.str, obj.shape, order)
-        torch = sys.modules.get("torch")
-        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" \
-                and obj.is_contiguous() and not obj.is_sparse and obj.is_leaf \
-                and obj.numel() * obj.element_size() >= SHARE_THRESHOLD and type(obj) is torch.Tensor:
-            data = obj.detach().view(-1).view(torch.uint8).numpy()
-            return _rebuild_tensor, (self.arena.add(memoryview(data).cast("B"), obj), str(obj.dtype).split(".")[1],
-                                     tuple(obj.shape), obj.requires_grad)
+        if self.out_of_band is not None:
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+                reduced = self._reduce_storage(obj, torch)
+                if reduced is not None:
+                    return reduced
+            elif torch is not None and isinstance(obj, torch.Tensor):
+                self._note_tensor(obj, torch)
+            else:
+                np = sys.modules.get("numpy")
+                if np is not None and isinstance(obj, np.ndarray) and obj.nbytes >= self.arena.threshold:
+                    self.out_of_band.pending[(obj.__array_interface__["data"][0], obj.nbytes)] = obj
         return super().reducer_override(obj)
+
+    def _note_tensor(self, tensor, torch) -> None:
+        """A big strided tensor: noted until its storage is met (a sparse or
+        nested tensor's parts are tensors of their own)."""
+        try:
+            if tensor.layout != torch.strided or tensor.is_nested:
+                return
+            storage = tensor.untyped_storage()
+            if storage.nbytes() >= self.arena.threshold:
+                self.out_of_band.pending[(storage.data_ptr(), storage.nbytes())] = tensor
+        except Exception:   # a tensor without storage (a wrapper subclass): its reduction says what it sends
+            pass
+
+    def _reduce_storage(self, storage, torch):
+        """A big CPU storage of a plain dtype: its bytes go out of band, read
+        through its address (``.numpy()`` would make torch mark the notebook's
+        storage not resizable for ever), and :func:`_shared_storage` makes it
+        a storage again in the rank.  The tensor around it stays torch's own
+        reduction (offset, strides, requires_grad, conj/neg bits, Python
+        attributes, subclass), and a tensor's storage is a new ``TypedStorage``
+        each time, so two tensors that share one share nothing in the rank,
+        as under plain pickle.  None: pickled as torch pickles it
+        (``torch.save`` of the storage, in band)."""
+        typed = isinstance(storage, torch.storage.TypedStorage)
+        untyped = storage._untyped_storage if typed else storage
+        nbytes = untyped.nbytes()
+        if nbytes < self.arena.threshold:
+            return None
+        address = untyped.data_ptr()
+        self.out_of_band.pending.pop((address, nbytes), None)
+        why = None
+        if not typed:   # torch's own pickle of one does not load back on torch 2.13: neither does ours
+            why = "an UntypedStorage (that of a uint16/32/64 or float8 tensor): torch pickles it itself"
+        elif type(storage) is not torch.storage.TypedStorage:
+            why = f"{_describe(storage)}, a storage class of its own"
+        elif untyped.device.type != "cpu":
+            why = f"a storage on {untyped.device.type}"
+        elif str(storage.dtype).split(".")[-1] not in _PLAIN_TORCH_DTYPES:
+            name = str(storage.dtype).split(".")[-1]
+            why = f"{'quantized ' if name.startswith(('qint', 'quint')) else ''}dtype {name}"
+        if why is not None:
+            hooks.step_aside("shared_globals", why)
+            return None
+        buffer = pickle.PickleBuffer(_memory_at(address, nbytes))
+        self.out_of_band.storages[id(buffer)] = (buffer, untyped)
+        return _shared_storage, (buffer, storage.dtype)
 
 
 class _Found:
@@ -771,12 +980,16 @@ def _dumps(value, arena: SharedArena, main_ns: Optional[dict] = None,
     pickler.keep_out = keep_out
     try:
         pickler.dump((value, _Found(pickler, "definitions"), _Found(pickler, "sources")))
+        if pickler.out_of_band is not None:
+            pickler.out_of_band.report()
         return buf.getvalue(), dict(pickler.sources)
     finally:
         # The memo holds every value sent, and the _Found objects in it hold
         # the pickler: a cycle that kept the kernel's arrays alive (and their
         # kept shared memory) until a garbage collection.
         pickler.clear_memo()
+        if pickler.out_of_band is not None:
+            pickler.out_of_band.clear()
 
 
 class _Interrupts:
