@@ -175,7 +175,9 @@ class DistributedMagics(Magics):
         return ""
 
     def post_run_cell(self, result) -> None:
-        """Catch initialisations the wrappers missed: at least name the cell."""
+        """Catch initialisations the wrappers missed: at least name the cell.
+        Let the shared copies of big arrays the notebook dropped go."""
+        SHARED.forget_unreferenced(self.shell.user_ns)
         for runtime in preflight.initialised_runtimes():
             if runtime not in self.tracker.sites:
                 count = getattr(result, "execution_count", None) or self.shell.execution_count

@@ -463,6 +463,16 @@ def test_interrupt_while_sending_a_big_payload_leaves_the_launcher_usable(launch
     assert result.value == 7
 
 
+def _unused_for_a_while() -> None:
+    """As many cells that use no big global as the kernel keeps a numpy
+    array's shared copy for (it has no weak reference to the array: numpy
+    would refuse to resize it)."""
+    from accel_magics.kernel_ext.wire.payload import SHARED
+
+    for _ in range(SHARED.KEEP_PAYLOADS):
+        build_payload("pass", {}).release()
+
+
 def _open_memfds():
     """The globals memfds this process still holds open.  Counting every fd
     would be noise: the launcher's own threads open and close sockets and
@@ -498,9 +508,12 @@ def test_big_globals_travel_once_through_shared_memory_copy_on_write(launcher):
     assert result.value == (1000.0, float(4 * 1024 * 1024 - 1), 0.0, 5.0)   # rank 0 saw only its own writes
     assert float(tensor[0]) == 0.0 and float(array[-1]) == float(2 * 1024 * 1024 - 1)   # kernel untouched
     assert payload.shared is None                       # released after the run
-    assert len(_open_memfds()) == 2                     # kept while the kernel holds the arrays...
-    del tensor, array
-    assert _open_memfds() == []                         # ...and closed when it drops them
+    assert len(_open_memfds()) == 2                     # kept for the next cells...
+    del tensor
+    assert len(_open_memfds()) == 1                     # ...a tensor's until its storage goes,
+    del array
+    _unused_for_a_while()
+    assert _open_memfds() == []                         # an array's until cells have not used it for a while
 
 
 def _memfd_inodes(payload) -> list:
@@ -535,6 +548,7 @@ def test_an_unchanged_big_global_is_sent_once_across_cells_and_a_change_anywhere
     assert len(SHARED) == 2 and len(_open_memfds()) == 2
     ns.clear()
     del tensor, array
+    _unused_for_a_while()
     assert len(SHARED) == 0 and _open_memfds() == []
 
 
@@ -580,8 +594,9 @@ def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(la
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, gc\n"
-         "from accel_magics.kernel_ext.wire.payload import _rebuild_ndarray\n"
-         f"a = _rebuild_ndarray({ref!r}, '<f8', ({array.size},), 'C')\n"
+         "import numpy as np\n"
+         "from accel_magics.kernel_ext.wire.payload import _map_shared\n"
+         f"a = np.frombuffer(_map_shared({ref!r}), '<f8')\n"
          "print('mapped', a[0], a[-1], flush=True)\n"
          "sys.stdin.readline(); print('still', a[0], a[-1], flush=True)\n"
          "del a; gc.collect(); print('dropped', flush=True)\n"
@@ -616,6 +631,7 @@ def test_a_changed_big_global_is_updated_in_place_only_when_nobody_can_see_it(la
     assert len(SHARED) == 1
     ns.clear()
     del array
+    _unused_for_a_while()
     assert len(SHARED) == 0 and _open_memfds() == []
 
 
@@ -654,6 +670,7 @@ def test_a_process_forked_from_the_kernel_during_a_run_does_not_keep_its_shared_
         os.waitpid(child, 0)
     ns.clear()
     del array
+    _unused_for_a_while()
     assert _open_memfds() == []
 
 

@@ -510,3 +510,21 @@ def test_return_values_come_back_as_cloudpickle_gives_them(kernel):
                 "sent = round_trip(back)", timeout=120)
     assert res.status == "ok", res.error_text + res.stdout
     assert k.ok("canon(back) == sent").result == "True"
+
+
+def test_del_of_a_big_array_frees_its_shared_copy_at_that_cells_end(kernel):
+    """A numpy array's shared copy is kept for the next cells without a weak
+    reference (numpy would refuse to resize the array); the kernel lets it go
+    once no array of the notebook shows that memory: ``del big`` frees it then,
+    not cells later.  One held in a list stays."""
+    from cases import memfds
+
+    k = kernel
+    k.ok("big = np.ones(2_000_000)\nheld = [np.ones(2_000_000)]")
+    res = k.run("%%distributed -n 2 --output text\nprint('sums', float(big.sum()), float(held[0].sum()))", timeout=120)
+    assert "[rank 1] sums 2000000.0 2000000.0" in res.stdout, res.error_text + res.stdout
+    assert memfds(k.pid) == 2
+    k.ok("del big")
+    assert memfds(k.pid) == 1
+    k.ok("del held")
+    assert memfds(k.pid) == 0

@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import fcntl
 import functools
+import itertools
 import mmap
 import os
 import pickle
@@ -691,6 +692,24 @@ class SharedCache:
             pass
         os.close(fd)
 
+    def forget_unreferenced(self, namespace: dict) -> int:
+        """Let go, now, of the entries without a weak reference (numpy's)
+        whose memory no array of ``namespace`` shows any more: its values,
+        and the values one level inside them (containers, attributes).  So
+        ``del big`` in the notebook frees its shared copy at that cell's end
+        (the kernel calls this after every cell), not :attr:`KEEP_PAYLOADS`
+        payloads later.  An array held deeper is let go too: its next cell
+        writes it again (correct, slower).  Returns how many went."""
+        with self._lock:
+            unowned = {key for key, entry in self._entries.items() if entry[0] is None}
+        if not unowned:
+            return 0
+        shown = _array_buffers(namespace)
+        gone = [key for key in unowned if key not in shown]
+        for key in gone:
+            self._drop(key)
+        return len(gone)
+
     def clear(self) -> None:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
@@ -703,6 +722,38 @@ class SharedCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _array_buffers(namespace: dict, inner_limit: int = 1000) -> set[tuple]:
+    """(address, nbytes) of the numpy arrays among ``namespace``'s values and
+    one level inside them (at most ``inner_limit`` items of each)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return set()
+    found: set[tuple] = set()
+
+    def note(value) -> None:
+        if isinstance(value, np.ndarray):
+            try:
+                found.add((value.__array_interface__["data"][0], value.nbytes))
+            except Exception:   # an ndarray subclass whose interface is its own
+                pass
+
+    for value in list(namespace.values()):
+        note(value)
+        if isinstance(value, dict):
+            inner = value.values()
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            inner = value
+        else:
+            inner = getattr(value, "__dict__", None)
+            inner = inner.values() if isinstance(inner, dict) else ()
+        try:
+            for item in itertools.islice(list(inner), inner_limit):
+                note(item)
+        except Exception:   # a container that changed meanwhile, a property that raised
+            pass
+    return found
 
 
 #: The kernel's cache of big buffers in shared memory (one per process).
