@@ -85,7 +85,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             while not session.wait_idle(WAIT_TICK):
                 presenter.tick()   # the view's elapsed time moves on while it waits
         owned = set(session.owned)
-        payload = magics.make_payload(source, return_names, defined=owned)
+        # Ranks on other machines cannot map the kernel's shared memory: a Slurm session's values are pickled.
+        payload = magics.make_payload(source, return_names, defined=owned, share=not on_slurm)
     except BaseException as exc:
         if presenter is not None:
             presenter.discard()
