@@ -185,3 +185,69 @@ def test_a_stop_at_any_moment_of_a_background_cell_is_one_line(clean_kernel):
             outcomes["nothing ran" if "nothing ran" in reply["evalue"] else "stopped"] += 1
         k.ok(WAIT_BACKGROUND_RUNS, timeout=120)   # every run that started ends (stopped or not)
     print(outcomes)
+
+
+# -- a session cell that completed as the stop came ------------------------------------------
+
+SLOW_TO_REPORT = """
+import time
+class SlowToReport:
+    '''Rank 0's last expression: packed for the kernel after the cell's code has run.'''
+    def __reduce__(self):
+        print('reporting', flush=True)
+        open(REPORTING, 'w').close()
+        time.sleep(3)
+        return (SlowToReport, ())
+"""
+
+
+def session_counts(k) -> list[int]:
+    res = k.ok("%%distributed --session --output text\nprint('n', n)\n")
+    return [int(m) for m in re.findall(r"\] n (\d+)", res.stdout)]
+
+
+@pytest.fixture
+def counting_session(clean_kernel, tmp_path):
+    k = clean_kernel
+    k.ok(SLOW_TO_REPORT + f"REPORTING = {str(tmp_path / 'reporting')!r}\n")
+    k.ok("%distributed_session start -n 2")
+    try:
+        k.ok("%%distributed --session --output text\nn = 0\n")
+        yield k
+    finally:
+        k.run("%distributed_session stop", timeout=60)
+
+
+def test_a_session_cell_that_completed_as_the_stop_came_says_it_completed(counting_session):
+    """The stop landing at a session cell's end, after every rank had run it:
+    reported interrupted (7 of 58), so running it again applied it twice.
+    Here the stop comes while rank 0 packs its last expression for the kernel,
+    its code done on every rank."""
+    k = counting_session
+    pressed = []
+
+    def on_output(text: str) -> None:
+        if "reporting" in text and not pressed:
+            pressed.append(True)
+            k.interrupt()
+
+    res = k.run("%%distributed --session --output text\nn += 1\nSlowToReport()\n", on_output=on_output, timeout=60)
+    assert pressed, res.stdout
+    assert session_counts(k) == [1, 1]   # it ran, on every rank
+    assert res.error["ename"] == "CompletedBeforeTheStop", res.error_text   # and it says so
+    assert "had completed on every rank when the stop came: nothing was stopped" in res.error["evalue"]
+    assert len([line for line in res.error_text.splitlines() if line.strip()]) <= 3, res.error_text
+
+
+def test_a_background_session_cell_that_completed_as_it_was_stopped_is_done(counting_session, tmp_path):
+    """The same with h.stop() (no press in the kernel): the supervisor's own
+    stop came after every rank was done with the cell's code."""
+    k = counting_session
+    k.ok("%%distributed --session --background --output text\nn += 1\nSlowToReport()\n")
+    k.ok("h = _")
+    wait_until((tmp_path / "reporting").exists, 30, "rank 0 to report its last expression")
+    stopped = k.ok("h.stop()").stdout
+    assert k.ok("h.status").result == "'done'", stopped
+    assert "ended before the stop landed: done" in stopped, stopped
+    assert session_counts(k) == [1, 1]
+

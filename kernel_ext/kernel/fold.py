@@ -47,6 +47,10 @@ class Outcome:
     in_world: bool = False                       # a rank was in the run's process group (this cell or before)
     agreed: set = field(default_factory=set)     # a session cell's stop: ranks that stopped at the agreed step
     failed_joining: set = field(default_factory=set)   # ranks whose init_process_group raised
+    # A session cell whose every rank reported its result, no failure: it
+    # completed, whatever stop came as it ended (its effect is in the session).
+    completed: bool = False
+    pressed: bool = False    # the stop button was pressed while the attempt was read
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -113,6 +117,7 @@ class RunFold:
         self.assigned: set = set()
         self.deleted: set = set()
         self.interrupted = False   # the stop button was pressed during the attempt
+        self.results: set[int] = set()   # ranks that reported this cell's result (they completed it)
         self.handlers = {
             Kind.HEARTBEAT: self._heartbeat, Kind.STARTED: self._started, Kind.OUTPUT: self._output,
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
@@ -175,6 +180,7 @@ class RunFold:
         self.failures[rank] = failure_of_exception(rank, event)
 
     def _rank_result(self, rank: int, event: dict) -> None:
+        self.results.add(rank)
         self.departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
                                event.get("timestamp", self.clock()))
         if event.get("in_world"):
@@ -322,7 +328,14 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
-        reason = (StopReason.INTERRUPT if self.interrupted else
+        # A session cell that every rank completed is a completed cell, whatever
+        # stop came as it ended (the kernel's press, the supervisor's stop or
+        # --timeout): reported otherwise, running it again applied it twice.
+        completed = (self.session_cell and bool(self.ranks) and set(self.ranks) <= self.results
+                     and not self.failures and not self.unfinished and not self.forced
+                     and self.session != "lost" and self.reason in (None, StopReason.INTERRUPT,
+                                                                    StopReason.TIMEOUT, StopReason.STALLED))
+        reason = (None if completed else StopReason.INTERRUPT if self.interrupted else
                   StopReason.STALLED if self.stranded is not None else self.reason)
         # A rank whose stacks were taken was still in the cell, also when its
         # exit is not here (a session rank that did not come back is killed
@@ -369,4 +382,4 @@ class RunFold:
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,
                        bool(self.in_world or any(self.rounds.values())), set(self.agreed),
-                       set(self.failed_joining))
+                       set(self.failed_joining), completed=completed, pressed=self.interrupted)

@@ -758,6 +758,12 @@ def _on_session_sigint(signum, frame) -> None:
     _after_optimizer_step), kept for it if the code has not begun; at the prompt
     (between cells) it is ignored."""
     global _interrupt_pending, _stop_wanted
+    if _in_cell and frame is not None and frame.f_code is _run_cell.__code__:
+        # Handled between the cell's code and its report (its last expression
+        # just returned): the cell completed.  Raised here, a cell that had
+        # done all it does was reported stopped (and run again, twice).
+        _interrupt_pending = True
+        return
     if _in_cell:
         if _stop_wanted or _world_store() is None:   # no peers to agree with: at once
             raise KeyboardInterrupt
