@@ -251,3 +251,28 @@ def test_a_background_session_cell_that_completed_as_it_was_stopped_is_done(coun
     assert "ended before the stop landed: done" in stopped, stopped
     assert session_counts(k) == [1, 1]
 
+
+# -- --config_file of a special file ------------------------------------------------------------
+
+@pytest.mark.parametrize("special, said", [("/proc/self/mem", "is a file of /proc"),
+                                           ("/dev/zero", "is not a regular file"),
+                                           ("a directory", "is a directory"), ("a fifo", "is not a regular file")])
+def test_a_special_config_file_is_a_usage_error_that_says_what_to_do(clean_kernel, tmp_path, special, said):
+    """--config_file /proc/self/mem gave a raw OSError traceback (and
+    %distributed_config took it); a device, a directory or a FIFO was "no
+    such file"; a FIFO must not block the cell."""
+    k = clean_kernel
+    path = {"a directory": str(tmp_path), "a fifo": str(tmp_path / "fifo")}.get(special, special)
+    if special == "a fifo":
+        os.mkfifo(path)
+    runs = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result
+    for cell in (f"%%distributed --config_file {path}\nprint('ran')", f"%distributed_config --config_file {path}"):
+        res = k.run(cell, timeout=30)
+        assert res.error["ename"] == "UsageError", res.error_text
+        assert f"--config_file {path}: " in res.error["evalue"], res.error_text
+        assert said in res.error["evalue"] and "Give the path of an Accelerate config" in res.error["evalue"], \
+            res.error_text
+        assert "Traceback" not in res.error_text and "OSError" not in res.error_text, res.error_text
+    defaults = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].defaults").result
+    assert "config_file" not in defaults, defaults   # %distributed_config did not take it
+    assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result == runs
