@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -276,3 +277,97 @@ def test_a_special_config_file_is_a_usage_error_that_says_what_to_do(clean_kerne
     defaults = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].defaults").result
     assert "config_file" not in defaults, defaults   # %distributed_config did not take it
     assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result == runs
+
+
+# -- a traceback a million frames deep ------------------------------------------------------------
+
+RECURSION = ("import sys\nsys.setrecursionlimit(10**6)\n"
+             "def down(n):\n    return down(n + 1)\n"
+             "down(0)\n")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="a Python recursion a million deep needs the frames of "
+                                                       "3.11+ (3.10's use the C stack and crash first)")
+@pytest.mark.parametrize("where", ["one-shot", "session"])
+def test_an_infinite_recursion_under_a_raised_limit_is_its_error_within_the_timeout(clean_kernel, where):
+    """A rank formatted the RecursionError's million-entry traceback for 35 s:
+    past --timeout, so the cell said "timeout" with our formatting code as
+    where each rank was, and a session's cell lost the session."""
+    k = clean_kernel
+    if where == "session":
+        k.ok("%distributed_session start -n 2")
+    try:
+        started = time.monotonic()
+        flags = "--session" if where == "session" else "-n 2"
+        res = k.run(f"%%distributed {flags} --output text --timeout 15\n{RECURSION}", timeout=120)
+        took = time.monotonic() - started
+        assert res.error["ename"] == "DistributedRunError", res.error_text
+        assert "RecursionError: maximum recursion depth exceeded" in res.error["evalue"], res.error_text
+        assert re.search(r"\[\.\.\. 99\d{4} frames left out of 99\d{4}: the first and last 100 are shown",
+                         res.error_text), res.error_text[-3000:]
+        assert 'File "Cell In[' in res.error_text and "down(0)" in res.error_text   # the cell's own line, kept
+        assert len(res.error_text) < 30_000 and took < 15, (len(res.error_text), took)
+        if where == "session":
+            assert "The session lives on" in res.error_text
+            assert k.ok("%%distributed --session --output text\nprint('alive')").stdout.count("alive") == 2
+    finally:
+        if where == "session":
+            k.run("%distributed_session stop", timeout=60)
+
+
+def test_a_traceback_is_formatted_within_a_bound_and_the_exception_is_left_as_it_was():
+    """The bound, on its own: a short traceback is the standard library's text;
+    a deep one keeps both ends and says how many frames are left out; a long
+    chain keeps its first CHAIN exceptions; the exception, its chain and its
+    tracebacks are as they were afterwards."""
+    import traceback
+
+    from accel_magics.kernel_ext.rank import bounded_traceback as bt
+
+    try:
+        1 / 0
+    except ZeroDivisionError as exc:
+        short = exc
+    assert bt.format_exception(short, short.__traceback__) == "".join(
+        traceback.format_exception(type(short), short, short.__traceback__))
+
+    def down(n):
+        return down(n + 1)
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        down(0)
+    except RecursionError as exc:
+        deep = exc
+    finally:
+        sys.setrecursionlimit(limit)
+    text = bt.format_exception(deep, deep.__traceback__)
+    frames = text.count('File "')
+    assert frames <= 2 * bt.EDGE and re.search(r"\[\.\.\. \d+ frames left out of \d+: the first and last 100", text)
+
+    def chained(n):
+        try:
+            if n == 0:
+                raise ValueError("bottom")
+            chained(n - 1)
+        except Exception as inner:
+            raise KeyError(n) from inner
+
+    try:
+        chained(3 * bt.CHAIN)
+    except KeyError as exc:
+        chain = exc
+    links = []
+    link = chain
+    while link is not None:
+        links.append((link, link.__traceback__))
+        link = link.__cause__
+    text = bt.format_exception(chain, chain.__traceback__)
+    assert text.count("The above exception was the direct cause") == bt.CHAIN - 1, text[-2000:]
+    again = []
+    link = chain
+    while link is not None:
+        again.append((link, link.__traceback__))
+        link = link.__cause__
+    assert again == links   # every link and traceback put back
