@@ -410,7 +410,13 @@ class DistributedSession:
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()
+                self._ended_under(exc)
                 raise SessionLostError("its supervisor ended during the cell", exc) from None
+
+    def _ended_under(self, exc: LauncherError) -> None:
+        """What held the session's ranks ended under a cell (``exc`` says
+        what): the placement's part, after the session is forgotten (nothing
+        here: the launcher serves the next run)."""
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""
