@@ -86,6 +86,7 @@ def _launch_config(values: dict) -> LaunchConfig:
         timeout=values.get("timeout"),
         rendezvous_timeout=options.value(values, "rendezvous_timeout"),
         stall_timeout=options.value(values, "stall_timeout"),
+        rendezvous_key=values.get("rendezvous_key"),
     )
 
 
@@ -119,6 +120,9 @@ def command_line(values: dict) -> str:
             continue
         if options.BY_NAME[name].is_flag:
             parts.append(f"--{name}")
+            continue
+        if name == "rendezvous_key":   # a secret: said to be set, never shown
+            parts.append(f"--{name} <set>")
             continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cases import DAEMONS, alive
-from kernel_harness import wait_until
+from kernel_harness import descendants, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -371,3 +371,110 @@ def test_a_traceback_is_formatted_within_a_bound_and_the_exception_is_left_as_it
         again.append((link, link.__traceback__))
         link = link.__cause__
     assert again == links   # every link and traceback put back
+
+
+# -- a failure record written into node 0's store from outside ---------------------------------
+
+TWO_NODES = ("%%distributed -n 1 --num_nodes 2 --node_rank {node} --master_addr 127.0.0.1 --master_port {port} "
+             "--output text --rendezvous_timeout 60 {key}\n"
+             "import os, time, torch.distributed as dist\n"
+             "dist.init_process_group('gloo')\n"
+             "if {fail} and os.environ['RANK'] == '1':\n"
+             "    raise RuntimeError('rank 1 ran out of data')\n"
+             "time.sleep(60)\n")
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    from test_multinode import Node
+
+    pair = [Node(), Node()]
+    try:
+        for node in pair:   # warm: the launcher has loaded torch
+            node.ok("%%distributed -n 1 --output text\npass", timeout=120)
+        yield pair
+    finally:
+        for node in pair:
+            node.shutdown()
+
+
+def _forge_failure(port: int, summary: str) -> None:
+    """What any local process can do: connect to node 0's store once both
+    nodes joined, and write a failure record of node 1's."""
+    import json
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    def joined() -> bool:
+        try:
+            store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=2))
+            joined.store = store
+            return int(store.add("accel_magics/nodes_joined", 0)) >= 2
+        except Exception:
+            return False
+
+    wait_until(joined, 60, "both nodes to join node 0's store")
+    joined.store.set("accel_magics/failure", json.dumps({"node": 1, "rank": 1, "summary": summary}))
+
+
+@pytest.mark.parametrize("case", ["forged, no key", "forged, keys", "genuine, keys", "genuine, other keys"])
+def test_a_failure_record_from_node_0s_store_says_whether_it_is_verified(two_nodes, case):
+    """A local process that wrote a failure key into node 0's store (kernel per
+    node) made its text the cell's root cause, said as rank 1's own.  Now a
+    record is marked unverified unless it is signed with the nodes' shared
+    --rendezvous_key, and an unverified one never outweighs a failure seen
+    on the node itself."""
+    from test_multinode import _free_port
+
+    port = _free_port()
+    keys = {"forged, no key": ("", ""), "forged, keys": ("s3cret", "s3cret"),
+            "genuine, keys": ("s3cret", "s3cret"), "genuine, other keys": ("s3cret", "other")}[case]
+    genuine = case.startswith("genuine")
+    flags = [f"--rendezvous_key {key}" if key else "" for key in keys]
+    if not genuine:   # node 1 sees nothing of the forged record: its own --timeout ends its cell
+        flags[1] += " --timeout 10"
+    msgs = [two_nodes[node].start(TWO_NODES.format(node=node, port=port, fail=genuine, key=flags[node]))
+            for node in (1, 0)][::-1]
+    if not genuine:
+        _forge_failure(port, "RuntimeError: FORGED by a process on node 0")
+    out0 = two_nodes[0].collect(msgs[0])
+    out1 = two_nodes[1].collect(msgs[1])
+    error = out0["error"]
+    assert error is not None and error["ename"] == "DistributedRunError", out0
+    head = error["evalue"]
+    assert head.startswith("rank 1 failed: RuntimeError: "), head
+    if case == "genuine, keys":
+        assert "rank 1 ran out of data (on node 1)" in head and "unverified" not in head, head
+    else:
+        why = {"forged, no key": "no --rendezvous_key was given", "forged, keys": "it is not signed",
+               "genuine, other keys": "it is signed with another --rendezvous_key"}[case]
+        assert f"(on node 1) [unverified ({why}): it came through node 0's store" in head, head
+    if genuine:
+        assert out1["error"]["ename"] == "DistributedRunError" and "rank 1 ran out of data" in out1["error"]["evalue"]
+    for node in two_nodes:
+        wait_until(lambda: len(descendants(node.pid)) <= 3, 15, "the runs' processes to exit")
+
+
+def test_an_unverified_failure_from_the_store_never_outweighs_one_seen_on_the_node():
+    """The fold: node 0's own rank 1 raised; a record in the store says node 1's
+    rank 3 failed.  Unverified, it is listed (marked) but the root cause is the
+    node's own; verified (signed with the nodes' key), it is the root cause,
+    as before."""
+    import recorded_runs as rec
+
+    from accel_magics.kernel_ext.kernel.fold import RunFold
+
+    seq = rec.LOCAL["exception_rank1"]
+    finished = seq.index(next(m for m in seq if m["kind"] == "finished"))
+    for verified in (False, True):
+        remote = {"kind": "remote_failure", "rank": 3, "node": 1, "summary": "RuntimeError: far away",
+                  "verified": verified, **({} if verified else {"unverified": "it is not signed"})}
+        _, outcome = RunFold.replay([*seq[:finished], remote, *seq[finished:]], run_id="r1", ranks=[0, 1])
+        cause = outcome.finished.root_cause
+        if verified:
+            assert (cause.rank, cause.summary) == (3, "RuntimeError: far away (on node 1)")
+        else:
+            assert (cause.rank, cause.summary) == (1, "ValueError: boom")
+            marked = [f.summary for f in outcome.finished.failures if f.rank == 3]
+            assert marked and "[unverified (it is not signed): it came through node 0's store" in marked[0]

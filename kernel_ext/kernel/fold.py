@@ -112,6 +112,7 @@ class RunFold:
         self.stalled: Optional[dict] = None
         self.rendezvous_error: Optional[str] = None
         self.remote: Optional[ev.RankFailure] = None
+        self.remote_verified = True   # its record was signed with the nodes' --rendezvous_key (or came otherwise)
         self.session = self.lost = None
         self.terminated_on: list = []
         self.assigned: set = set()
@@ -298,8 +299,14 @@ class RunFold:
         self.emit(ev.Resources({int(rank): (*sample, None)[:4] for rank, sample in msg["ranks"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
-        self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
-                                     timestamp=0.0)
+        summary = f"{msg['summary']} (on node {msg['node']})"
+        if not msg.get("verified", True):
+            # Anything that reaches node 0's store can write this record: said so, with why.
+            summary += (f" [unverified ({msg.get('unverified') or 'it is not signed'}): it came through node 0's "
+                        "store, which any process that reaches its port can write; the same --rendezvous_key on "
+                        "every node's cell verifies it]")
+        self.remote = ev.RankFailure(msg["rank"], "remote", summary, timestamp=0.0)
+        self.remote_verified = bool(msg.get("verified", True))
 
     def _remote_departed(self, msg: dict) -> None:
         """A kernel per node: another node's rank finished the cell without
@@ -357,11 +364,18 @@ class RunFold:
             node = self.node_of.get(failure.rank)
             if node and "(on node" not in failure.summary:
                 failure.summary += f" (on node {node})"
-        if self.remote is not None:   # another node failed first: its cause is the root cause
-            failure_list = [self.remote] + [f for f in failure_list if f.rank != self.remote.rank]
+        remote = self.remote
+        if remote is not None and not self.remote_verified and any(not f.secondary for f in failure_list):
+            # An unverified word from the store never outweighs a failure seen here: listed, not the cause.
+            cause = root_cause(failure_list)
+            failure_list = sorted(failure_list + [remote], key=lambda f: f.rank)
+        elif remote is not None:   # another node failed first: its cause is the root cause
+            failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
             for f in failure_list[1:]:
                 f.secondary = True
-        cause = self.remote if self.remote is not None else root_cause(failure_list)
+            cause = remote
+        else:
+            cause = root_cause(failure_list)
         session, lost = self.session, self.lost
         if session is None and self.session_cell:   # the kernel had to end it: its ranks went with it
             session = "lost"

@@ -558,6 +558,7 @@ class Launcher:
             "node_rank": cfg.node_rank,
             "rdzv_timeout": cfg.rendezvous_timeout,
             "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
+            "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
             "grace": grace,
             "attempt": attempt,
             "max_restarts": cfg.max_restarts,
