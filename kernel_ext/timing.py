@@ -22,6 +22,9 @@ Slurm (``slurm``): the kernel tells every node's agent to stop, and after
   ``SLURM_STOP_WAIT`` to kill; each node runs the local ladder meanwhile;
   ``SLURM_KILL_WAIT`` later the run ends as forced.
 A background run's ``h.stop()`` waits ``BACKGROUND_STOP_WAIT`` for all that.
+A launcher that dies (kill -9): its supervisors and ranks die with it; the
+  kernel kills what they started outside its tree, looking again for
+  ``ESCAPED_KILL_WAIT`` (a process may fork as it is killed).
 """
 from __future__ import annotations
 
