@@ -39,6 +39,8 @@ def load_ipython_extension(ip) -> None:
     for instance in _registered:
         ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)
+    ip.events.register("pre_run_cell", magics.stops.pre_run_cell)
+    ip.events.register("post_run_cell", magics.stops.post_run_cell)
     hooks.install("cuda_watch", magics.tracker.install, guard=magics.tracker.unsupported)
     _magics = magics
     try:
@@ -53,10 +55,13 @@ def unload_ipython_extension(ip) -> None:
     global _magics
     if _magics is None:
         return
-    try:
-        ip.events.unregister("post_run_cell", _magics.post_run_cell)
-    except ValueError:
-        pass
+    for event, callback in (("post_run_cell", _magics.post_run_cell),
+                            ("pre_run_cell", _magics.stops.pre_run_cell),
+                            ("post_run_cell", _magics.stops.post_run_cell)):
+        try:
+            ip.events.unregister(event, callback)
+        except ValueError:
+            pass
     _magics.close()
     _magics = None
     _unregister_magics(ip)

@@ -29,6 +29,7 @@ from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
+from .background_stop import BackgroundStops
 from .presenter import Presenter
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -86,6 +87,7 @@ def _launch_config(values: dict) -> LaunchConfig:
         timeout=values.get("timeout"),
         rendezvous_timeout=options.value(values, "rendezvous_timeout"),
         stall_timeout=options.value(values, "stall_timeout"),
+        rendezvous_key=values.get("rendezvous_key"),
     )
 
 
@@ -120,6 +122,9 @@ def command_line(values: dict) -> str:
         if options.BY_NAME[name].is_flag:
             parts.append(f"--{name}")
             continue
+        if name == "rendezvous_key":   # a secret: said to be set, never shown
+            parts.append(f"--{name} <set>")
+            continue
         parts.append(f"--{name} {value:g}" if isinstance(value, float) else f"--{name} {value}")
     return " ".join(parts)
 
@@ -147,6 +152,7 @@ class DistributedMagics(Magics):
         self.slurm_agents = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
         self.slurm_busy = None                # the background cell that uses them now (their sockets are its thread's)
         self.background_runs: set = set()
+        self.stops = BackgroundStops()   # the stop button during a --background cell (background_stop)
         self.returned: dict = {}       # name -> id() of the value a session cell's --return assigned
         self._form = None               # the config form, one per kernel
         self._form_displays: list = []  # where it is shown (their text follows the defaults)
@@ -233,7 +239,18 @@ class DistributedMagics(Magics):
             acc = train(model_fn, data)
         """
         started = time.monotonic()
+        self.stops.begin()   # a background cell: a press as the cell began (before this ran) means nothing ran
         args = parse_options(self.distributed, line)
+        try:
+            return self._distributed(args, line, cell, started)
+        except KeyboardInterrupt as exc:
+            if not args.background or isinstance(exc, ReportedError):
+                raise
+            # Before its run exists (from then on start_background takes the stop): nothing ran.
+            raise RunInterrupted.before_start("the stop came while the background run was being prepared") \
+                from None
+
+    def _distributed(self, args, line: str, cell: str, started: float):
         mode = ("session" if args.session   # on the running session, wherever it is placed
                 else "slurm" if (args.launcher or self.defaults.get("launcher")) == "slurm" else None)
         if mode is not None:
@@ -310,6 +327,8 @@ class DistributedMagics(Magics):
                              launcher_ready=bool(self.launcher.info), interactive=interactive,
                              background=background, note=note, context=context)
         except KeyboardInterrupt:   # the first widget cell of a kernel imports ipywidgets
+            if mode == "text":
+                raise RunInterrupted.before_start("the stop came while the cell's view was being made") from None
             raise RunInterrupted.before_start("the live view was still loading (ipywidgets, once per "
                                               "kernel)") from None
 
@@ -337,9 +356,10 @@ class DistributedMagics(Magics):
 
         Nothing is left over if this fails: a run that never started (no
         thread to be had) has ``release`` called here and its view taken
-        away; the stop button pressed while it starts is held back until the
-        run and its handle exist, then stops that run (it ends by itself, as
-        after ``h.stop()``, and frees its payload) and interrupts the cell.
+        away.  The stop button pressed from here on is held back until the
+        cell ends (see background_stop), then stops that run (it ends by
+        itself, as after ``h.stop()``, and frees its payload) and is the
+        cell's error, one line.
         """
         from accel_magics.kernel_ext.kernel.background import BackgroundRun
         from accel_magics.kernel_ext.sigint import sigint_deferred
@@ -347,20 +367,27 @@ class DistributedMagics(Magics):
         from .background_handle import BackgroundCell
 
         run = None
+        # From here a press is the run's stop, held until the cell's end
+        # (see background_stop): one line, whenever it lands.
+        held = sigint_deferred().__enter__()
         try:
-            with sigint_deferred():
-                run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run),
-                                    owner=owner, started=presenter.started)
-                self.background_runs.add(run)
-                return BackgroundCell(run, label, self.deliver, where)
-        except BaseException:
+            run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run),
+                                owner=owner, started=presenter.started)
+            self.background_runs.add(run)
+            handle = BackgroundCell(run, label, self.deliver, where)
+        except BaseException as exc:
+            pressed = held.release()
             if run is None:
                 if release is not None:
                     release()
                 presenter.discard()
             else:
                 run.stop()
+            if isinstance(exc, KeyboardInterrupt) or pressed:
+                raise RunInterrupted.before_start("the stop came as the background run started") from None
             raise
+        self.stops.hold_to_cell_end(held, run, label)
+        return handle
 
     def deliver(self, result):
         """A finished run's outcome in the notebook: the --return names

@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext import options
-from accel_magics.kernel_ext.kernel.errors import WaitStopped
+from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, ReportedError, WaitStopped
 from accel_magics.kernel_ext.kernel.events import bytes_text
 from accel_magics.kernel_ext.timing import WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
@@ -111,7 +111,12 @@ def session_cell(magics, args, line: str, cell: str, started: float):
         if on_slurm:
             magics.slurm_busy = handle
         return handle
-    result = run()
+    try:
+        result = run()
+    except KeyboardInterrupt as exc:   # a press as its view was finished: after the cell, if it completed
+        if isinstance(exc, ReportedError) or session.completed is None:
+            raise
+        raise CompletedBeforeTheStop(session.completed) from None
     value = magics.deliver(result)
     for name in result.returns:
         magics.returned[name] = id(magics.shell.user_ns.get(name))

@@ -37,6 +37,7 @@ class LaunchConfig:
     timeout: Optional[float] = None
     rendezvous_timeout: float = DEFAULTS["rendezvous_timeout"]   # how long nodes wait for each other
     stall_timeout: float = DEFAULTS["stall_timeout"]   # idle this long after another rank finished: stuck
+    rendezvous_key: Optional[str] = None   # kernel per node: signs the failures the nodes tell each other
     extra_env: dict = field(default_factory=dict)
 
     @property

@@ -75,6 +75,12 @@ OPTIONS: tuple[Option, ...] = (
            label="timeout (s)"),
     Option("rendezvous_timeout", float, 300.0, "Multi-node: how long the nodes wait for each other before giving up",
            label="rendezvous timeout (s)", session_fixed=True),
+    Option("rendezvous_key", str, None, "Kernel per node: a secret every node's cell is given (the same on each), "
+           "that signs the failures a node tells the others through node 0's store: a failure that is not signed "
+           "with it (any process that reaches the store's port can write one) is said to be unverified, and is "
+           "never taken over a failure seen on this node. Shown as set, never written out.",
+           metavar="SECRET", session_fixed=True,
+           not_on_slurm="the kernel reads every node's failures itself, over the agents' authenticated channel"),
     Option("config_file", str, None, "An Accelerate config file (`accelerate config`), or `default` for "
            "Accelerate's default one: the ranks get the environment `accelerate launch --config_file` would give "
            "them (mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless given here.",

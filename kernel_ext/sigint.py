@@ -38,6 +38,16 @@ class Deferred:
     def _record(self, signum, frame) -> None:
         self.caught.append(frame)
 
+    def release(self) -> bool:
+        """End the hold without raising: the old handler is back; whether a
+        press came meanwhile (the caller says what it meant)."""
+        pressed = bool(self.caught)
+        self.caught.clear()
+        if self.previous is not None:
+            previous, self.previous = self.previous, None
+            _signal.signal(signal.SIGINT, previous)
+        return pressed
+
     def deliver(self, always_restore: bool = False) -> None:
         """Raise the held interrupt now, if one came (the block is over for it)."""
         if self.previous is None or not (self.caught or always_restore):

@@ -22,6 +22,9 @@ Slurm (``slurm``): the kernel tells every node's agent to stop, and after
   ``SLURM_STOP_WAIT`` to kill; each node runs the local ladder meanwhile;
   ``SLURM_KILL_WAIT`` later the run ends as forced.
 A background run's ``h.stop()`` waits ``BACKGROUND_STOP_WAIT`` for all that.
+A launcher that dies (kill -9): its supervisors and ranks die with it; the
+  kernel kills what they started outside its tree, looking again for
+  ``ESCAPED_KILL_WAIT`` (a process may fork as it is killed).
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ TIMEOUT_SLACK = 4.0       # past --timeout (or the rendezvous timeout), when the
 GONE_DRAIN = 2.0          # after the supervisor exited, how long its last messages may take
 DISPATCH_WAIT = 15.0      # how long the launcher gets to answer a run (it takes milliseconds)
 PRELOAD_WAIT = 60.0       # how long it gets to import the modules it was asked to preload
+ESCAPED_KILL_WAIT = 2.0   # a launcher died: how long the kernel looks again for what its runs left (a process may fork as it is killed)
 SESSION_START_WAIT = 120.0  # how long a session's ranks get to start and set up
 SESSION_STOP_WAIT = 12.0  # after a stop in a session cell, how long its supervisor gets
 SESSION_TIMEOUT_SLACK = 15.0  # past a session cell's --timeout, when the kernel steps in (its ladder takes 10.1 s; room for a loaded machine)

@@ -82,4 +82,4 @@ def test_session_and_slurm_rules_come_from_the_table():
     from accel_magics import session_magic
 
     assert session_magic.SESSION_FIXED == tuple(o.name for o in options.OPTIONS if o.session_fixed)
-    assert set(options.NOT_ON_SLURM) == {"node_rank", "master_addr", "config_file"}
+    assert set(options.NOT_ON_SLURM) == {"node_rank", "master_addr", "config_file", "rendezvous_key"}

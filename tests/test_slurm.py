@@ -949,3 +949,55 @@ def test_a_flood_from_the_network_costs_the_kernel_bounded_memory_and_cells_keep
     assert cpu < 0.5 * elapsed, f"the kernel used {cpu:.1f}s of CPU in {elapsed:.1f}s"
     print(f"flood: {sent}; kernel RSS {before:.0f} -> peak {max(peak):.0f} -> {after:.0f} MB; "
           f"CPU {cpu:.1f}s in {elapsed:.1f}s")
+
+
+def _fds_opened_since(pid: int, before: set, local_dir: str) -> set:
+    """The fds ``pid`` has now and had not in ``before`` (their targets), but
+    for the connections its local launcher's runs make to it (a spare
+    supervisor connects whenever the launcher forks one)."""
+    local = set()
+    with open("/proc/net/unix") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 8 and parts[7].startswith(local_dir):
+                local.add(f"socket:[{parts[6]}]")
+    now = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            now.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return now - before - local
+
+
+def test_a_job_cancelled_during_a_session_cell_releases_the_kernels_cluster_ports_and_fds(cluster):
+    """scancel of the job while a session cell runs on both nodes: the cell ends
+    saying so, and the kernel let go of the agents' two cluster ports, srun's
+    log and its pipes (they stayed until the next cell or the kernel's end)."""
+    k = AllocKernel(cluster)
+    try:
+        local_dir = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.dir").result
+        local_dir = local_dir.strip("'")
+        ports = listening_ports({k.pid})
+        before = _fds_opened_since(k.pid, set(), local_dir)
+        k.ok("%distributed_session start --launcher slurm -n 1", timeout=240)
+        assert len(listening_ports({k.pid}) - ports) == 2   # the agents' control and events ports
+        assert _fds_opened_since(k.pid, before, local_dir)   # theirs, srun's log, the agents' connections
+
+        def on_output(text, fired=[]):
+            if text.count("working") >= 2 and not fired:
+                fired.append(time.monotonic())
+                cluster.run(["scancel", k.job])
+        res = k.run("%%distributed --session --output text\nimport time\n"
+                    "print('working', flush=True)\ntime.sleep(3600)", timeout=120, on_output=on_output)
+        assert on_output.__defaults__[0], res.stdout
+        assert res.error is not None and f"job {k.job} was cancelled" in res.error_text, res.error_text
+        assert "Traceback" not in res.error_text, res.error_text
+        # Let go of with the cell's end, not at the next cell or the kernel's end.
+        assert listening_ports({k.pid}) == ports
+        assert not _fds_opened_since(k.pid, before, local_dir), _fds_opened_since(k.pid, before, local_dir)
+        again = k.run("%%distributed --session\npass", timeout=60)
+        assert again.error is not None and again.error["ename"] == "UsageError", again.error_text
+        wait_until(lambda: not step_processes(k), 20, "every process of the job's steps to end")
+    finally:
+        k.end_now()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -84,10 +85,13 @@ def resolve(value: str) -> str:
                 "write_basic_config()` in a cell, or give a path.")
         return path
     path = os.path.abspath(os.path.expanduser(value))
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config_file {value}: no such file ({path}). Give the path of an Accelerate "
-                          "config (YAML or JSON), or `default` for the one `accelerate config` wrote.")
+    if not os.path.exists(path):
+        raise ConfigError(f"--config_file {value}: no such file ({path}). {_GIVE}")
+    _read_config(path, value)   # a special file, a directory, one that cannot be read: said now
     return path
+
+
+_GIVE = "Give the path of an Accelerate config (YAML or JSON), or `default` for the one `accelerate config` wrote."
 
 
 _cache: dict = {}
@@ -96,17 +100,52 @@ _cache: dict = {}
 MAX_CONFIG_BYTES = 1 << 20
 
 
+#: File systems whose "files" are the kernel's views of processes and devices, not files a user wrote.
+_SPECIAL_FILE_SYSTEMS = ("/proc/", "/sys/")
+
+
+def _read_config(path: str, value: str) -> bytes:
+    """The file's bytes, read once and bounded; ConfigError (what to do) for
+    anything that is not a readable file of a config's size: a directory, a
+    device or a FIFO (opened without blocking, checked on the opened file),
+    a file of /proc or /sys (``/proc/self/mem`` fails to read, others never
+    end), one this user may not read."""
+    real = os.path.realpath(path)
+    if real.startswith(_SPECIAL_FILE_SYSTEMS):
+        raise ConfigError(f"--config_file {value}: {path} is a file of {real[:real.index('/', 1)]} (the system's "
+                          f"view of its processes and devices), not a config file. {_GIVE}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"--config_file {value}: cannot open {path} ({exc.strerror or exc}). {_GIVE}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, a FIFO or a socket)"
+            raise ConfigError(f"--config_file {value}: {path} is {what}. {_GIVE}")
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"--config_file {value}: cannot read {path} ({exc.strerror or exc}). {_GIVE}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if max(st.st_size, len(data)) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config_file {value}: {path} is {max(st.st_size, len(data)) / 2**20:.1f} MiB, not an "
+                          f"Accelerate config (those are a few hundred bytes; the limit is "
+                          f"{MAX_CONFIG_BYTES >> 20} MiB). Check the path.")
+    return data
+
+
 def _content_key(path: str, value: str) -> str:
     """What the cache is keyed on: the file's content (an edit that keeps the size
     and the time, ``cp -p``, is still an edit), read once, bounded."""
-    size = os.stat(path).st_size
-    with open(path, "rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if max(size, len(data)) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"--config_file {value}: {path} is {max(size, len(data)) / 2**20:.1f} MiB, not an "
-                          f"Accelerate config (those are a few hundred bytes; the limit is "
-                          f"{MAX_CONFIG_BYTES >> 20} MiB). Check the path.")
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(_read_config(path, value)).hexdigest()
 
 
 def load(value: str, flags: dict, *, python: str = sys.executable, timeout: float = TIMEOUT) -> AccelerateLaunch:

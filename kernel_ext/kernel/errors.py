@@ -216,6 +216,19 @@ class WaitStopped(ReportedError, KeyboardInterrupt):
     in ``h.wait()`` for a background run (which goes on)."""
 
 
+class CompletedBeforeTheStop(ReportedError, KeyboardInterrupt):
+    """The stop button after a session cell had completed on every rank:
+    nothing was stopped and what the cell did is in the session, so it must
+    not be run again; only its results were not brought back.  A
+    ``KeyboardInterrupt`` still, so a "Run All" stops here as the user asked."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(
+            f"{label} had completed on every rank when the stop came: nothing was stopped, and what it did is "
+            "kept in the session (running it again would do it twice). Rank 0's value and the --return names "
+            "were not brought back; a session cell `%%distributed --session --return NAMES` brings them.")
+
+
 class RunTerminated(ReportedError, RuntimeError):
     """The run's supervisor got SIGTERM from outside accel_magics; every rank was stopped."""
 

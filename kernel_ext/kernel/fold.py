@@ -47,6 +47,10 @@ class Outcome:
     in_world: bool = False                       # a rank was in the run's process group (this cell or before)
     agreed: set = field(default_factory=set)     # a session cell's stop: ranks that stopped at the agreed step
     failed_joining: set = field(default_factory=set)   # ranks whose init_process_group raised
+    # A session cell whose every rank reported its result, no failure: it
+    # completed, whatever stop came as it ended (its effect is in the session).
+    completed: bool = False
+    pressed: bool = False    # the stop button was pressed while the attempt was read
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -119,11 +123,13 @@ class RunFold:
         self.stalled: Optional[dict] = None
         self.rendezvous_error: Optional[str] = None
         self.remote: Optional[ev.RankFailure] = None
+        self.remote_verified = True   # its record was signed with the nodes' --rendezvous_key (or came otherwise)
         self.session = self.lost = None
         self.terminated_on: list = []
         self.assigned: set = set()
         self.deleted: set = set()
         self.interrupted = False   # the stop button was pressed during the attempt
+        self.results: set[int] = set()   # ranks that reported this cell's result (they completed it)
         self.handlers = {
             Kind.HEARTBEAT: self._heartbeat, Kind.STARTED: self._started, Kind.OUTPUT: self._output,
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
@@ -186,6 +192,7 @@ class RunFold:
         self.failures[rank] = failure_of_exception(rank, event)
 
     def _rank_result(self, rank: int, event: dict) -> None:
+        self.results.add(rank)
         self.departed[rank] = ("sys.exit(0)" if event.get("exited") else "returned",
                                event.get("timestamp", self.clock()))
         if event.get("in_world"):
@@ -303,8 +310,14 @@ class RunFold:
         self.emit(ev.Resources({int(rank): (*sample, None)[:4] for rank, sample in msg["ranks"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
-        self.remote = ev.RankFailure(msg["rank"], "remote", f"{msg['summary']} (on node {msg['node']})",
-                                     timestamp=0.0)
+        summary = f"{msg['summary']} (on node {msg['node']})"
+        if not msg.get("verified", True):
+            # Anything that reaches node 0's store can write this record: said so, with why.
+            summary += (f" [unverified ({msg.get('unverified') or 'it is not signed'}): it came through node 0's "
+                        "store, which any process that reaches its port can write; the same --rendezvous_key on "
+                        "every node's cell verifies it]")
+        self.remote = ev.RankFailure(msg["rank"], "remote", summary, timestamp=0.0)
+        self.remote_verified = bool(msg.get("verified", True))
 
     def _remote_departed(self, msg: dict) -> None:
         """A kernel per node: another node's rank finished the cell without
@@ -333,7 +346,14 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
-        reason = (StopReason.INTERRUPT if self.interrupted else
+        # A session cell that every rank completed is a completed cell, whatever
+        # stop came as it ended (the kernel's press, the supervisor's stop or
+        # --timeout): reported otherwise, running it again applied it twice.
+        completed = (self.session_cell and bool(self.ranks) and set(self.ranks) <= self.results
+                     and not self.failures and not self.unfinished and not self.forced
+                     and self.session != "lost" and self.reason in (None, StopReason.INTERRUPT,
+                                                                    StopReason.TIMEOUT, StopReason.STALLED))
+        reason = (None if completed else StopReason.INTERRUPT if self.interrupted else
                   StopReason.STALLED if self.stranded is not None else self.reason)
         # A rank whose stacks were taken was still in the cell, also when its
         # exit is not here (a session rank that did not come back is killed
@@ -355,11 +375,18 @@ class RunFold:
             node = self.node_of.get(failure.rank)
             if node and "(on node" not in failure.summary:
                 failure.summary += f" (on node {node})"
-        if self.remote is not None:   # another node failed first: its cause is the root cause
-            failure_list = [self.remote] + [f for f in failure_list if f.rank != self.remote.rank]
+        remote = self.remote
+        if remote is not None and not self.remote_verified and any(not f.secondary for f in failure_list):
+            # An unverified word from the store never outweighs a failure seen here: listed, not the cause.
+            cause = root_cause(failure_list)
+            failure_list = sorted(failure_list + [remote], key=lambda f: f.rank)
+        elif remote is not None:   # another node failed first: its cause is the root cause
+            failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
             for f in failure_list[1:]:
                 f.secondary = True
-        cause = self.remote if self.remote is not None else root_cause(failure_list)
+            cause = remote
+        else:
+            cause = root_cause(failure_list)
         session, lost = self.session, self.lost
         if session is None and self.session_cell:   # the kernel had to end it: its ranks went with it
             session = "lost"
@@ -380,4 +407,4 @@ class RunFold:
                        self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
                        self.deleted, self.terminated_on, self.master_port, self.kinds,
                        bool(self.in_world or any(self.rounds.values())), set(self.agreed),
-                       set(self.failed_joining))
+                       set(self.failed_joining), completed=completed, pressed=self.interrupted)

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ from ..wire.payload import Payload
 from .run_handle import RunHandle
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import DISPATCH_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
+from ..timing import DISPATCH_WAIT, ESCAPED_KILL_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -149,6 +150,7 @@ class Launcher:
         self.dropped = 0          # messages that failed verification (forged, stale)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.RLock()   # a background run's thread launches too
+        self._escape_lock = threading.Lock()   # see _end_escaped
         self.live: dict[str, int] = {}    # run/session id -> supervisor pid: runs that outlive a cell
         self._preloaded: set[str] = set()
         self._denied: set[str] = set()
@@ -233,6 +235,62 @@ class Launcher:
         self._send(init)
         self.info = {}
         _live_launchers.add(self)
+        self._watch_exit(self.proc, self.token)
+
+    # -- a launcher that dies -------------------------------------------------
+    def _watch_exit(self, proc: subprocess.Popen, token: str) -> None:
+        """End what the launcher leaves when it dies however it dies (kill -9
+        included), at once and whether or not a cell is running: its
+        supervisors and ranks die with it (their parent-death signal), but
+        what they started in a session of their own or double-forked
+        (reparented to init, out of every subreaper's reach) carries only
+        the launcher's marker, and only this process is left to look for it."""
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):   # no pidfds: close() still ends them, at the next cell at the latest
+            return
+        done = threading.Event()
+        self._escaped = (token, done, [0])
+
+        def watch() -> None:
+            try:
+                select.select([pidfd], [], [])
+            finally:
+                os.close(pidfd)
+            self._end_escaped(token, done)
+
+        threading.Thread(target=watch, name="accel_magics launcher watch", daemon=True).start()
+
+    def _end_escaped(self, token: str, done: threading.Event) -> None:
+        """SIGKILL every process that carries ``token`` until none is left (a
+        process may fork as it is killed): once, from whichever thread comes first."""
+        escaped = getattr(self, "_escaped", None)
+        if escaped is None or escaped[0] != token:
+            return
+        with self._escape_lock:
+            if done.is_set():
+                return
+            deadline = time.monotonic() + ESCAPED_KILL_WAIT
+            killed: set[int] = set()
+            while time.monotonic() < deadline:
+                found = process_tree.marked_processes(token)
+                if not found:
+                    break
+                process_tree.kill_marked(token)
+                killed.update(found)
+                time.sleep(0.01)
+            escaped[2][0] = len(killed)
+            done.set()
+
+    def escaped_ended(self) -> int:
+        """For a launcher that died: wait until what its runs left outside its
+        tree is ended (see :meth:`_watch_exit`); how many processes that was."""
+        escaped = getattr(self, "_escaped", None)
+        if escaped is None or escaped[0] != getattr(self, "token", None):   # not watched: one look
+            return process_tree.kill_marked(self.token) if getattr(self, "token", None) else 0
+        token, done, count = escaped
+        self._end_escaped(token, done)
+        return count[0]
 
     def wait_ready(self, timeout: float = 120.0) -> dict:
         """Block until the launcher has loaded torch; its ready message."""
@@ -276,7 +334,7 @@ class Launcher:
             proc.wait()
         # Anything of this launcher still alive escaped its tree (setsid and
         # double fork, after its supervisor was killed): end it too.
-        process_tree.kill_marked(self.token)
+        self.escaped_ended()
         proc.stdout.close()
         self.pull.close()
         self.info = {}
@@ -565,6 +623,7 @@ class Launcher:
             "node_rank": cfg.node_rank,
             "rdzv_timeout": cfg.rendezvous_timeout,
             "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
+            "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
             "grace": grace,
             "attempt": attempt,
             "max_restarts": cfg.max_restarts,

@@ -166,8 +166,12 @@ class RunHandle(Attempt):
         launcher, killed with its supervisors; or this supervisor alone), and
         add what the launcher's log says of this run, if anything."""
         if not self.launcher.alive:
+            # Said once it is true: what the ranks started outside the launcher's tree is ended first.
+            escaped = self.launcher.escaped_ended()
+            also = (", and the kernel ended what they had started outside its tree (in a session of their own, "
+                    f"or double-forked: {escaped} process(es) in all)" if escaped else "")
             what = ("the launcher process (it forks every run's supervisor) was killed during the run, and the "
-                    "run's supervisor and ranks ended with it; the next cell starts a new launcher")
+                    f"run's supervisor and ranks ended with it{also}; the next cell starts a new launcher")
         else:
             what = (f"the run's supervisor (pid {self.supervisor_pid}) was killed during the run (a signal from "
                     "outside accel_magics: kill -9, the out-of-memory killer; see `dmesg`), and its ranks "

@@ -27,8 +27,8 @@ import zmq
 
 from .. import wire
 from ..environment import LaunchConfig
-from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, LauncherError,
-                     ReportedError, RunInterrupted, SessionLostError)
+from .errors import (CompletedBeforeTheStop, DistributedRunError, DistributedStallError, DistributedTimeoutError,
+                     LauncherError, ReportedError, RunInterrupted, SessionLostError)
 from .launcher import Launcher
 from ..logs import RunLog
 from ..wire.payload import Payload
@@ -113,6 +113,7 @@ class DistributedSession:
         self.current: Optional[str] = None    # label of the cell running now
         self.current_control: Optional[RunControl] = None
         self.cells_run = 0
+        self.completed: Optional[str] = None   # the running cell's label once every rank completed it
         self._busy = threading.Lock()         # one cell at a time
         self._sending = threading.Lock()      # the cells socket: a background cell's stop comes from another thread
         self._idle = threading.Event()        # no cell runs: what a waiting cell waits for (see wait_idle)
@@ -320,9 +321,15 @@ class DistributedSession:
         with self._busy, RunLog(log_dir):
             self._idle.clear()
             log.info("session %s: cell %s", self.id, label)
+            self.completed = None
             try:
                 return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
                                           excerpt=excerpt, timeout=timeout, control=control)
+            except KeyboardInterrupt as exc:
+                # Past the reading: a press while the cell's results are brought back.
+                if self.completed is None or isinstance(exc, ReportedError):
+                    raise
+                raise CompletedBeforeTheStop(self.completed) from None
             finally:
                 self._idle.set()
 
@@ -339,14 +346,22 @@ class DistributedSession:
             outcome = self._send_and_collect(handle, {"op": "cell", "run_id": run_id, "payload": payload,
                                                       "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt},
                                              cfg, emit, heartbeat, control)
-            self.cells_run += 1
-            for name in outcome.deleted:
-                self.owned.pop(name, None)
-            for name in outcome.assigned:
-                self.owned[name] = label
-            for name in outcome.deleted:
-                self.kinds.pop(name, None)
-            self.kinds.update(outcome.kinds)
+            if outcome.completed:   # from here a press is after the cell's end (see run_cell)
+                self.completed = label
+            with sigint_deferred() as held:   # the session's books are kept whole
+                self.cells_run += 1
+                for name in outcome.deleted:
+                    self.owned.pop(name, None)
+                for name in outcome.assigned:
+                    self.owned[name] = label
+                for name in outcome.deleted:
+                    self.kinds.pop(name, None)
+                self.kinds.update(outcome.kinds)
+                # A press now, or one the reading took after every rank had completed (the
+                # outcome is the cell's, not the press's): the cell says it completed.
+                pressed = held.release() or outcome.pressed
+            if pressed and outcome.completed:
+                raise CompletedBeforeTheStop(label)
             if outcome.session == "lost":
                 self.lost = outcome.lost or "its ranks could not go on"
                 try:
@@ -395,7 +410,13 @@ class DistributedSession:
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()
+                self._ended_under(exc)
                 raise SessionLostError("its supervisor ended during the cell", exc) from None
+
+    def _ended_under(self, exc: LauncherError) -> None:
+        """What held the session's ranks ended under a cell (``exc`` says
+        what): the placement's part, after the session is forgotten (nothing
+        here: the launcher serves the next run)."""
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""

@@ -26,7 +26,7 @@ from ..environment import LaunchConfig
 from .errors import LauncherError
 from .run_handle import receive_verified
 from .session import DistributedSession, SessionGone
-from .slurm import SESSION_FIELDS, SlurmAgents, SlurmRun
+from .slurm import SESSION_FIELDS, SlurmAgents, SlurmJobGone, SlurmRun
 from ..timing import SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT
 
 log = logging.getLogger("accel_magics.kernel.slurm_session")
@@ -165,6 +165,15 @@ class SlurmSession(DistributedSession):
                 self.agents.send(node, {"op": "kill", "session": self.id, "pids": []})
             except LauncherError:
                 pass
+
+    def _ended_under(self, exc: LauncherError) -> None:
+        """The allocation ended under the cell (scancel, its time limit), or
+        srun did: the agents are gone for good, so their two ports on the
+        cluster network, srun's log and its pipes are let go now, not at the
+        next cell (which says the allocation is gone) or the kernel's end."""
+        proc = self.agents.proc
+        if isinstance(exc, SlurmJobGone) or proc is None or proc.poll() is not None:
+            self.agents.close()
 
     def _forget(self) -> None:
         if self.id and self.agents is not None and self.agents.proc is not None:

@@ -33,7 +33,7 @@ import cloudpickle
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
 from .. import PACKAGE_DIR, hooks, process_tree
-from . import rank_bars, script_end
+from . import bounded_traceback, rank_bars, script_end
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
@@ -322,8 +322,11 @@ def _thread_excepthook(args) -> None:
         return
     name = args.thread.name if args.thread is not None else threading.get_ident()
     print(f"Exception in thread {name}:", file=sys.stderr)
-    te = traceback.TracebackException(args.exc_type, args.exc_value, args.exc_traceback)
-    sys.stderr.write("".join(_without_own_frames(te).format()))
+    if args.exc_value is None:
+        te = traceback.TracebackException(args.exc_type, args.exc_value, args.exc_traceback)
+    else:
+        te = bounded_traceback.exception(args.exc_value, args.exc_traceback, prune=_without_own_frames)
+    sys.stderr.write("".join(te.format()))
     sys.stderr.flush()
 
 
@@ -393,9 +396,9 @@ def _failure(exc: BaseException, tb, harness: bool = False) -> dict:
     exc_type = type(exc).__name__
     message = _safe_str("", exc)
     if harness:
-        text = "accel_magics could not start the rank:\n" + "".join(traceback.format_exception(type(exc), exc, tb))
-    else:
-        text = "".join(_without_own_frames(traceback.TracebackException(type(exc), exc, tb)).format())
+        text = "accel_magics could not start the rank:\n" + bounded_traceback.format_exception(exc, tb)
+    else:   # bounded in time and size (a recursion a million frames deep): see bounded_traceback
+        text = bounded_traceback.format_exception(exc, tb, prune=_without_own_frames)
     return {
         "kind": "failed",
         "exc_type": exc_type,
@@ -714,7 +717,7 @@ def _exit_event(exc: SystemExit) -> tuple[dict, int]:
         return {"kind": "result", "exited": True, "timestamp": time.time()}, 0
     event = {
         "kind": "failed", "exc_type": "SystemExit", "message": f"sys.exit({exc.code!r})",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+        "traceback": bounded_traceback.format_exception(exc, exc.__traceback__.tb_next),
         "timestamp": time.time(), "secondary": False,
     }
     return event, exc.code if isinstance(exc.code, int) and 0 < exc.code < 256 else 1
@@ -758,6 +761,12 @@ def _on_session_sigint(signum, frame) -> None:
     _after_optimizer_step), kept for it if the code has not begun; at the prompt
     (between cells) it is ignored."""
     global _interrupt_pending, _stop_wanted
+    if _in_cell and frame is not None and frame.f_code is _run_cell.__code__:
+        # Handled between the cell's code and its report (its last expression
+        # just returned): the cell completed.  Raised here, a cell that had
+        # done all it does was reported stopped (and run again, twice).
+        _interrupt_pending = True
+        return
     if _in_cell:
         if _stop_wanted or _world_store() is None:   # no peers to agree with: at once
             raise KeyboardInterrupt

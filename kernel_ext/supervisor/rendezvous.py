@@ -312,22 +312,56 @@ class NodeRendezvous:
             raise RendezvousTimeout(self.timeout_message(joined))
 
     # -- during and after the run -------------------------------------------------
-    def report_failure(self, node_rank: int, rank: int, summary: str) -> None:
+    def report_failure(self, node_rank: int, rank: int, summary: str, key: Optional[str] = None) -> None:
+        """This node's root cause, for the other nodes (the first one only).
+        ``key``: the run's ``--rendezvous_key``; the record is signed with it
+        (its round and address too), so a node that has the same key can tell
+        it from one any process that reaches the store's port wrote."""
+        import hashlib
+        import hmac
+
+        record = {"node": node_rank, "rank": rank, "summary": summary}
+        if key:
+            bound = json.dumps([self.attempt, self.address, record], sort_keys=True).encode()
+            secret = hashlib.sha256(b"accel_magics failure record\0" + key.encode()).digest()
+            record["sig"] = hmac.new(secret, bound, hashlib.sha256).hexdigest()
         try:
             if not self.store.check([FAILED]):
-                self.store.set(FAILED, json.dumps({"node": node_rank, "rank": rank, "summary": summary}))
+                self.store.set(FAILED, json.dumps(record))
         except Exception:
             pass
 
-    def remote_failure(self) -> Optional[dict]:
+    def remote_failure(self, key: Optional[str] = None) -> Optional[dict]:
+        """Another node's root cause, if one is in the store: ``node``,
+        ``rank``, ``summary`` and ``verified``: whether it is signed with
+        ``key`` (never without one: the store takes anyone's writes; then
+        ``unverified`` says why it cannot be trusted)."""
+        import hashlib
+        import hmac
+
         try:
-            if self.store.check([FAILED]):
-                failure = json.loads(self.store.get(FAILED))
-                if failure["node"] != self.node_rank:
-                    return failure
+            if not self.store.check([FAILED]):
+                return None
+            stored = json.loads(self.store.get(FAILED))
+            failure = {"node": int(stored["node"]), "rank": int(stored["rank"]), "summary": str(stored["summary"])}
         except Exception:
-            pass
-        return None
+            return None
+        if failure["node"] == self.node_rank:
+            return None
+        sig = stored.get("sig")
+        if not key:
+            failure["verified"] = False
+            failure["unverified"] = "no --rendezvous_key was given"
+        elif not isinstance(sig, str):
+            failure["verified"] = False
+            failure["unverified"] = "it is not signed"
+        else:
+            bound = json.dumps([self.attempt, self.address, failure], sort_keys=True).encode()
+            secret = hashlib.sha256(b"accel_magics failure record\0" + key.encode()).digest()
+            failure["verified"] = hmac.compare_digest(sig, hmac.new(secret, bound, hashlib.sha256).hexdigest())
+            if not failure["verified"]:
+                failure["unverified"] = "it is signed with another --rendezvous_key"
+        return failure
 
     def report_departed(self, node_rank: int, rank: int, how: str, rounds: int) -> None:
         """A rank of this node finished the cell after ``rounds`` rounds of the

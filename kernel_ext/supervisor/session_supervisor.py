@@ -325,8 +325,10 @@ class SessionSupervisor(Supervisor):
         """Bring every rank still in the cell back to its prompt: stacks, then SIGINT."""
         if self.stopping is not None and reason != "failed":
             return
-        self.stopping = self.stopping or reason
         live = self._out()
+        if not live and reason != "failed":
+            return   # every rank is back: the cell is over, it has nothing left to stop
+        self.stopping = self.stopping or reason
         if not live:
             return
         if reason in ("timeout", "stalled"):
@@ -487,6 +489,9 @@ class SessionSupervisor(Supervisor):
             self._drain(r)
             r.output.end()
         self._flush()
+        if self.stopping in ("interrupt", "timeout", "stalled") and all(r.done and not r.failed and not r.stopped
+                                                                       for r in self.ranks):
+            self.stopping = None   # the stop came as the last rank finished: the cell completed, stopped nowhere
         if self.stopping in ("interrupt", "timeout", "stalled"):
             self._send_stacks()
         self.logs.close()

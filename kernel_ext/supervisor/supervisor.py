@@ -487,7 +487,7 @@ class Supervisor:
         self.departures_seen, departed = self.rdzv.departed_elsewhere(self.departures_seen)
         for d in departed:
             self._send({"kind": "remote_departed", **d})
-        remote = self.rdzv.remote_failure()
+        remote = self.rdzv.remote_failure(self.spec.get("rendezvous_key"))
         if remote is not None and self.stopping is None:
             self._send({"kind": "remote_failure", **remote})
             self._stop("remote_failed", stacks=False)
@@ -504,7 +504,7 @@ class Supervisor:
         if self.stopping == "failed" and self.first_failure is not None and self.first_failure[0]:
             deadline = time.monotonic() + REMOTE_WAIT
             while time.monotonic() < deadline:
-                remote = self.rdzv.remote_failure()
+                remote = self.rdzv.remote_failure(self.spec.get("rendezvous_key"))
                 if remote is not None:
                     self._send({"kind": "remote_failure", **remote})
                     break
@@ -533,7 +533,7 @@ class Supervisor:
         node 0 keeps the store up until every node has looked (``CHECKED``)."""
         self._wait_all(FINISHED)
         if self.stopping is None:
-            remote = self.rdzv.remote_failure()
+            remote = self.rdzv.remote_failure(self.spec.get("rendezvous_key"))
             if remote is not None:
                 self._send({"kind": "remote_failure", **remote})
                 self.stopping = "remote_failed"
@@ -805,7 +805,7 @@ class Supervisor:
         if reason == "failed" and self.remote_check is not None and self.first_failure is not None:
             secondary, _, rank, summary = self.first_failure
             if not secondary:   # a consequence of another node's failure is not news to it
-                self.rdzv.report_failure(self.spec["node_rank"], rank, summary)
+                self.rdzv.report_failure(self.spec["node_rank"], rank, summary, self.spec.get("rendezvous_key"))
         live = self._working()
         if stacks and live and reason in ("timeout", "stalled"):
             # A diagnosis was asked for: native frames too (a rank stuck in a

@@ -25,7 +25,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
 ``resources``          ``ranks``: {rank: [cpu %, resident bytes, GPU bytes or None, GPU % busy or None]}, a few times a second
-``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause
+``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause; ``verified`` (signed
+                       with the nodes' ``--rendezvous_key``) and, when not, ``unverified`` (why not)
 ``remote_departed``    ``rank``, ``node``, ``how``, ``rounds``: a rank of another node finished the
                        cell after ``rounds`` rounds of the world's init (a kernel per node)
 ``supervisor_error``   ``traceback``, ``message``
