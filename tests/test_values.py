@@ -343,37 +343,42 @@ def _said_ok(res) -> None:
 CHECK = "print(check_values(values, expected, specs))"
 
 
-def test_generated_values_arrive_as_cloudpickle_gives_them_in_one_shot_cells(low_threshold):
-    k = low_threshold
+def _every_batch(k, send) -> None:
+    """``send(specs)`` for each generated batch (it sets the batch in the kernel
+    and checks it on the ranks), then: enough values went, shared memory too."""
     sent = []
 
     @PROPERTY
     @given(batches)
     def one_batch(specs):
-        _set_batch(k, specs)
-        _said_ok(k.run(f"%%distributed -n 2 --output text\n{CHECK}", timeout=120))
+        send(specs)
         sent.append((len(specs), _shared_buffers(k)))
 
     one_batch()
     _enough(sent)
 
 
+def test_generated_values_arrive_as_cloudpickle_gives_them_in_one_shot_cells(low_threshold):
+    k = low_threshold
+
+    def send(specs):
+        _set_batch(k, specs)
+        _said_ok(k.run(f"%%distributed -n 2 --output text\n{CHECK}", timeout=120))
+
+    _every_batch(k, send)
+
+
 def test_generated_values_arrive_as_cloudpickle_gives_them_in_background_runs(low_threshold):
     k = low_threshold
-    sent = []
 
-    @PROPERTY
-    @given(batches)
-    def one_batch(specs):
+    def send(specs):
         _set_batch(k, specs)
         k.ok(f"%%distributed -n 2 --background --output text\ncheck_values(values, expected, specs)")
         k.ok("handle = _")
         res = k.run("handle.wait()", timeout=120)
         assert res.status == "ok" and res.result == f"'ok {BATCH}'", res.error_text
-        sent.append((len(specs), _shared_buffers(k)))
 
-    one_batch()
-    _enough(sent)
+    _every_batch(k, send)
 
 
 @pytest.fixture
@@ -386,37 +391,27 @@ def session(low_threshold):
 
 def test_generated_values_arrive_as_cloudpickle_gives_them_in_session_cells(session):
     k = session
-    sent = []
 
-    @PROPERTY
-    @given(batches)
-    def one_batch(specs):
+    def send(specs):
         _set_batch(k, specs)
         _said_ok(k.run(f"%%distributed --session --output text\n{CHECK}", timeout=120))
-        sent.append((len(specs), _shared_buffers(k)))
 
-    one_batch()
-    _enough(sent)
+    _every_batch(k, send)
 
 
 def test_generated_values_arrive_as_cloudpickle_gives_them_by_push(session):
     """The session owns ``values`` (a session cell bound it); the notebook's
     replaces it by ``%distributed_session push``."""
     k = session
-    sent = []
 
-    @PROPERTY
-    @given(batches)
-    def one_batch(specs):
+    def send(specs):
         res = k.run("%%distributed --session --output text\nvalues = expected = specs = None", timeout=60)
         assert res.status == "ok", res.error_text
         _set_batch(k, specs)
         k.ok("%distributed_session push values expected specs")
         _said_ok(k.run(f"%%distributed --session --output text\n{CHECK}", timeout=120))
-        sent.append((len(specs), _shared_buffers(k)))
 
-    one_batch()
-    _enough(sent)
+    _every_batch(k, send)
 
 
 # -- the values of issue 44, at their real sizes (the default threshold, 8 MB) -----------
