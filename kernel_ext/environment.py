@@ -389,6 +389,10 @@ def _as_read(env: Mapping[str, str]) -> Mapping[str, str]:
     return env
 
 
+#: The files of os.environ's own frames (_collections_abc is frozen from 3.11, a file on 3.10).
+_MAPPING_FILES = {os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", None)} - {None}
+
+
 class EnvironmentReads:
     """Record the names Python code looks up in ``os.environ`` (and
     ``os.environb``) between :meth:`start` and :meth:`stop`.
@@ -447,8 +451,9 @@ class EnvironmentReads:
 
             def __iter__(self):
                 frame = sys._getframe(1)
+                # The mapping's own frames (os, and _collections_abc: frozen from 3.11, a file on 3.10).
                 while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
-                                             or frame.f_code.co_filename == os.__file__):
+                                             or frame.f_code.co_filename in _MAPPING_FILES):
                     frame = frame.f_back
                 if frame is not None:
                     reads.scans.add(f"{frame.f_code.co_filename}:{frame.f_lineno}")

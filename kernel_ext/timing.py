@@ -44,6 +44,7 @@ RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memor
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
 THREADS_NOTE_AFTER = 2.0  # a cell's code done, its rank still waits for its threads: then it says so (rank/script_end.py)
 PEERS_JOIN_WAIT = 2.0     # a rank that set up the world, at its end: at most this long for its peers' set-up (rank/pg_guard.py)
+GROUP_DROP_DELAY = 0.5    # a destroyed group nothing else holds goes this long after its destroy (rank/pg_guard.py)
 REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
 REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing

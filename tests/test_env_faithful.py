@@ -304,3 +304,14 @@ def test_a_recorded_exit_folds_into_the_recorded_exception():
     assert failure.summary.startswith("KeyError: 'x' (recorded by @record")
     plain = failure_of_exit(1, {**msg, "recorded": None})
     assert plain.kind == "exit" and plain.timestamp == 20.0
+
+
+def test_a_rank_finds_its_temp_directory_in_the_kernels_environment(env_kernel):
+    """The launcher imports with a temp directory of its own (what a module
+    makes there at import is the launcher's, gone with its private directory);
+    a rank, as a new process, finds the kernel's TMPDIR."""
+    res = env_kernel.run("%%distributed -n 2 --output text\nimport os, tempfile\n"
+                         "made = tempfile.mkdtemp()\nos.rmdir(made)\n"
+                         "print('tmp', tempfile.gettempdir() == os.environ['TMPDIR'] == "
+                         f"{env_kernel.tmpdir!r}, made.startswith({env_kernel.tmpdir!r}))\n", timeout=120)
+    assert "[rank 0] tmp True True" in res.stdout and "[rank 1] tmp True True" in res.stdout, res.error_text

@@ -313,6 +313,7 @@ def test_sending_a_value_never_changes_the_kernels_object(low_threshold):
     assert tensor.untyped_storage().resizable() and std_weakref.getweakrefcount(array) == 0
     assert not frozen.flags.writeable
     tensor.resize_(20_000)
+    tensor[10_000:] = 0   # resize_ leaves the new elements uninitialised
     tensor.add_(1)
     array.resize(20_000, refcheck=False)
     assert float(tensor[-1]) == 1.0 and array.shape == (20_000,)

@@ -13,6 +13,7 @@ it, when stdin reaches EOF or the kernel process exits (kill -9 included).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -22,6 +23,7 @@ import selectors
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -143,14 +145,15 @@ class Zygote:
         this imported, so the kernel can tell when one changed on disk."""
         ENV_READS.start()   # on already for the first preload: until ready (see env_reads)
         before = set(sys.modules)
-        for name in modules:
-            if name in sys.modules or name in self.failed_preload:
-                continue
-            try:
-                importlib.import_module(name)
-                self.preloaded.append(name)
-            except BaseException as exc:  # a module that fails here may work in a rank
-                self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
+        with self.own_temp_dir():
+            for name in modules:
+                if name in sys.modules or name in self.failed_preload:
+                    continue
+                try:
+                    importlib.import_module(name)
+                    self.preloaded.append(name)
+                except BaseException as exc:  # a module that fails here may work in a rank
+                    self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
         pg_guard.install()   # inherited by every rank (see pg_guard)
         self.preview_rank_hooks()
         worker.note_launcher_modules()
@@ -177,6 +180,29 @@ class Zygote:
         if scans:   # not lookups of each variable (see EnvironmentReads): for the log
             log.info("the environment was scanned whole at import by %s", ", ".join(sorted(scans)))
         return sorted(names)
+
+    @contextlib.contextmanager
+    def own_temp_dir(self):
+        """While modules import here, the temp directory is one inside the
+        launcher's private directory: what a module makes there at import
+        (torch 2.4's ``torch.distributed.nn.jit`` a TemporaryDirectory) is this
+        process's for its life, and goes with the private directory, never
+        left in the user's temp directory.  Afterwards ``tempfile`` forgets
+        it, so a rank finds its temp directory in its own environment (the
+        kernel's TMPDIR), as a new process does."""
+        path = os.path.join(getattr(self, "private_dir", None) or tempfile.gettempdir(), "tmp")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = path
+        tempfile.tempdir = None
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
+            tempfile.tempdir = None
 
     @staticmethod
     def preview_rank_hooks() -> None:

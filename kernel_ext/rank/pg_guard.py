@@ -37,12 +37,15 @@ installs, and ``ACCEL_MAGICS_DISABLE=name`` turns it off):
 """
 from __future__ import annotations
 
+import _thread
 import functools
 import os
 import sys
 import time
 from datetime import timedelta
 from typing import Callable, Optional
+
+from ..timing import GROUP_DROP_DELAY
 
 #: Process groups kept alive until the rank exits (see the module doc).
 _kept: list = []
@@ -188,16 +191,48 @@ def _keep_referenced(groups: list) -> None:
     """Keep those of the destroyed ``groups`` that something else still
     references (a DDP module, its Reducer, a variable): their last reference
     could go in a destructor that holds the GIL.  One nothing else holds is
-    let go now, as torch lets it go: its connections close at once, so a peer
-    still in a collective on it fails ("Connection reset by peer") as under
-    torchrun, instead of waiting for ever on a group kept open."""
+    let go GROUP_DROP_DELAY later, on a thread of its own: its connections
+    close then, so a peer still in a collective on it fails ("Connection
+    reset by peer") as under torchrun, instead of waiting for ever on a group
+    kept open.  Not at once: its destructor joins gloo's workers holding the
+    GIL, and one may still be releasing the last collective's tensors (which
+    needs the GIL): the deadlock of the module doc, seen on torch 2.4 under
+    CI's load when the group went inside destroy_process_group."""
     probe = [object()]
     for unreferenced in probe:   # the same code shape as below: its count is "no other reference"
         alone = sys.getrefcount(unreferenced)
+    going = []
     for group in groups:
-        if sys.getrefcount(group) > alone:
-            _kept.append(group)
+        (_kept if sys.getrefcount(group) > alone else going).append(group)
     groups.clear()
+    if going:
+        with _drop_lock:
+            _dropping.append((time.monotonic() + GROUP_DROP_DELAY, going))
+            start, _dropper[0] = _dropper[0] != os.getpid(), os.getpid()
+        if start:
+            _thread.start_new_thread(_drop_later, ())
+
+
+#: Destroyed groups nothing else holds: (when they go, the groups), oldest first.
+_dropping: list = []
+_drop_lock = _thread.allocate_lock()
+_dropper = [0]   # the pid whose dropper thread runs now (a fork has none: 0 or its parent's pid)
+
+
+def _drop_later() -> None:
+    """One ``_thread`` thread at a time (not the user's: not in
+    ``threading.enumerate()``): lets each batch go when it is due, ends when
+    none is left.  The groups' destructors run here, outside the lock."""
+    while True:
+        with _drop_lock:
+            if not _dropping:
+                _dropper[0] = 0
+                return
+            wait = _dropping[0][0] - time.monotonic()
+            batch = _dropping.pop(0) if wait <= 0 else None
+        if batch is None:
+            time.sleep(wait)
+        del batch
 
 
 def _watched_init(original):
@@ -254,8 +289,11 @@ def release_kept() -> int:
     """A safe point (a session's next cell, nothing of the last one running):
     let the groups kept by ``keep_groups`` go, with their sockets and threads.
     Returns how many were let go."""
-    count = len(_kept)
+    with _drop_lock:
+        dropping, _dropping[:] = list(_dropping), []
+    count = len(_kept) + sum(len(groups) for _, groups in dropping)
     _kept.clear()
+    del dropping
     return count
 
 
