@@ -240,11 +240,13 @@ class DistributedMagics(Magics):
         """
         started = time.monotonic()
         self.stops.begin()   # a background cell: a press as the cell began (before this ran) means nothing ran
-        args = parse_options(self.distributed, line)
+        args = None
         try:
+            args = parse_options(self.distributed, line)   # a press can land in argparse too
             return self._distributed(args, line, cell, started)
         except KeyboardInterrupt as exc:
-            if not args.background or isinstance(exc, ReportedError):
+            background = args.background if args is not None else "--background" in line.split()
+            if not background or isinstance(exc, ReportedError):
                 raise
             # Before its run exists (from then on start_background takes the stop): nothing ran.
             raise RunInterrupted.before_start("the stop came while the background run was being prepared") \
