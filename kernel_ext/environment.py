@@ -323,6 +323,26 @@ def error_dir(private_dir: str, run_id: str) -> str:
     return os.path.join(private_dir, f"torchelastic_{run_id}")
 
 
+def make_dirs_below(root: str, path: str) -> bool:
+    """Make ``path``'s folders below ``root`` (private, 0700), never ``root``
+    itself: a folder of the launcher's private directory made while the
+    kernel removes that directory (a launcher still importing as it is
+    closed) must not bring the directory back.  False if ``root`` is gone."""
+    rel = os.path.relpath(path, root)
+    if rel.startswith(os.pardir) or os.path.isabs(rel):
+        raise ValueError(f"{path} is not below {root}")
+    current = root
+    for part in ([] if rel == os.curdir else rel.split(os.sep)):
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, 0o700)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:   # root (or a folder below it) was removed meanwhile
+            return False
+    return os.path.isdir(path)
+
+
 def error_file(private_dir: str, run_id: str, attempt: int, local_rank: int) -> str:
     """A rank's ``TORCHELASTIC_ERROR_FILE``, laid out as torchrun's
     (``<run>/attempt_<restart count>/<local rank>/error.json``, see

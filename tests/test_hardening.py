@@ -530,7 +530,65 @@ def test_a_directory_left_by_an_owner_that_died_with_its_launcher_is_pruned(tmp_
         live.terminate()
         live.wait()
         dead.kill()
-    wait_until(lambda: not os.listdir(tmp_path), 15, "the live owner's launcher to remove its directory")
+    try:
+        wait_until(lambda: not os.listdir(tmp_path), 15, "the live owner's launcher to remove its directory")
+    except AssertionError as exc:
+        left = sorted(os.path.join(root, name) for root, dirs, files in os.walk(tmp_path) for name in dirs + files)
+        raise AssertionError(f"{exc}; left: {left[:20]}") from None
+
+
+LATE_LAUNCHER = """
+import os, sys, time
+if os.environ.get('ACCEL_MAGICS_LAUNCHER'):
+    def _wait_for(name, seconds):
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(os.path.join({here!r}, name)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    _wait_for('go', 60)   # started, held until the kernel has closed it
+
+    class _SlowTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == 'torch':
+                open(os.path.join({here!r}, 'importing'), 'w').close()
+                _wait_for('never', 60)   # importing torch when the close's bounded wait ends
+            return None
+
+    sys.meta_path.insert(0, _SlowTorch())
+"""
+
+
+def test_a_launcher_closed_before_it_imports_does_not_bring_its_directory_back(tmp_path, monkeypatch):
+    """The kernel removes the launcher's private directory as it closes it; a
+    launcher still starting (a loaded machine: CI) then made its temp folder
+    there, which brought the directory back, and was killed before it could
+    remove it: the directory stayed in the user's temp directory."""
+    import os
+    import threading
+
+    from kernel_harness import wait_until, with_sitecustomize
+
+    from accel_magics.kernel_ext.kernel.launcher import Launcher
+    here = tmp_path / "site"
+    here.mkdir()
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    for name, value in with_sitecustomize(here, LATE_LAUNCHER.format(here=str(here))).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    launcher = Launcher()
+    launcher.start()
+    private = launcher.dir
+    closing = threading.Thread(target=launcher.close)
+    closing.start()
+    wait_until(lambda: not os.path.exists(private), 10, "the kernel to remove the private directory")
+    (here / "go").touch()
+    wait_until(lambda: (here / "importing").exists() or not closing.is_alive(), 30,
+               "the launcher to import torch")
+    assert (here / "importing").exists(), "the launcher ended before it imported: the test proves nothing"
+    closing.join(30)
+    assert not closing.is_alive()
+    assert not os.listdir(temp), os.listdir(temp)
 
 
 def test_a_launcher_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch):

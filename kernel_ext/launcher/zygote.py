@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Optional
 
-from ..environment import EnvironmentReads, error_dir
+from ..environment import EnvironmentReads, error_dir, make_dirs_below
 
 # What the imports look up in the environment, from here to the ready reply and
 # during each preload: the kernel replaces this process when one of those
@@ -190,8 +190,11 @@ class Zygote:
         left in the user's temp directory.  Afterwards ``tempfile`` forgets
         it, so a rank finds its temp directory in its own environment (the
         kernel's TMPDIR), as a new process does."""
-        path = os.path.join(getattr(self, "private_dir", None) or tempfile.gettempdir(), "tmp")
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        root = getattr(self, "private_dir", None) or tempfile.gettempdir()
+        path = os.path.join(root, "tmp")
+        if not make_dirs_below(root, path):   # the kernel removed the directory: it is closing us
+            yield
+            return
         saved = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = path
         tempfile.tempdir = None

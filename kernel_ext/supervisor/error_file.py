@@ -21,6 +21,7 @@ import os
 import shutil
 from typing import Optional
 
+from ..environment import make_dirs_below
 from ..rank.worker import is_secondary
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -34,8 +35,8 @@ def prepare(spec: dict) -> None:
     """Make the folder of each of this node's ranks' files (before they start)."""
     for env in spec.get("rank_env", ()):
         path = env.get(VARIABLE)
-        if path:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if path and spec.get("error_dir"):   # below the launcher's private directory, never that itself
+            make_dirs_below(os.path.dirname(spec["error_dir"]), os.path.dirname(path))
 
 
 def remove(spec: dict) -> None:
