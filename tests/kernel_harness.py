@@ -48,10 +48,16 @@ class KernelSession:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        self._last_pid = self.km.provisioner.process.pid
 
     @property
     def pid(self) -> int:
-        return self.km.provisioner.process.pid
+        """The kernel's pid; after its shutdown, the pid it had (a test then
+        waits for what it left to end, and must still tell the kernel apart)."""
+        provisioner = self.km.provisioner
+        if provisioner is not None and getattr(provisioner, "process", None) is not None:
+            self._last_pid = provisioner.process.pid
+        return self._last_pid
 
     def run(self, code: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
             ) -> CellResult:

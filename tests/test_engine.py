@@ -320,7 +320,7 @@ def gone(pid):
     try:
         with open(f"/proc/{{pid}}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):   # gone before the open, or between it and the read
         return True
 
 if os.environ["RANK"] == "1":
