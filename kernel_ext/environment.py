@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+from .cpu_quota import effective_cpus
 from .options import DEFAULT_MULTINODE_PORT, DEFAULTS, MIXED_PRECISION_CHOICES  # noqa: F401 (re-exported)
 
 MAX_RESTARTS = 1000
@@ -53,10 +54,9 @@ class LaunchConfig:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    """The CPUs this process may use: its affinity capped by its cgroup's CPU
+    quota (a container's ``--cpus``), not the host's cores (cpu_quota)."""
+    return effective_cpus()
 
 
 def _visible_devices(cfg: LaunchConfig, kernel_env=None) -> Optional[str]:

@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from .. import PACKAGE_DIR, hooks
+from ..doctor import probes
 from ..process_tree import descendants, stat_fields
 
 PR_SET_PTRACER = 0x59616D61
@@ -52,10 +53,10 @@ def unsupported() -> Optional[str]:
             scope = int(f.read().strip() or 0)
     except (OSError, ValueError):
         scope = 0
-    if scope >= 2:
+    if scope >= 2 and not probes.has_cap_sys_ptrace():
         return (f"ptrace is restricted (kernel.yama.ptrace_scope={scope}): no process may read another's "
                 "stacks without CAP_SYS_PTRACE")
-    return None
+    return probes.ptrace_refused()   # a real attach: a missing capability, a seccomp filter (containers)
 
 
 def install() -> bool:
