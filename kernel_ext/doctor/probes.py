@@ -98,27 +98,44 @@ finally:
 """
 
 
-def ptrace_attach_probe(timeout: float = 5.0) -> Optional[str]:
-    """None when a real PTRACE_ATTACH to a child process works here; else
-    the error (``EPERM Operation not permitted``)."""
-    try:
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _PTRACE_PROBE], capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the probe did not run ({exc})"
-    answer = done.stdout.strip()
-    if answer == "ok":
-        return None
-    return answer or f"the probe failed ({done.stderr.strip().splitlines()[-1:] or done.returncode})"
+class PtraceProbe:
+    """A real PTRACE_ATTACH to a child process, in a helper interpreter
+    started now (tens of ms: the launcher starts it before importing torch
+    and reads it after)."""
+
+    def __init__(self) -> None:
+        self.error = ""
+        try:
+            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _PTRACE_PROBE], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as exc:
+            self.proc, self.error = None, f"the probe did not run ({exc})"
+
+    def refused(self, timeout: float = 5.0) -> Optional[str]:
+        """None when the attach worked; else its error (``EPERM Operation not permitted``)."""
+        if self.proc is None:
+            return self.error
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return f"the probe did not answer within {timeout:g}s"
+        answer = out.strip()
+        if answer == "ok":
+            return None
+        return answer or f"the probe failed ({err.strip().splitlines()[-1:] or self.proc.returncode})"
 
 
-def ptrace_refused() -> Optional[str]:
-    """Why a process here cannot read another's native stacks, or None."""
+def ptrace_refused(probe: Optional[PtraceProbe] = None) -> Optional[str]:
+    """Why a process here cannot read another's native stacks, or None
+    (``probe``: one started earlier)."""
     scope = yama_scope()
     cap = has_cap_sys_ptrace()
     if scope is not None and scope >= 3:
         return "ptrace is disabled on this machine (kernel.yama.ptrace_scope=3)"
-    refused = ptrace_attach_probe()
+    refused = (probe or PtraceProbe()).refused()
     if refused is None:
         return None
     why = [f"PTRACE_ATTACH to a child process was refused ({refused})",

@@ -249,6 +249,7 @@ class Zygote:
             self.extra_fds.append(kernel)
         except (AttributeError, OSError):
             kernel = None
+        native_stacks.start_probe()   # ptrace, for native_stacks' guard: while torch imports
         self.preload(init.get("preload", DEFAULT_PRELOAD))   # recording goes on until ready
         native_stacks.install()
         if "torch.distributed" in sys.modules:

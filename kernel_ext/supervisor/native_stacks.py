@@ -56,7 +56,16 @@ def unsupported() -> Optional[str]:
     if scope >= 2 and not probes.has_cap_sys_ptrace():
         return (f"ptrace is restricted (kernel.yama.ptrace_scope={scope}): no process may read another's "
                 "stacks without CAP_SYS_PTRACE")
-    return probes.ptrace_refused()   # a real attach: a missing capability, a seccomp filter (containers)
+    probe, _probe[:] = (_probe or [None])[0], []
+    return probes.ptrace_refused(probe)   # a real attach: a missing capability, a seccomp filter (containers)
+
+
+_probe: list = []   # the launcher's probe, started before it imports torch (start_probe)
+
+
+def start_probe() -> None:
+    """In the launcher, first thing: the ptrace probe runs while torch imports."""
+    _probe[:] = [probes.PtraceProbe()]
 
 
 def install() -> bool:
@@ -69,7 +78,12 @@ def install() -> bool:
         return " ".join(tool()[:1])
 
     on = False
-    return hooks.install("native_stacks", take, guard=unsupported)
+    try:
+        return hooks.install("native_stacks", take, guard=unsupported)
+    finally:
+        for probe in _probe:   # not asked (turned off, no tool): still reaped, no zombie is left
+            probe.refused()
+        _probe.clear()
 
 
 def tool() -> Optional[list[str]]:
