@@ -256,8 +256,8 @@ def rank_environment(
     writes the exception that ends the rank; the run reads it when the rank
     fails without an exception of its own reaching the kernel.
 
-    ``OMP_NUM_THREADS``, where the user set none, is the machine's cores
-    divided between the local ranks, on GPU machines too: otherwise N ranks
+    ``OMP_NUM_THREADS``, where the user set none, is the cores this process
+    may use (affinity and CPU quota: :func:`cpu_count`) divided between the local ranks, on GPU machines too: otherwise N ranks
     each start a thread per core.  (torchrun sets 1 whenever it starts more
     than one rank; a share of the cores keeps that guarantee and leaves each
     rank its part of the CPU.  Measured on a 16-core, one-GPU machine before
