@@ -139,6 +139,12 @@ def cpu_quota_unsupported() -> Optional[str]:
     return None
 
 
+# -- a low ulimit -n ------------------------------------------------------------------------
+
+def nofile(soft: int, hard: int) -> list[str]:
+    return ["prlimit", f"--nofile={soft}:{hard}", "--"]
+
+
 # -- a read-only HOME ----------------------------------------------------------------
 
 def read_only(path: str) -> list[str]:

@@ -172,6 +172,20 @@ def test_under_a_cpu_quota_of_one_core_the_defaults_follow_it():
         assert row["level"] == "warn" and row["state"].startswith("1 core(s)"), row
 
 
+# -- a low ulimit -n -------------------------------------------------------------------------------
+
+def test_a_low_ulimit_n_warns_once_with_the_fix():
+    reason = containers.can(*containers.nofile(512, 4096), "true")
+    if reason:
+        pytest.skip(reason)
+    with kernel(containers.nofile(512, 4096)) as k:
+        first = k.ok("%%distributed -n 2 --output text\npass", timeout=120)
+        lines = [w for w in warnings_of(first) if "ulimit -n" in w]
+        assert len(lines) == 1 and "512 (hard limit 4096)" in lines[0], first.stderr
+        assert "resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))" in lines[0], lines[0]
+        assert doctor_row(k, "ulimit -n")["level"] == "warn"
+
+
 # -- a read-only HOME, another user ------------------------------------------------------------
 
 def test_a_cell_runs_with_a_read_only_home():

@@ -79,10 +79,13 @@ def test_a_64_mb_shm_is_a_warning_that_names_the_fix():
 
 def test_ulimit_n():
     low = checks.nofile_check(1024, 1 << 20)
-    assert low.level == "warn" and "resource.setrlimit" in low.fix
+    assert low.level == "warn" and "resource.setrlimit(resource.RLIMIT_NOFILE, (1048576, 1048576))" in low.fix
+    assert "(65536, resource.RLIM_INFINITY)" in checks.nofile_check(1024, -1).fix
     stuck = checks.nofile_check(1024, 1024)
     assert "--ulimit nofile=65536:65536" in stuck.fix
     assert checks.nofile_check(65536, 65536).level == "ok"
+    assert checks.nofile_check(1024, 1 << 20, checks.PRE_RUN_NOFILE).level == "ok"   # not before a first run
+    assert checks.nofile_check(256, 1 << 20, checks.PRE_RUN_NOFILE).level == "warn"
 
 
 def test_the_cpu_quota_says_what_the_defaults_become():
@@ -120,6 +123,13 @@ def test_slurm_step_and_leaking_variables():
                                  "SLURM_CPUS_PER_TASK": "4", "SLURM_JOB_NODELIST": "n1"})
     assert inside.level == "warn" and "--overlap" in inside.state and "job 42, step 0" in inside.state
     assert "SLURM_NTASKS, SLURM_CPUS_PER_TASK" in inside.state and "5 SLURM_* variables" in inside.state
+
+
+def test_torchs_version_is_read_without_importing_it():
+    import importlib.metadata
+    values = probes.torch_version_file()
+    assert values["__version__"] == importlib.metadata.version("torch")
+    assert probes.supported_torch().replace(" ", "") in ("<3,>=2.4", ">=2.4,<3")
 
 
 def test_the_kernels_cuda():

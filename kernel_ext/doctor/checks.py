@@ -20,7 +20,7 @@ Rules of thumb, and where they come from:
 * ``ulimit -n``: torch shares tensors between processes through file
   descriptors by default; "Too many open files" / "received 0 items of
   ancdata" come below a few thousand (torch.multiprocessing docs).  Below 4096
-  is flagged.
+  is flagged by the doctor, below 1024 before a first run.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ MiB = 1 << 20
 SHM_PER_RANK = 128 * MiB
 SHM_WITH_GPUS = 1024 * MiB
 LOW_NOFILE = 4096
+#: Before a first run only a limit below this warns: 1024 is many hosts' and
+#: Docker 25's default soft limit, and the run's error explains it if it bites.
+PRE_RUN_NOFILE = 1024
 
 SHM_FIX = ("give the container a bigger /dev/shm: `docker run --shm-size=1g` (or `--ipc=host`); Kubernetes: "
            "an `emptyDir: {medium: Memory, sizeLimit: 1Gi}` volume mounted at /dev/shm; or DataLoader(num_workers=0)")
@@ -83,15 +86,18 @@ def shm_check(usage: probes.ShmUsage, ranks: int, gpus: int) -> Check:
     return Check(usage.path, state)
 
 
-def nofile_check(soft: int, hard: int) -> Check:
+def nofile_check(soft: int, hard: int, low: int = LOW_NOFILE) -> Check:
     def text(n):
         return "unlimited" if n < 0 or n == resource.RLIM_INFINITY else str(n)
     state = f"{text(soft)} (hard limit {text(hard)})"
-    if 0 <= soft < LOW_NOFILE:
-        target = hard if hard < 0 or hard >= LOW_NOFILE * 16 else max(hard, LOW_NOFILE * 16)
-        raise_it = (f"`import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({text(target)}, "
-                    f"{text(hard)}))` in a cell (ranks inherit it)" if 0 > hard or hard >= LOW_NOFILE
-                    else "`docker run --ulimit nofile=65536:65536`")
+    if 0 <= soft < low:
+        unlimited = hard < 0 or hard == resource.RLIM_INFINITY
+        if unlimited or hard >= low:
+            pair = "65536, resource.RLIM_INFINITY" if unlimited else f"{hard}, {hard}"
+            raise_it = (f"`import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({pair}))` in a cell "
+                        "(the ranks inherit it)")
+        else:
+            raise_it = "`docker run --ulimit nofile=65536:65536` (the hard limit is too low to raise it from here)"
         return Check("ulimit -n", f"{state}: DataLoader workers share tensors through file descriptors",
                      "warn", f"{raise_it}; or torch.multiprocessing.set_sharing_strategy('file_system') in the cell")
     return Check("ulimit -n", state)
@@ -127,7 +133,7 @@ def launch_risks(ranks: int, gpus: int, ptrace_refused: Optional[str], tool: Opt
     """The checks that can make a run fail or lose its stacks, each a few
     µs (``ptrace_refused``: the launcher's probe, taken as given)."""
     soft, hard = probes.nofile_limits()
-    return [shm_check(probes.shm_usage(), ranks, gpus), nofile_check(soft, hard),
+    return [shm_check(probes.shm_usage(), ranks, gpus), nofile_check(soft, hard, PRE_RUN_NOFILE),
             quota_check(quota_mod.cpu_quota(), quota_mod.affinity_count(), os.cpu_count() or 1, default_ranks),
             ptrace_check(ptrace_refused, tool)]
 
