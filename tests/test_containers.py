@@ -131,6 +131,13 @@ def test_small_shm_warns_once_the_doctor_reports_it_and_a_dataloader_overflow_na
         small = k.ok(DATALOADER_CELL.format(numel=16, workers=1), timeout=180)
         assert "done 0" in small.stdout and "done 1" in small.stdout, small.stdout
 
+        # Shared memory written past /dev/shm's end: the kernel sends SIGBUS (last: it stays full).
+        bus = k.run("%%distributed -n 2 --output text\nimport os\nfrom multiprocessing import shared_memory\n"
+                    "if os.environ['RANK'] == '0':\n    m = shared_memory.SharedMemory(create=True, size=96 << 20)\n"
+                    "    m.buf[:] = bytes(96 << 20)\n", timeout=120)
+        assert bus.status == "error" and "rank 0 failed: killed by SIGBUS" in bus.error_text, bus.error_text
+        assert "a bus error (SIGBUS)" in bus.error_text and "--shm-size=1g" in bus.error_text, bus.error_text
+
 
 # -- no ptrace ----------------------------------------------------------------------------
 
