@@ -94,6 +94,7 @@ def test_the_cpu_quota_says_what_the_defaults_become():
     assert "--cpus" in one.fix
     assert checks.quota_check(None, 8, 8, 2).level == "ok"
     assert checks.quota_check(None, 2, 8, 2).level == "info"
+    assert "not below the host's 8" in checks.quota_check(cpu_quota.CpuQuota(16.0, "cpu.max"), 8, 8, 2).state
 
 
 def test_ptrace():

@@ -112,6 +112,9 @@ def quota_check(quota: Optional[quota_mod.CpuQuota], affinity: int, host: int, d
         return Check("CPU quota", f"{quota.cores:g} core(s) of the host's {host} ({quota.source}); {follow}", "warn",
                      "ask the container for more CPUs (`docker run --cpus N`, Kubernetes resources.limits.cpu) "
                      "for more ranks or threads")
+    if quota is not None:
+        return Check("CPU quota", f"{quota.cores:g} core(s) ({quota.source}), not below the host's {host}; "
+                     f"{effective} core(s)" + (f"; {follow}" if affinity < host else ""))
     if affinity < host:
         return Check("CPU quota", f"no quota; this process may use {affinity} of {host} cores (affinity); {follow}",
                      "info")
