@@ -233,9 +233,9 @@ def gpus(timeout: float = 5.0) -> Gpus:
                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Gpus("", error=f"nvidia-smi did not answer ({exc})")
-    if out.returncode != 0:
-        return Gpus("", error=(out.stdout + out.stderr).strip().splitlines()[-1:][0] if (out.stdout + out.stderr).strip()
-                    else f"nvidia-smi exited {out.returncode}")
+    if out.returncode != 0:   # "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver..."
+        said = (out.stdout + out.stderr).strip().splitlines()
+        return Gpus("", error=said[-1] if said else f"nvidia-smi exited {out.returncode}")
     rows = [line.rsplit(",", 1) for line in out.stdout.strip().splitlines() if "," in line]
     return Gpus("nvidia-smi", tuple(r[0].strip() for r in rows), rows[0][1].strip() if rows else "")
 
