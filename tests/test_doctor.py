@@ -4,6 +4,7 @@ in a real kernel.  The container conditions themselves: test_containers.py."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -122,7 +123,10 @@ def test_slurm_step_and_leaking_variables():
     assert checks.slurm_check({}).state == "not in a Slurm job"
     inside = checks.slurm_check({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
                                  "SLURM_CPUS_PER_TASK": "4", "SLURM_JOB_NODELIST": "n1"})
-    assert inside.level == "warn" and "--overlap" in inside.state and "job 42, step 0" in inside.state
+    assert inside.level == "warn" and "waits silently until they are free unless it has `--overlap`" in inside.state
+    assert "job 42, step 0" in inside.state
+    batch = checks.slurm_check({"SLURM_JOB_ID": "42"})
+    assert batch.level == "info" and "outside any step" in batch.state and "1 SLURM_* variables" in batch.state
     assert "SLURM_NTASKS, SLURM_CPUS_PER_TASK" in inside.state and "5 SLURM_* variables" in inside.state
 
 
@@ -211,3 +215,41 @@ def test_the_doctor_in_a_kernel(clean_kernel):
     assert after[0] == before and after[1] == "False"   # nothing imported torch or touched CUDA
     bad = k.run("%distributed_doctor -n 0")
     assert bad.status == "error" and "--num_processes must be at least 1" in bad.error_text
+
+
+# -- Slurm, for real (tests/slurm_cluster.py; run with -m slurm) -------------------------------
+
+STEP_PROBE = """
+import os, subprocess, sys
+from accel_magics.kernel_ext.doctor import checks
+print("VERDICT", checks.slurm_check(os.environ).state)
+for extra in ([], ["--overlap"]):
+    try:
+        done = subprocess.run(["srun", "-n1", *extra, "hostname"], capture_output=True, text=True, timeout=6)
+        print("NESTED", extra, "ran" if done.returncode == 0 else "failed: " + done.stderr.strip()[-200:])
+    except subprocess.TimeoutExpired as exc:
+        print("NESTED", extra, "waited:", (exc.stderr or b"").decode(errors="replace").strip()[-200:])
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_the_slurm_verdict_inside_a_real_step():
+    from slurm_cluster import SlurmCluster, missing
+
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(nodes=1, cpus=1)
+    try:
+        alloc = cluster.allocate(1)
+        done = cluster.run(["srun", "--jobid", alloc["SLURM_JOB_ID"], "-n1", sys.executable, "-c", STEP_PROBE],
+                           timeout=90)
+        out = done.stdout
+        assert "VERDICT in job" in out and "waits silently until they are free unless it has `--overlap`" in out, \
+            out + done.stderr
+        # What the verdict says is what Slurm does: without --overlap the new step waits, with it, it runs.
+        assert "NESTED [] waited:" in out and "NESTED ['--overlap'] ran" in out, out + done.stderr
+        cluster.release(alloc["SLURM_JOB_ID"])
+    finally:
+        cluster.stop()

@@ -215,11 +215,16 @@ def slurm_check(environ: Mapping[str, str]) -> Check:
         return Check("Slurm", "not in a Slurm job")
     names = sorted(k for k in environ if k.startswith("SLURM_"))
     inputs = [k for k in SLURM_INPUTS if k in environ]
-    step = environ.get("SLURM_STEP_ID")
-    where = f"job {job}" + (f", step {step}" if step is not None else " (its batch script)")
-    state = (f"in {where}: a new `srun` from here waits until this step's CPUs are free unless it has `--overlap` "
-             f"(Slurm >= 20.11; `--launcher slurm` adds it); {len(names)} SLURM_* variables leak into jobs started "
-             f"from here" + (f", {len(inputs)} of them read by srun/sbatch ({', '.join(inputs)})" if inputs else ""))
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    if step is not None and step not in ("batch", "extern", "4294967294", "4294967295"):
+        new_step = (f"in job {job}, step {step} (this kernel runs inside a step that holds its CPUs): a new `srun` "
+                    "from here waits silently until they are free unless it has `--overlap` (Slurm >= 20.11; "
+                    "`--launcher slurm` adds it)")
+    else:
+        new_step = (f"in job {job}, outside any step: a new `srun` starts while the allocation has free CPUs; "
+                    "add `--overlap` to share CPUs another step holds")
+    state = (f"{new_step}; {len(names)} SLURM_* variables leak into jobs started from here"
+             + (f", {len(inputs)} of them read by srun/sbatch as options ({', '.join(inputs)})" if inputs else ""))
     return Check("Slurm", state, "info" if not inputs else "warn",
                  "use `srun --overlap` inside the job; for a new job, start it with the SLURM_* variables removed "
                  "(as submitit does): `env $(env | grep -o '^SLURM_[A-Z_]*' | sed 's/^/-u /') sbatch ...`")
