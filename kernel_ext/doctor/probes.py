@@ -175,15 +175,19 @@ def torch_version_file() -> Optional[dict]:
     return values
 
 
-def supported_torch() -> str:
-    """The package's torch requirement (``<3,>=2.4``) from its metadata."""
-    try:
-        for req in importlib.metadata.requires("accel-magics") or ():
-            name = req.split(";")[0].strip()
-            if name.startswith("torch") and not name[5:6].isalnum() and name[5:6] != "_":
-                return name[5:].strip() or ">=0"
-    except importlib.metadata.PackageNotFoundError:
-        pass
+def supported_torch(requires: Optional[list] = None) -> str:
+    """The package's torch requirement (``<3,>=2.4``), from ``requires`` (its
+    metadata's Requires-Dist lines, read here unless given)."""
+    if requires is None:
+        try:
+            requires = importlib.metadata.requires("accel-magics") or []
+        except importlib.metadata.PackageNotFoundError:
+            requires = []
+    for req in requires:
+        name = req.split(";")[0].strip()
+        spec = name[len("torch"):].strip()
+        if name.startswith("torch") and (not spec or spec[0] in "<>=!~"):
+            return spec or ">=0"
     return ">=2.4,<3"
 
 
