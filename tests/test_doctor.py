@@ -256,3 +256,22 @@ def test_the_slurm_verdict_inside_a_real_step():
         cluster.release(alloc["SLURM_JOB_ID"])
     finally:
         cluster.stop()
+
+
+def test_pre_run_warnings_come_once_and_take_the_launchers_ptrace_verdict():
+    from accel_magics.kernel_ext.kernel.preflight import LaunchRisks
+    from accel_magics.kernel_ext.supervisor import native_stacks
+
+    if native_stacks.tool() is None:
+        pytest.skip("neither py-spy nor gdb is installed: the ptrace verdict is then about the tool")
+    risks = LaunchRisks()
+    lines = risks.once(2, 0, ["stepped aside", "PTRACE_ATTACH to a child process was refused (EPERM)"], 2)
+    assert [line for line in lines if "native frames will be missing" in line and "SYS_PTRACE" in line]
+    assert risks.once(2, 0, ["stepped aside", "refused"], 2) == []   # once per kernel
+    assert risks.seconds < 0.5
+    for state in (["disabled", ""], None):   # turned off by name; a launcher that did not say
+        quiet = LaunchRisks()
+        quiet.once(2, 0, state, 2)
+        assert not [c for c in quiet.checked if c.check.startswith("ptrace")]
+    allowed = LaunchRisks()
+    assert not [line for line in allowed.once(2, 0, ["installed", "py-spy"], 2) if "ptrace" in line]
