@@ -182,7 +182,7 @@ def test_nccls_shm_failures(text):
 
 @pytest.mark.parametrize("text", ["ValueError: boom", "OSError: [Errno 28] No space left on device: '/data/ckpt.pt'",
                                   "RuntimeError: DataLoader worker (pid(s) 77) exited unexpectedly",
-                                  "killed by SIGSEGV"])
+                                  "killed by SIGSEGV", "psycopg2.errors.OutOfMemory: out of shared memory"])
 def test_other_failures_are_not_explained(text):
     assert explain.explain(text) is None
 

@@ -19,7 +19,6 @@ _SHM = re.compile(
     r"(?:No space left on device|Cannot allocate memory|Bus error)"
     r"|Unexpected bus error encountered in worker"
     r"|DataLoader worker \(pid[^)]*\) is killed by signal: Bus error"
-    r"|out of shared memory"
     r"|No space left on device[^\n]*/dev/shm|/dev/shm[^\n]*No space left on device",
     re.IGNORECASE)
 _NCCL_SHM = re.compile(
@@ -47,8 +46,8 @@ def explain(text: str, shm: Optional[ShmUsage] = None) -> Optional[str]:
         return (f"{where} is full: DataLoader workers pass every batch to their rank through shared memory there, "
                 f"and a container's default /dev/shm is 64 MB. Fix: {SHM_FIX}.")
     if _SIGBUS.search(text):
-        return (f"a bus error (SIGBUS) is what a process gets when {where} runs out under memory it mapped "
-                f"(DataLoader workers' batches, NCCL). Fix: {SHM_FIX}.")
+        return (f"a bus error (SIGBUS) is most often {where} running out under shared memory a process mapped "
+                f"(DataLoader workers' batches, NCCL, multiprocessing.shared_memory). Fix: {SHM_FIX}.")
     if _FDS.search(text):
         return ("the process ran out of file descriptors (`ulimit -n`): torch shares tensors between processes "
                 "through them. Fix: raise the limit in a cell (`import resource; resource.setrlimit("
