@@ -30,12 +30,13 @@ def load_ipython_extension(ip) -> None:
     from .kernel_ext import hooks
     from .magics import DistributedMagics
     from . import slurm_magic  # noqa: F401  (its cells: magics.CELL_MODES["slurm"])
+    from .doctor_magic import DoctorMagics
     from .session_magic import SessionMagics
 
     if _magics is not None:
         return
     magics = DistributedMagics(ip)
-    _registered[:] = [magics, SessionMagics(ip, magics)]
+    _registered[:] = [magics, SessionMagics(ip, magics), DoctorMagics(ip, magics)]
     for instance in _registered:
         ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)

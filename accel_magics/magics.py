@@ -23,7 +23,7 @@ from accel_magics.kernel_ext.kernel import accelerate_config, preflight
 from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext import hooks
-from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate, visible_gpus
+from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
@@ -147,6 +147,7 @@ class DistributedMagics(Magics):
         super().__init__(shell)
         self.launcher = launcher or Launcher()
         self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
+        self.risks = preflight.LaunchRisks()   # the machine's, once per kernel (warn_machine)
         self.defaults: dict = {}
         self.session = None             # the %distributed_session (kernel_ext.kernel.session.DistributedSession)
         self.slurm_agents = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
@@ -207,6 +208,15 @@ class DistributedMagics(Magics):
                 + "\n\nNothing was launched."
             )
 
+    def warn_machine(self, cfg: LaunchConfig) -> None:
+        """Once per kernel, before its first run: what here can make runs fail
+        (a small /dev/shm, ulimit -n, a CPU quota, no ptrace), one line each
+        with its fix.  Never stops the run (see kernel_ext/doctor)."""
+        info = self.launcher.info or {}
+        for warning in self.risks.once(cfg.num_processes, info.get("gpu_count", 0), info.get("native_stacks"),
+                                       self.effective_defaults()["num_processes"]):
+            print(warning, file=sys.stderr)
+
     # -- the magics -------------------------------------------------------
     @magic_arguments()
     @launch_options
@@ -265,6 +275,7 @@ class DistributedMagics(Magics):
                 cfg = self.launch_config(args)
             return_names = return_names_of(args.return_names)
             self.preflight_check()
+            self.warn_machine(cfg)
             source = self.cell_source(line, cell)
             payload = self.make_payload(source, return_names)
         except BaseException:
@@ -497,7 +508,7 @@ class DistributedMagics(Magics):
         gpus = visible_gpus((self.launcher.info or {}).get("gpu_count", 0), LaunchConfig(num_processes=1), os.environ)
         # What the config form shows: its fields' built-in values, the GPUs counted.
         values = {option.name: option.default for option in options.OPTIONS if option.label}
-        values["num_processes"] = gpus or 2
+        values["num_processes"] = gpus or min(2, cpu_count())   # a CPU quota of 1 core: 1 rank
         values.update(self.defaults)
         return values
 

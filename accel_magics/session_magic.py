@@ -213,6 +213,7 @@ class SessionMagics(Magics):
                 args_like = _Args(given)
                 cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
                 self.dist.preflight_check()
+                self.dist.warn_machine(cfg)
                 session = DistributedSession(self.dist.launcher, cfg, options=given)
                 session.start()
         except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+from .cpu_quota import effective_cpus
 from .options import DEFAULT_MULTINODE_PORT, DEFAULTS, MIXED_PRECISION_CHOICES  # noqa: F401 (re-exported)
 
 MAX_RESTARTS = 1000
@@ -53,10 +54,9 @@ class LaunchConfig:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    """The CPUs this process may use: its affinity capped by its cgroup's CPU
+    quota (a container's ``--cpus``), not the host's cores (cpu_quota)."""
+    return effective_cpus()
 
 
 def _visible_devices(cfg: LaunchConfig, kernel_env=None) -> Optional[str]:
@@ -256,8 +256,8 @@ def rank_environment(
     writes the exception that ends the rank; the run reads it when the rank
     fails without an exception of its own reaching the kernel.
 
-    ``OMP_NUM_THREADS``, where the user set none, is the machine's cores
-    divided between the local ranks, on GPU machines too: otherwise N ranks
+    ``OMP_NUM_THREADS``, where the user set none, is the cores this process
+    may use (affinity and CPU quota: :func:`cpu_count`) divided between the local ranks, on GPU machines too: otherwise N ranks
     each start a thread per core.  (torchrun sets 1 whenever it starts more
     than one rank; a share of the cores keeps that guarantee and leaves each
     rank its part of the CPU.  Measured on a 16-core, one-GPU machine before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..doctor.explain import explain_here
 from ..timing import PEERS_JOIN_WAIT
 from .events import RankFailure
 
@@ -72,6 +73,9 @@ class DistributedRunError(ReportedError, RuntimeError):
             head += f" (ranks that failed on their own: {', '.join(map(str, failing))}; rank {root.rank} first)"
         if attempts > 1:
             head += f" [after {attempts} attempts]"
+        self.explained = explain_here(f"{root.summary}\n{root.traceback}")   # /dev/shm full, a bus error...
+        if self.explained:
+            head += f"\n{self.explained}"
         super().__init__(head)
 
     def report(self) -> str:

@@ -17,13 +17,16 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 RUNTIMES = {"cuda": "CUDA", "xpu": "XPU"}
+log = logging.getLogger("accel_magics.preflight")
 
 
 @dataclass
@@ -205,3 +208,33 @@ def check(tracker: Optional[InitSiteTracker] = None) -> list[PreflightProblem]:
         PreflightProblem(runtime, tracker.site(runtime) if tracker else None)
         for runtime in initialised_runtimes()
     ]
+
+
+class LaunchRisks:
+    """The machine checks that can make a run fail or lose its stacks
+    (``/dev/shm``, ``ulimit -n``, the CPU quota, ptrace), once per kernel
+    before its first run: one warning line each, naming the fix.  They never
+    stop the run.  Cheap: a statvfs, a getrlimit, a few cgroup files; ptrace
+    is the launcher's probe (its ``native_stacks`` hook state)."""
+
+    def __init__(self) -> None:
+        self.checked: Optional[list] = None
+        self.seconds = 0.0
+
+    def once(self, ranks: int, gpus: int, native_state, default_ranks: int) -> list[str]:
+        """The warning lines (empty after the first call, or when all is well)."""
+        if self.checked is not None:
+            return []
+        from ..doctor import checks
+        from ..supervisor import native_stacks
+
+        started = time.perf_counter()
+        state, detail = (list(native_state) + ["", ""])[:2] if native_state else (None, "")
+        tool = (native_stacks.tool() or [None])[0]
+        refused = detail if state == "stepped aside" and tool is not None else None
+        self.checked = checks.launch_risks(ranks, gpus, refused, tool, default_ranks)
+        if native_state is None or state == "disabled":   # not known (an old launcher), or turned off by name
+            self.checked = self.checked[:-1]
+        self.seconds = time.perf_counter() - started
+        log.info("pre-run machine checks: %.2f ms", self.seconds * 1000)
+        return [c.line() for c in self.checked if c.level in ("warn", "fail")]

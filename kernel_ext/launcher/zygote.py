@@ -61,6 +61,12 @@ PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 
 
+def _hook_state(name: str) -> list:
+    """[state, detail] of a launcher hook, for the kernel (its pre-run warnings)."""
+    state, detail = hooks.states().get(name, (None, ""))
+    return [state.value if state is not None else None, detail]
+
+
 def gpu_count() -> int:
     """GPUs visible to the ranks, counted without initialising CUDA.
 
@@ -246,6 +252,7 @@ class Zygote:
             self.extra_fds.append(kernel)
         except (AttributeError, OSError):
             kernel = None
+        native_stacks.start_probe()   # ptrace, for native_stacks' guard: while torch imports
         self.preload(init.get("preload", DEFAULT_PRELOAD))   # recording goes on until ready
         native_stacks.install()
         if "torch.distributed" in sys.modules:
@@ -266,6 +273,7 @@ class Zygote:
                 self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
                             "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
                             "env_reads": self.env_reads(),
+                            "native_stacks": _hook_state("native_stacks"),
                             "python": sys.version})
             except OSError:
                 # The kernel went away while torch was importing (shut down right

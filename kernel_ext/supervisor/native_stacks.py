@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from .. import PACKAGE_DIR, hooks
+from ..doctor import probes
 from ..process_tree import descendants, stat_fields
 
 PR_SET_PTRACER = 0x59616D61
@@ -52,10 +53,19 @@ def unsupported() -> Optional[str]:
             scope = int(f.read().strip() or 0)
     except (OSError, ValueError):
         scope = 0
-    if scope >= 2:
+    if scope >= 2 and not probes.has_cap_sys_ptrace():
         return (f"ptrace is restricted (kernel.yama.ptrace_scope={scope}): no process may read another's "
                 "stacks without CAP_SYS_PTRACE")
-    return None
+    probe, _probe[:] = (_probe or [None])[0], []
+    return probes.ptrace_refused(probe)   # a real attach: a missing capability, a seccomp filter (containers)
+
+
+_probe: list = []   # the launcher's probe, started before it imports torch (start_probe)
+
+
+def start_probe() -> None:
+    """In the launcher, first thing: the ptrace probe runs while torch imports."""
+    _probe[:] = [probes.PtraceProbe()]
 
 
 def install() -> bool:
@@ -68,7 +78,12 @@ def install() -> bool:
         return " ".join(tool()[:1])
 
     on = False
-    return hooks.install("native_stacks", take, guard=unsupported)
+    try:
+        return hooks.install("native_stacks", take, guard=unsupported)
+    finally:
+        for probe in _probe:   # not asked (turned off, no tool): still reaped, no zombie is left
+            probe.refused()
+        _probe.clear()
 
 
 def tool() -> Optional[list[str]]:

@@ -1,0 +1,137 @@
+"""How many CPUs this process may really use: its affinity and its cgroup's CPU quota.
+
+``os.cpu_count()`` is the host's cores.  A container (Docker ``--cpus``,
+Kubernetes ``resources.limits.cpu``) is limited by a CFS quota instead: with
+``--cpus 1`` on a 64-core host, 64 threads per rank share one core's time.
+The effective count is ``min(len(sched_getaffinity), ceil(quota / period))``
+over the cgroup and its ancestors (a parent's limit binds its children), as
+the JVM (JDK-8146115) and Go 1.25's runtime count it.  cgroup v2 keeps
+``cpu.max`` ("max 100000" or "QUOTA PERIOD"); v1 ``cpu.cfs_quota_us`` (-1: none)
+and ``cpu.cfs_period_us``.  Plain reads of /proc and /sys, a few files,
+no process started; the roots are parameters so tests feed recorded trees.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    cores: float      # quota / period: 1.0 is one core's time
+    source: str       # the file that set it ("/sys/fs/cgroup/cpu/x/cpu.cfs_quota_us")
+
+    @property
+    def whole(self) -> int:
+        return max(1, math.ceil(self.cores - 1e-9))
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _v2_limit(directory: str) -> Optional[float]:
+    text = _read(os.path.join(directory, "cpu.max"))
+    if not text:
+        return None
+    parts = text.split()
+    if parts[0] == "max" or len(parts) < 2:
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v1_limit(directory: str) -> Optional[float]:
+    quota, period = _read(os.path.join(directory, "cpu.cfs_quota_us")), _read(os.path.join(directory, "cpu.cfs_period_us"))
+    try:
+        q, p = int(quota or -1), int(period or 0)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """(fstype, options, root, mount point) of every cgroup mount."""
+    found = []
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        found.append((tail[0], tail[2], fields[3], fields[4]))
+    return found
+
+
+def quota_from(proc_cgroup: str, mountinfo: str, root: str = "") -> Optional[CpuQuota]:
+    """The tightest CPU quota over this process's cgroup and its ancestors;
+    None where there is none.  ``proc_cgroup``: /proc/self/cgroup's text,
+    ``mountinfo``: /proc/self/mountinfo's, ``root``: a prefix for the paths
+    read (a recorded tree in tests)."""
+    best: Optional[CpuQuota] = None
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        for fstype, options, mount_root, mount_point in _mounts(mountinfo):
+            if v2 != (fstype == "cgroup2") or (not v2 and "cpu" not in options.split(",")):
+                continue
+            # In a container the mount's root is the container's own cgroup: the
+            # path /proc gives is relative to the host's hierarchy.
+            rel = path[len(mount_root):] if mount_root != "/" and path.startswith(mount_root) else path
+            if mount_root != "/" and not path.startswith(mount_root):
+                rel = "/"
+            directory = os.path.normpath(root + mount_point + "/" + rel.lstrip("/"))
+            top = os.path.normpath(root + mount_point)
+            if not os.path.isdir(directory):
+                directory = top
+            limit = _v2_limit if v2 else _v1_limit
+            while True:
+                cores = limit(directory)
+                if cores is not None and (best is None or cores < best.cores):
+                    best = CpuQuota(cores, os.path.join(directory[len(root):] or "/",
+                                                        "cpu.max" if v2 else "cpu.cfs_quota_us"))
+                if directory == top or len(directory) <= len(top):
+                    break
+                directory = os.path.dirname(directory)
+    return best
+
+
+def cpu_quota() -> Optional[CpuQuota]:
+    """This process's CPU quota, or None (no limit, or not Linux)."""
+    cgroup, mountinfo = _read("/proc/self/cgroup"), _read("/proc/self/mountinfo")
+    if not cgroup or not mountinfo:
+        return None
+    return quota_from(cgroup, mountinfo)
+
+
+def affinity_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+_READ = object()
+
+
+def effective_cpus(quota=_READ, affinity: Optional[int] = None) -> int:
+    """The CPUs this process may use: its affinity, capped by the quota
+    (read here unless given; None: no quota)."""
+    affinity = affinity_count() if affinity is None else affinity
+    quota = cpu_quota() if quota is _READ else quota
+    return max(1, min(affinity, quota.whole) if quota is not None else affinity)
