@@ -38,13 +38,13 @@ from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
 from .resources import ResourceSampler
-from . import rendezvous
+from . import node_notes, rendezvous
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 from .run_state import RunState, tell
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
-    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE,
+    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE, NODE_GONE_AFTER,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -92,6 +92,8 @@ class Supervisor:
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
+        self.watch: Optional[node_notes.NodeWatch] = None   # a kernel per node: the other nodes' beats
+        self.beat_due = 0.0
         self.stall_check: Optional[float] = None
         self.resource_check: Optional[float] = None   # the next sample of the ranks' CPU and memory
         self.sampler = ResourceSampler()
@@ -317,6 +319,11 @@ class Supervisor:
         except RendezvousTimeout as exc:
             self._rendezvous_failed(str(exc))
         except Exception as exc:   # e.g. node 0 could not listen on the port
+            if nodes > 1 and spec["node_rank"] == 0 and "address already in use" in str(exc).lower():
+                found = self.rdzv.whose_port(spec.get("rendezvous_key"))   # another node 0? it is told too
+                self._rendezvous_failed(node_notes.second_node0_message(self.rdzv.address, self.rdzv.port,
+                                                                        nodes, found))
+                return
             self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
                                     f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
 
@@ -326,21 +333,31 @@ class Supervisor:
         second, the first time after ``quiet_for`` seconds."""
         nodes = self.spec["num_nodes"]
         last_note = time.monotonic() - 1.0 + quiet_for
+        claims, seen = [], 0   # node 0: second node 0s that announced themselves (see NodeRendezvous.whose_port)
         while self.stopping is None:
             joined = joined_now()
             if joined >= nodes:
                 return
             if time.monotonic() - last_note >= 1.0:
                 last_note = time.monotonic()
-                self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address})
-            self.rdzv.check_deadline(joined)
+                if self.spec["node_rank"] == 0 and self.rdzv.store is not None:
+                    seen, new = self.rdzv.claims(seen, self.spec.get("rendezvous_key"))
+                    claims += new
+                    for claim in new:
+                        log.warning("run %s: %s", self.spec.get("run_id"), node_notes.claim_note(claim))
+                problem = node_notes.claim_note(claims[-1]) if claims else \
+                    node_notes.reach_problem(self.rdzv.address, self.rdzv.reach if self.rdzv.store is None else None)
+                self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address,
+                            "problem": problem})
+            if time.monotonic() >= self.rdzv.deadline:
+                raise RendezvousTimeout(self.rdzv.timeout_message(joined, tuple(claims)))
             self._poll(RDZV_POLL)
 
     def _count_in(self) -> int:
         """One kernel per node: count this node in on node 0's store; how many are in."""
         if self.rdzv.store is not None or self.rdzv.try_connect():
-            return self.rdzv.join_step()
-        return 0
+            return self.rdzv.join_step(self.spec.get("rendezvous_key"))
+        return 1   # this node; node 0 not reached yet (rdzv.reach says why)
 
     def _node0_listening(self) -> int:
         """Nodes handed the run at once by one kernel (``--launcher slurm``).
@@ -484,6 +501,7 @@ class Supervisor:
         Ranks of other nodes that left without joining the world go to the
         kernel too (its fold sees whether one of ours waits for them)."""
         self.remote_check = time.monotonic() + REMOTE_CHECK
+        self._beat()
         self.departures_seen, departed = self.rdzv.departed_elsewhere(self.departures_seen)
         for d in departed:
             self._send({"kind": "remote_departed", **d})
@@ -491,6 +509,40 @@ class Supervisor:
         if remote is not None and self.stopping is None:
             self._send({"kind": "remote_failure", **remote})
             self._stop("remote_failed", stacks=False)
+
+    def _beat(self) -> None:
+        """A kernel per node: count this node in node 0's store and read the
+        others' counts (torch's store tells nobody when a client goes)."""
+        if self.watch is None:
+            self.watch = node_notes.NodeWatch(self.spec["num_nodes"], self.spec["node_rank"], time.monotonic())
+        self.watch.feed(self.rdzv.beat(), time.monotonic())
+
+    def _gone_now(self) -> Optional[tuple]:
+        """(node, seconds) of a node that stopped beating without finishing
+        (node 0: its store stopped answering), or None; beats on the way
+        (at most every REMOTE_CHECK)."""
+        now = time.monotonic()
+        if self.watch is None or now >= self.beat_due:
+            self.beat_due = now + REMOTE_CHECK
+            self._beat()
+        gone = self.watch.gone(now, NODE_GONE_AFTER)
+        if gone is None or (gone[0] != 0 and self.rdzv.ended(gone[0])):
+            return None
+        return gone
+
+    def _node_gone(self) -> bool:
+        """This node saw only lost connections and no other node said why: a
+        node that stopped beating (and did not finish) went away.  Said as
+        the root cause, naming it and where it was."""
+        gone = self._gone_now()
+        if gone is None:
+            return False
+        node, seconds = gone
+        key = self.spec.get("rendezvous_key")
+        info = self.rdzv.node_info(node, key) if node != 0 else {"addr": self.rdzv.host}
+        self._send({"kind": "remote_failure", "rank": node * self.spec["num_processes"], "node": node,
+                    "summary": node_notes.gone_summary(node, info, seconds, self.rdzv.address), "gone": True})
+        return True
 
     def _finish_nodes(self) -> None:
         """Several nodes: node 0 keeps the store up until every node is done.
@@ -508,7 +560,9 @@ class Supervisor:
                 if remote is not None:
                     self._send({"kind": "remote_failure", **remote})
                     break
-                self._poll(0.1)
+                if self._node_gone():
+                    break
+                self._poll(REMOTE_CHECK)
         self.rdzv.finish()
         if self.spec.get("attempt", 0) < self.spec.get("max_restarts", 0):
             self._agree_on_outcome()
@@ -523,6 +577,11 @@ class Supervisor:
         while self.rdzv.finished(name) < self.spec["num_nodes"] and time.monotonic() < deadline:
             self._poll(RDZV_POLL)
             if self.stopping in ("interrupt", "terminated"):
+                return
+            gone = self._gone_now()
+            if gone is not None:   # it never will
+                log.warning("run %s: node %d went away (silent for %.1fs); not waiting for it",
+                            self.spec.get("run_id"), *gone)
                 return
 
     def _agree_on_outcome(self) -> None:
