@@ -333,3 +333,58 @@ def test_other_node_lines():
     here = other_node_lines({"num_processes": 1, "num_nodes": 2}, command_line, "a")
     assert here[-1].startswith("note: --master_addr 127.0.0.1 reaches node 0 from its own machine only") \
         and "(this machine is a)" in here[-1]
+
+
+def test_the_readmes_numbers_are_the_packages():
+    import pathlib
+
+    from accel_magics.kernel_ext import timing
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"itself in node 0's store for {timing.NODE_GONE_AFTER:g}s" in readme
+    assert node_notes.gone_summary(1, None, timing.NODE_GONE_AFTER, "a:1").startswith(
+        f"node 1 went away: it has not counted itself in node 0's store for {timing.NODE_GONE_AFTER:g}s")
+
+
+def test_the_config_form_shows_each_other_nodes_line_on_a_row_of_its_own():
+    from accel_magics.magics import describe_nodes
+    from accel_magics.widgets.config_form import ConfigForm
+
+    form = ConfigForm({"num_processes": 2, "num_nodes": 2, "master_addr": "10.1.2.3"}, check=lambda values: "",
+                      apply=lambda values: None, describe=describe_nodes)
+    rows = form.command.value.split("<br>")
+    assert rows == ["<code>%%distributed --num_processes 2 --num_nodes 2 --master_addr 10.1.2.3</code>",
+                    "<code>on node 1, run: %%distributed --num_processes 2 --num_nodes 2 --master_addr 10.1.2.3 "
+                    "--master_port 29500 --node_rank 1</code>"], rows
+
+
+# Node 0's messages when node 1's kernel was killed mid-run (one rank a node; as
+# test_a_node_whose_kernel_is_killed_mid_run_... recorded them, tracebacks cut).
+NODE_1_GONE = [
+    {"kind": "started", "pids": {0: 11}, "supervisor": 10},
+    {"kind": "released"},
+    {"kind": "rank_event", "rank": 0, "event": {
+        "kind": "failed", "exc_type": "RuntimeError", "secondary": True, "timestamp": 50.0, "traceback": "...",
+        "message": "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                   "[127.0.0.1]:37782: Connection reset by peer. This is typically caused by a remote worker "
+                   "hanging or bugs in the application."}},
+    {"kind": "exit", "rank": 0, "exitcode": 1, "signal": None, "stopped": False, "timestamp": 50.1},
+    {"kind": "remote_failure", "rank": 1, "node": 1, "gone": True, "summary": (
+        "node 1 (at 127.0.0.1, host vm) went away: it has not counted itself in node 0's store for 3s and "
+        "reported no failure (its kernel died, was restarted or shut down, or its machine is unreachable), so this "
+        "node's ranks lost their connections to it")},
+    {"kind": "finished", "reason": "failed", "forced": None, "terminated_on": []},
+]
+
+
+def test_a_gone_node_is_the_root_cause_and_the_lost_connection_its_consequence():
+    from accel_magics.kernel_ext.kernel.errors import DistributedRunError
+    from accel_magics.kernel_ext.kernel.fold import RunFold
+    from accel_magics.kernel_ext.kernel.run import conclude
+
+    _, outcome = RunFold.replay(NODE_1_GONE, run_id="r1", ranks=[0])
+    with pytest.raises(DistributedRunError) as info:
+        conclude(outcome, LaunchConfig(num_processes=1, num_nodes=2), attempt=0, started=0.0)
+    assert str(info.value).startswith("node 1 (at 127.0.0.1, host vm) went away: it has not counted itself")
+    assert "rank 0: RuntimeError: " in info.value.report() and "(a consequence of the failure above)" in \
+        info.value.report(), info.value.report()

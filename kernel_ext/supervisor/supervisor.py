@@ -319,7 +319,8 @@ class Supervisor:
         except RendezvousTimeout as exc:
             self._rendezvous_failed(str(exc))
         except Exception as exc:   # e.g. node 0 could not listen on the port
-            if nodes > 1 and spec["node_rank"] == 0 and "address already in use" in str(exc).lower():
+            if nodes > 1 and spec["node_rank"] == 0 and any(
+                    word in str(exc).lower() for word in ("address already in use", "eaddrinuse")):
                 found = self.rdzv.whose_port(spec.get("rendezvous_key"))   # another node 0? it is told too
                 self._rendezvous_failed(node_notes.second_node0_message(self.rdzv.address, self.rdzv.port,
                                                                         nodes, found))
