@@ -137,7 +137,12 @@ def test_node_0_with_this_machines_names_is_no_usage_error():
         validate(LaunchConfig(num_processes=1, num_nodes=2, master_addr=host, master_port=_free_port()))
 
 
-def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_node_0s_root_cause(pair):
+@pytest.mark.parametrize("gone", [1, 0])
+def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_the_other_nodes_root_cause(pair, gone):
+    """kill -9 of one node's kernel and every process of it (its machine
+    switched off): the other node's cell names that node and where it was,
+    not gloo's lost connection (node 1 gone: node 0's store says no more of
+    it; node 0 gone: its store stops answering)."""
     port = _free_port()
     body = ("import time, torch, torch.distributed as dist\n"
             "dist.init_process_group('gloo')\n"
@@ -152,11 +157,11 @@ def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_node_0s_root_cause(pa
     try:
         victim.ok("%%distributed -n 1 --output text\npass", timeout=120)
         its_dirs = _launcher_dirs() - before   # killed -9, its kernel cannot remove them: the test does
-        waiting = victim.start(_cell(port, 60, "--node_rank 1 ", body))
+        waiting = victim.start(_cell(port, 60, f"--node_rank {gone} ", body))
         box = {}
         seen = threading.Event()
         first = threading.Thread(target=lambda: box.update(res=pair[0].run(
-            _cell(port, 60, "", body), timeout=120, on_output=lambda text: "both in" in text and seen.set())))
+            _cell(port, 60, f"--node_rank {1 - gone} ", body), timeout=120, on_output=lambda text: "both in" in text and seen.set())))
         first.start()
         assert seen.wait(90), "the two nodes never ran together"
         doomed = descendants(victim.pid) | {victim.pid}
@@ -178,10 +183,11 @@ def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_node_0s_root_cause(pa
     res = box["res"]
     took = time.monotonic() - killed
     assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
-    assert res.error["evalue"].startswith("node 1 (at 127.0.0.1, host "), res.error["evalue"]
+    where = "(at 127.0.0.1, host " if gone else "(at 127.0.0.1) went away"
+    assert res.error["evalue"].startswith(f"node {gone} {where}"), res.error["evalue"]
     assert "went away" in res.error["evalue"], res.error["evalue"]
     assert took < 30, took
-    print(f"node 0's cell ended {took:.1f}s after node 1 was killed:\n{res.error['evalue']}")
+    print(f"node {1 - gone}'s cell ended {took:.1f}s after node {gone} was killed:\n{res.error['evalue']}")
     wait_until(lambda: len(descendants(pair[0].pid)) <= 4, 20, "node 0's run to end")
 
 
@@ -388,3 +394,39 @@ def test_a_gone_node_is_the_root_cause_and_the_lost_connection_its_consequence()
     assert str(info.value).startswith("node 1 (at 127.0.0.1, host vm) went away: it has not counted itself")
     assert "rank 0: RuntimeError: " in info.value.report() and "(a consequence of the failure above)" in \
         info.value.report(), info.value.report()
+
+
+def test_whose_port_tells_a_node_0_from_a_torch_store_from_another_program():
+    """What holds node 0's port, asked for real (torch's store on loopback): a
+    node 0 of accel_magics (which then has the claim, signed), another torch
+    store, or another program."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from accel_magics.kernel_ext.supervisor.rendezvous import NodeRendezvous
+
+    port = _free_port()
+    first = NodeRendezvous("127.0.0.1", port, 2, 0, 30)
+    first.host_store()
+    try:
+        second = NodeRendezvous("127.0.0.1", port, 2, 0, 30)
+        assert second.whose_port("k") == {"kind": "node0", "joined": 0}
+        seen, claims = first.claims(0, "k")
+        assert seen == 1 and len(claims) == 1 and claims[0]["pid"] == os.getpid(), claims
+        assert first.claims(0, "another key") == (1, [])   # not signed with the run's key: not said
+        assert first.claims(1, "k") == (1, [])
+    finally:
+        first.close()
+    port = _free_port()
+    plain = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False)
+    try:
+        assert NodeRendezvous("127.0.0.1", port, 2, 0, 30).whose_port() == {"kind": "store"}
+    finally:
+        del plain
+    with socket.socket() as other:   # a program that accepts and says nothing a store would
+        other.bind(("127.0.0.1", 0))
+        other.listen(8)
+        found = NodeRendezvous("127.0.0.1", other.getsockname()[1], 2, 0, 30).whose_port()
+    assert found["kind"] == "other", found
+    assert "already in use by another program" in node_notes.second_node0_message("a:1", 1, 2, found)

@@ -325,8 +325,11 @@ class NodeRendezvous:
         try:
             store = _bounded(lambda: TCPStore(host, self.port, None, False, timedelta(seconds=2)), 3.0)
             store.set_timeout(timedelta(seconds=2))
-            if not store.check([ROUND]):
-                return {"kind": "store"}
+            until = time.monotonic() + 1.0   # a node 0 that started the same moment may not have said its round yet
+            while not store.check([ROUND]):
+                if time.monotonic() >= until:
+                    return {"kind": "store"}
+                time.sleep(0.05)
             joined = int(store.add(JOINED, 0))
             claim = node_notes.sign(key, self.attempt, self.address, {"host": socket.gethostname(), "pid": os.getpid()})
             store.set(f"{CLAIMS}/{int(store.add(CLAIMS, 1)) - 1}", json.dumps(claim))
