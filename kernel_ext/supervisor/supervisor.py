@@ -39,12 +39,13 @@ from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
 from .resources import ResourceSampler
 from . import node_notes, rendezvous
+from .node_liveness import NodeLiveness
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 from .run_state import RunState, tell
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
-    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE, NODE_GONE_AFTER,
+    DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -92,8 +93,7 @@ class Supervisor:
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
-        self.watch: Optional[node_notes.NodeWatch] = None   # a kernel per node: the other nodes' beats
-        self.beat_due = 0.0
+        self.liveness: Optional[NodeLiveness] = None   # a kernel per node: is every other node still there?
         self.stall_check: Optional[float] = None
         self.resource_check: Optional[float] = None   # the next sample of the ranks' CPU and memory
         self.sampler = ResourceSampler()
@@ -502,7 +502,7 @@ class Supervisor:
         Ranks of other nodes that left without joining the world go to the
         kernel too (its fold sees whether one of ours waits for them)."""
         self.remote_check = time.monotonic() + REMOTE_CHECK
-        self._beat()
+        self._liveness().beat()
         self.departures_seen, departed = self.rdzv.departed_elsewhere(self.departures_seen)
         for d in departed:
             self._send({"kind": "remote_departed", **d})
@@ -511,39 +511,11 @@ class Supervisor:
             self._send({"kind": "remote_failure", **remote})
             self._stop("remote_failed", stacks=False)
 
-    def _beat(self) -> None:
-        """A kernel per node: count this node in node 0's store and read the
-        others' counts (torch's store tells nobody when a client goes)."""
-        if self.watch is None:
-            self.watch = node_notes.NodeWatch(self.spec["num_nodes"], self.spec["node_rank"], time.monotonic())
-        self.watch.feed(self.rdzv.beat(), time.monotonic())
-
-    def _gone_now(self) -> Optional[tuple]:
-        """(node, seconds) of a node that stopped beating without finishing
-        (node 0: its store stopped answering), or None; beats on the way
-        (at most every REMOTE_CHECK)."""
-        now = time.monotonic()
-        if self.watch is None or now >= self.beat_due:
-            self.beat_due = now + REMOTE_CHECK
-            self._beat()
-        gone = self.watch.gone(now, NODE_GONE_AFTER)
-        if gone is None or (gone[0] != 0 and self.rdzv.ended(gone[0])):
-            return None
-        return gone
-
-    def _node_gone(self) -> bool:
-        """This node saw only lost connections and no other node said why: a
-        node that stopped beating (and did not finish) went away.  Said as
-        the root cause, naming it and where it was."""
-        gone = self._gone_now()
-        if gone is None:
-            return False
-        node, seconds = gone
-        key = self.spec.get("rendezvous_key")
-        info = self.rdzv.node_info(node, key) if node != 0 else {"addr": self.rdzv.host}
-        self._send({"kind": "remote_failure", "rank": node * self.spec["num_processes"], "node": node,
-                    "summary": node_notes.gone_summary(node, info, seconds, self.rdzv.address), "gone": True})
-        return True
+    def _liveness(self) -> NodeLiveness:
+        """A kernel per node: the other nodes' beats (made at the first look)."""
+        if self.liveness is None:
+            self.liveness = NodeLiveness(self.rdzv, self.spec)
+        return self.liveness
 
     def _finish_nodes(self) -> None:
         """Several nodes: node 0 keeps the store up until every node is done.
@@ -561,7 +533,9 @@ class Supervisor:
                 if remote is not None:
                     self._send({"kind": "remote_failure", **remote})
                     break
-                if self._node_gone():
+                gone = self._liveness().gone_message()   # no word from it: did a node go away?
+                if gone is not None:
+                    self._send(gone)
                     break
                 self._poll(REMOTE_CHECK)
         self.rdzv.finish()
@@ -579,7 +553,7 @@ class Supervisor:
             self._poll(RDZV_POLL)
             if self.stopping in ("interrupt", "terminated"):
                 return
-            gone = self._gone_now()
+            gone = self._liveness().gone()
             if gone is not None:   # it never will
                 log.warning("run %s: node %d went away (silent for %.1fs); not waiting for it",
                             self.spec.get("run_id"), *gone)
