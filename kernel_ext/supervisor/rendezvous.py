@@ -33,6 +33,7 @@ closing) lets go and tries again: each round is a store of its own.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -44,6 +45,8 @@ from .. import hooks
 from ..environment import resolve_host
 # The ladders' order: see timing.py.
 from ..timing import HOST_RETRY
+
+log = logging.getLogger("accel_magics.rendezvous")
 
 ROUND = "accel_magics/round"
 JOINED = "accel_magics/nodes_joined"
@@ -176,6 +179,8 @@ class NodeRendezvous:
         self.silent = False   # an attempt found the address mute (accepts, never answers)
         self.reach: Optional[str] = None   # why node 0 was not reached at the last try (node_notes.how_unreachable)
         self.local_addr = ""   # this node's address towards node 0 (its last probe's)
+        self.claimed: list = []   # node 0: second node 0s that announced themselves (whose_port), and
+        self.claims_seen = 0      # how many announcements were read
         self.joined_self = False
         self.listener: Optional[socket.socket] = None
 
@@ -309,9 +314,27 @@ class NodeRendezvous:
             return int(self.store.add(JOINED, 1))
         return int(self.store.add(JOINED, 0))
 
-    def timeout_message(self, joined: int, claims: tuple = ()) -> str:
+    def timeout_message(self, joined: int) -> str:
         return node_notes.timeout_message(self.address, self.host, self.port, self.timeout, self.num_nodes, joined,
-                                          self.store is not None, "silent" if self.silent else self.reach, claims)
+                                          self.store is not None, "silent" if self.silent else self.reach,
+                                          tuple(self.claimed))
+
+    def check_deadline(self, joined: int) -> None:
+        if time.monotonic() >= self.deadline:
+            raise RendezvousTimeout(self.timeout_message(joined))
+
+    def problem(self, key: Optional[str] = None) -> str:
+        """What is wrong while this node waits, for its view ('' if nothing):
+        node 0 not reached (refused, no answer), or, on node 0, a second node
+        0 that tried to host this rendezvous (the latest)."""
+        if self.node_rank == 0 and self.store is not None:
+            self.claims_seen, new = self.claims(self.claims_seen, key)
+            for claim in new:
+                log.warning("rendezvous at %s: %s", self.address, node_notes.claim_note(claim))
+            self.claimed += new
+        if self.claimed:
+            return node_notes.claim_note(self.claimed[-1])
+        return node_notes.reach_problem(self.address, self.reach if self.store is None else None)
 
     # -- a second node 0 ----------------------------------------------------------------
     def whose_port(self, key: Optional[str] = None) -> dict:

@@ -334,24 +334,15 @@ class Supervisor:
         second, the first time after ``quiet_for`` seconds."""
         nodes = self.spec["num_nodes"]
         last_note = time.monotonic() - 1.0 + quiet_for
-        claims, seen = [], 0   # node 0: second node 0s that announced themselves (see NodeRendezvous.whose_port)
         while self.stopping is None:
             joined = joined_now()
             if joined >= nodes:
                 return
             if time.monotonic() - last_note >= 1.0:
                 last_note = time.monotonic()
-                if self.spec["node_rank"] == 0 and self.rdzv.store is not None:
-                    seen, new = self.rdzv.claims(seen, self.spec.get("rendezvous_key"))
-                    claims += new
-                    for claim in new:
-                        log.warning("run %s: %s", self.spec.get("run_id"), node_notes.claim_note(claim))
-                problem = node_notes.claim_note(claims[-1]) if claims else \
-                    node_notes.reach_problem(self.rdzv.address, self.rdzv.reach if self.rdzv.store is None else None)
                 self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address,
-                            "problem": problem})
-            if time.monotonic() >= self.rdzv.deadline:
-                raise RendezvousTimeout(self.rdzv.timeout_message(joined, tuple(claims)))
+                            "problem": self.rdzv.problem(self.spec.get("rendezvous_key"))})
+            self.rdzv.check_deadline(joined)
             self._poll(RDZV_POLL)
 
     def _count_in(self) -> int:
