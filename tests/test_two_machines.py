@@ -85,6 +85,8 @@ def test_two_kernels_both_node_0_the_second_is_told_to_pass_node_rank_and_the_fi
     assert res.error is not None and res.error["ename"] == "RendezvousError", res.error_text
     text = res.error["evalue"]
     assert took < 30, took
+    print(f"the second node 0's cell ended {took:.1f}s after it started; the first was told after "
+          f"{timed.seen.get('a second node 0')}s of its cell")
     assert f"another node 0 already holds 127.0.0.1:{port}" in text and "--node_rank 1" in text, text
     # The first node 0 was told within seconds of the second one's try, and kept waiting.
     assert "a second node 0" in timed.seen and timed.seen["a second node 0"] < 20, timed.seen
@@ -114,6 +116,7 @@ def test_node_1_pointed_at_a_closed_port_says_node_0_refuses_within_seconds_and_
     res = _run(pair[1], _cell(port, 8, "--node_rank 1 "), timed=timed)
     assert timed.seen, res.stdout
     assert timed.seen[f"node 0 at {address} refuses connections"] < 20, timed.seen
+    print(f"'refuses' shown {timed.seen[f'node 0 at {address} refuses connections']:.1f}s after the cell started")
     # this node is there: one of two nodes is missing, not both
     shown = "\n".join(res.live)
     assert f"waiting for 1 of 2 nodes at {address}: node 0 at {address} refuses connections" in shown, shown
@@ -161,7 +164,8 @@ def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_the_other_nodes_root_
         box = {}
         seen = threading.Event()
         first = threading.Thread(target=lambda: box.update(res=pair[0].run(
-            _cell(port, 60, f"--node_rank {1 - gone} ", body), timeout=120, on_output=lambda text: "both in" in text and seen.set())))
+            _cell(port, 60, f"--node_rank {1 - gone} ", body), timeout=120,
+            on_output=lambda text: "both in" in text and seen.set())))
         first.start()
         assert seen.wait(90), "the two nodes never ran together"
         doomed = descendants(victim.pid) | {victim.pid}
@@ -410,7 +414,8 @@ def test_whose_port_tells_a_node_0_from_a_torch_store_from_another_program():
     first = NodeRendezvous("127.0.0.1", port, 2, 0, 30)
     first.host_store()
     try:
-        second = NodeRendezvous("127.0.0.1", port, 2, 0, 30)
+        # The second spells node 0's address otherwise (0.0.0.0): its signed claim still counts.
+        second = NodeRendezvous("0.0.0.0", port, 2, 0, 30)
         assert second.whose_port("k") == {"kind": "node0", "joined": 0}
         seen, claims = first.claims(0, "k")
         assert seen == 1 and len(claims) == 1 and claims[0]["pid"] == os.getpid(), claims

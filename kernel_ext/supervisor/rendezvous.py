@@ -188,6 +188,12 @@ class NodeRendezvous:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def bound(self) -> str:
+        """What a node's signed record is bound to besides its round: the port
+        (nodes may spell node 0's address differently: a name, an address)."""
+        return f"port {self.port}"
+
     def host_store(self) -> None:
         """Node 0: listen now (raises if the port cannot be bound).
 
@@ -308,7 +314,7 @@ class NodeRendezvous:
             record = {"host": socket.gethostname(), "addr": self.local_addr or self.host}
             try:
                 self.store.set(f"{NODE}/{self.node_rank}",
-                               json.dumps(node_notes.sign(key, self.attempt, self.address, record)))
+                               json.dumps(node_notes.sign(key, self.attempt, self.bound, record)))
             except Exception:
                 pass
             return int(self.store.add(JOINED, 1))
@@ -354,7 +360,8 @@ class NodeRendezvous:
                     return {"kind": "store"}
                 time.sleep(0.05)
             joined = int(store.add(JOINED, 0))
-            claim = node_notes.sign(key, self.attempt, self.address, {"host": socket.gethostname(), "pid": os.getpid()})
+            claim = node_notes.sign(key, self.attempt, self.bound,
+                                    {"host": socket.gethostname(), "pid": os.getpid()})
             store.set(f"{CLAIMS}/{int(store.add(CLAIMS, 1)) - 1}", json.dumps(claim))
             return {"kind": "node0", "joined": joined}
         except Exception as exc:
@@ -369,7 +376,7 @@ class NodeRendezvous:
             found = [json.loads(self.store.get(f"{CLAIMS}/{i}")) for i in range(seen, count)]
         except Exception:
             return seen, []
-        records = [node_notes.verified(key, self.attempt, self.address, f) for f in found if isinstance(f, dict)]
+        records = [node_notes.verified(key, self.attempt, self.bound, f) for f in found if isinstance(f, dict)]
         return count, [r for r in records if r is not None]
 
     def node_info(self, node: int, key: Optional[str] = None) -> Optional[dict]:
@@ -378,7 +385,7 @@ class NodeRendezvous:
             stored = json.loads(self.store.get(f"{NODE}/{node}")) if self.store.check([f"{NODE}/{node}"]) else None
         except Exception:
             return None
-        return node_notes.verified(key, self.attempt, self.address, stored) if isinstance(stored, dict) else None
+        return node_notes.verified(key, self.attempt, self.bound, stored) if isinstance(stored, dict) else None
 
     # -- during and after the run -------------------------------------------------
     def report_failure(self, node_rank: int, rank: int, summary: str, key: Optional[str] = None) -> None:
