@@ -280,15 +280,17 @@ def test_timeout_messages_say_what_happened():
     assert "node 0 at 10.1.2.3:29500 never answered" in message(how="timeout")
     assert "could not be reached (No route to host)" in message(how="No route to host")
     claimed = message(reached=True, claims=({"host": "b", "pid": 7},))
-    assert claimed.endswith("a second node 0 (host b, pid 7) tried to host this rendezvous and was told to pass "
-                            "--node_rank."), claimed
+    assert ("timed out after 300s: only 1 of 2 nodes joined; a second node 0 (host b, pid 7) tried to host this "
+            "rendezvous and was told to pass --node_rank. Check that") in claimed, claimed
 
 
 def test_second_node_0_messages():
     node0 = node_notes.second_node0_message("10.1.2.3:29500", 29500, 3, {"kind": "node0", "joined": 1})
     assert node0.startswith("another node 0 already holds 10.1.2.3:29500: its rendezvous answers there (1 of its "
                             "nodes joined so far).")
-    assert "--node_rank 1 (each other node its own rank, 1 .. 2)" in node0
+    assert "--node_rank 1 (each other node its own rank, 1 .. 2), the same --num_nodes" in node0
+    two = node_notes.second_node0_message("10.1.2.3:29500", 29500, 2, {"kind": "node0", "joined": 1})
+    assert "run it with --node_rank 1, the same --num_nodes" in two, two
     store = node_notes.second_node0_message("10.1.2.3:29500", 29500, 2, {"kind": "store"})
     assert "not an accel_magics rendezvous" in store and "another --master_port" in store
     other = node_notes.second_node0_message("10.1.2.3:29500", 29500, 2, {"kind": "other", "why": "x"})

@@ -60,12 +60,11 @@ def timeout_message(address: str, host: str, port: int, timeout: float, nodes: i
         who = f"node 0 at {address} could not be reached ({how})"
     else:
         who = "node 0's store was not reachable"
-    text = (f"rendezvous at {address} timed out after {timeout:g}s: {who}. Check that the %%distributed cell "
+    for claim in claims:
+        who += "; " + claim_note(claim)
+    return (f"rendezvous at {address} timed out after {timeout:g}s: {who}. Check that the %%distributed cell "
             f"runs on every node with the same --num_nodes, --master_addr and --master_port, that node 0's cell "
             f"was started, and that port {port} on {host} is reachable from every node (firewall).")
-    for claim in claims:
-        text += " " + claim_note(claim) + "."
-    return text
 
 
 # -- a second node 0 -------------------------------------------------------------------
@@ -83,11 +82,11 @@ def second_node0_message(address: str, port: int, nodes: int, found: dict) -> st
     if kind == "node0":
         joined = found.get("joined")
         waits = f" ({joined} of its nodes joined so far)" if isinstance(joined, int) else ""
+        ranks = f" (each other node its own rank, 1 .. {nodes - 1})" if nodes > 2 else ""
         return (f"another node 0 already holds {address}: its rendezvous answers there{waits}. This cell is node 0 "
-                f"too (--node_rank 0, the default). If it is meant to be another node, run it with --node_rank 1 "
-                f"(each other node its own rank, 1 .. {nodes - 1}), the same --num_nodes, --master_addr and "
-                "--master_port: node 0's cell goes on waiting for it. If this one is node 0, stop the other "
-                "kernel's cell first.")
+                f"too (--node_rank 0, the default). If it is meant to be another node, run it with --node_rank 1"
+                f"{ranks}, the same --num_nodes, --master_addr and --master_port: node 0's cell goes on waiting "
+                "for it. If this one is node 0, stop the other kernel's cell first.")
     if kind == "store":
         return (f"port {port} of {address.rsplit(':', 1)[0]} is held by a torch.distributed store that is not an "
                 "accel_magics rendezvous (a torchrun job?): give every node's cell another --master_port.")
