@@ -31,7 +31,7 @@ def other_node_lines(values: dict, command_line: Callable[[dict], str], hostname
     (none for one node).  ``hostname``: this machine's name, said where the
     master address reaches only this machine and this kernel is node 0."""
     nodes = options.value(values, "num_nodes")
-    if nodes < 2:
+    if nodes < 2 or values.get("launcher") == "slurm":   # Slurm: this kernel runs every node itself
         return []
     me = options.value(values, "node_rank")
     port = values.get("master_port") or options.DEFAULT_MULTINODE_PORT

@@ -342,6 +342,7 @@ def test_other_node_lines():
     on_node_1 = other_node_lines({**values, "node_rank": 1, "num_nodes": 2}, command_line, "a")
     assert [line.split(",")[0] for line in on_node_1] == ["on node 0"] and on_node_1[0].endswith("--node_rank 0")
     assert other_node_lines({"num_processes": 2}, command_line) == []
+    assert other_node_lines({**values, "launcher": "slurm"}, command_line) == []
     here = other_node_lines({"num_processes": 1, "num_nodes": 2}, command_line, "a")
     assert here[-1].startswith("note: --master_addr 127.0.0.1 reaches node 0 from its own machine only") \
         and "(this machine is a)" in here[-1]
