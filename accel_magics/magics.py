@@ -30,6 +30,7 @@ from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_pay
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
 from .background_stop import BackgroundStops
+from .node_lines import other_node_lines
 from .presenter import Presenter
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -108,8 +109,15 @@ def parse_options(magic, line: str):
 
 
 def config_summary(values: dict) -> str:
-    """The defaults as the equivalent command line."""
-    return "defaults for %%distributed: " + command_line(values)
+    """The defaults as the equivalent command line (and, for several nodes, each other node's line)."""
+    return "defaults for %%distributed: " + describe_nodes(values)
+
+
+def describe_nodes(values: dict) -> str:
+    """The command line, then the line each other node runs (one per line)."""
+    import socket
+
+    return "\n".join([command_line(values), *other_node_lines(values, command_line, socket.gethostname())])
 
 
 def command_line(values: dict) -> str:
@@ -473,7 +481,7 @@ class DistributedMagics(Magics):
         self.ensure_defaults_known()
         if self._form is None:
             self._form = ConfigForm(self.effective_defaults(), check=self._check_defaults,
-                                    apply=self._apply_defaults, describe=command_line, info=describe_allocation())
+                                    apply=self._apply_defaults, describe=describe_nodes, info=describe_allocation())
             self._form.on_applied = self._update_form_texts
         else:
             self._form.sync(self.effective_defaults())

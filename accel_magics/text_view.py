@@ -161,10 +161,9 @@ class TextView:
         self.live.write([f"[accel_magics] {e.text()}"])
 
     def on_Waiting(self, e: ev.Waiting) -> None:
-        if e.joined != getattr(self, "_joined", None):
-            self._joined = e.joined
-            self.live.write([f"[accel_magics] waiting for {e.expected - e.joined} of {e.expected} nodes "
-                             f"at {e.address}"])
+        if (e.joined, e.problem) != getattr(self, "_joined", None):
+            self._joined = (e.joined, e.problem)
+            self.live.write([f"[accel_magics] {e.text()}"])
 
     def on_Heartbeat(self, e: ev.Heartbeat) -> None:
         self.live.refresh()

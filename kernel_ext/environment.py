@@ -140,19 +140,46 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
         raise ConfigError(
             f"--mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)} (got {cfg.mixed_precision!r})."
         )
-    address = resolve_host(cfg.master_addr)
-    if cfg.num_nodes == 1 and not _is_local(address):
-        raise ConfigError(
-            f"--master_addr {cfg.master_addr} is not an address of this machine, and a one-node run's "
-            "rendezvous listens on it. Leave --master_addr out (127.0.0.1), or for several nodes also "
-            "pass --num_nodes and --node_rank."
-        )
-    if check_port and cfg.master_port is not None and cfg.node_rank == 0:
+    resolve_host(cfg.master_addr)   # one that does not resolve: said here, for every node
+    if cfg.node_rank == 0 and not is_this_machine(cfg.master_addr):
+        raise ConfigError(not_this_machine(cfg.master_addr, cfg.num_nodes))
+    # Several nodes: a port already held is told by node 0's supervisor, which
+    # can see whether another node 0 of this rendezvous holds it (--node_rank).
+    if check_port and cfg.master_port is not None and cfg.node_rank == 0 and cfg.num_nodes == 1:
         if not port_is_free(cfg.master_addr, cfg.master_port):
             raise ConfigError(
                 f"--master_port {cfg.master_port} is already in use on {cfg.master_addr}; "
                 "leave --master_port out to get a fresh free port per run, or choose another."
             )
+
+
+def not_this_machine(host: str, num_nodes: int) -> str:
+    """Why node 0 cannot run here with ``--master_addr host`` (not one of this machine's addresses)."""
+    if num_nodes == 1:
+        return (f"--master_addr {host} is not an address of this machine, and a one-node run's "
+                "rendezvous listens on it. Leave --master_addr out (127.0.0.1), or for several nodes also "
+                "pass --num_nodes and --node_rank.")
+    return (f"--master_addr {host} is not an address of this machine, but this cell is node 0 (--node_rank 0, "
+            f"the default), which hosts the rendezvous on that address. If node 0 runs on the machine that "
+            f"has {host}, this machine is another node: pass --node_rank 1 here (each other machine its own, "
+            f"1 .. {num_nodes - 1}) with the same --num_nodes, --master_addr and --master_port. If this machine "
+            "is node 0, give an address of its own that every node reaches.")
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` (an address, or a name: any of the addresses it
+    resolves to) is an address this machine can listen on; ``0.0.0.0`` and
+    ``::`` (every address) are."""
+    try:
+        ipaddress.ip_address(host)
+        addresses = [host]
+    except ValueError:
+        try:
+            addresses = list(dict.fromkeys(info[4][0] for info in
+                                           socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)))
+        except (socket.gaierror, UnicodeError, ValueError):
+            return False
+    return any(_is_local(address) for address in addresses)
 
 
 def check_seconds(flag: str, value) -> None:

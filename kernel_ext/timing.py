@@ -47,6 +47,7 @@ PEERS_JOIN_WAIT = 2.0     # a rank that set up the world, at its end: at most th
 GROUP_DROP_DELAY = 0.5    # a destroyed group nothing else holds goes this long after its destroy (rank/pg_guard.py)
 REMOTE_CHECK = 0.5        # several nodes: seconds between looks at the other nodes' failure flag
 REMOTE_WAIT = 5.0         # a node that saw only consequences waits this long for the remote cause
+NODE_GONE_AFTER = 3.0     # ... and a node whose count in node 0's store stood still this long went away
 FINISH_WAIT = 60.0        # node 0 keeps the store this long for nodes still finishing
 RDZV_POLL = 0.002         # several nodes: seconds between looks at the store
 HOST_RETRY = 10.0         # a restart: how long node 0's port may still be held by its last round's store
@@ -130,6 +131,9 @@ def check_order() -> list[str]:
         (max(SESSION_STOP_WAIT + KILL_WAIT, SLURM_STOP_WAIT + SLURM_KILL_WAIT) < BACKGROUND_STOP_WAIT,
          "h.stop() waits long enough for any placement's ladder"),
         (REMOTE_CHECK < REMOTE_WAIT, "a node looks for the remote cause more than once while it waits"),
+        (5 * REMOTE_CHECK <= NODE_GONE_AFTER < REMOTE_WAIT,
+         "a node is said to have gone away only after it missed several beats, and within the wait for a "
+         "remote cause"),
         (NODE_LOST_AFTER >= 5 * NODE_BEAT, "a session's node is lost only after it missed several beats"),
         (NODE_STORE_WAIT < NODE_LOST_AFTER, "a beat that waits for node 0 ends before node 0 counts as gone"),
         (COLLAPSE_AT_START < COLLAPSE_IDLE and COLLAPSE_SLOW <= COLLAPSE_AT_START,

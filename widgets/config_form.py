@@ -167,7 +167,9 @@ class ConfigForm:
         self.notes[name].value = f"<span style='color:#d62728'>&#10007; not applied: {html.escape(why, quote=False)}</span>"
 
     def _show_status(self) -> None:
-        self.command.value = f"<code>{html.escape(self.describe(self.applied))}</code>"
+        # The line, then (several nodes) the line each other node runs: one a row.
+        self.command.value = "<br>".join(f"<code>{html.escape(line)}</code>"
+                                         for line in self.describe(self.applied).splitlines())
         if self.pending:
             names = ", ".join(LABELS[n] for n in self.pending)
             self.status.value = (f"<span style='color:#d62728'>&#10007; not applied: {html.escape(names, quote=False)} "

@@ -346,7 +346,7 @@ class RunView:
 
     def on_Waiting(self, e) -> None:
         self.status = "waiting"
-        self.world_note = f"waiting for {e.expected - e.joined} of {e.expected} nodes at {e.address}"
+        self.world_note = e.text()
 
     def on_Quiet(self, e) -> None:
         self.quiet_note = e.text()

@@ -67,6 +67,8 @@ class DistributedRunError(ReportedError, RuntimeError):
             for rank, how in self.departed.items():
                 self.others.setdefault(rank, f"finished the cell early ({how}) while rank {root.rank} "
                                              "still waited for it")
+        elif root.kind == "node_gone":   # a whole node, not one of its ranks
+            head = root.summary
         else:
             head = f"rank {root.rank} failed: {root.summary}"
         if len(failing) > 1:

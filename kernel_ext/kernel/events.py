@@ -240,3 +240,8 @@ class Waiting:
     joined: int
     expected: int
     address: str
+    problem: str = ""   # what is wrong meanwhile: node 0 refuses connections, a second node 0 tried, ...
+
+    def text(self) -> str:
+        waiting = f"waiting for {self.expected - self.joined} of {self.expected} nodes at {self.address}"
+        return f"{waiting}: {self.problem}" if self.problem else waiting

@@ -294,7 +294,7 @@ class RunFold:
         self.emit(ev.RankExited(rank, msg["exitcode"], msg["signal"], msg["stopped"], failure))
 
     def _waiting(self, msg: dict) -> None:
-        self.emit(ev.Waiting(msg["joined"], msg["expected"], msg["address"]))
+        self.emit(ev.Waiting(msg["joined"], msg["expected"], msg["address"], msg.get("problem", "")))
 
     def _rendezvous_failed(self, msg: dict) -> None:
         self.rendezvous_error = msg["message"]
@@ -310,6 +310,10 @@ class RunFold:
         self.emit(ev.Resources({int(rank): (*sample, None)[:4] for rank, sample in msg["ranks"].items()}))
 
     def _remote_failure(self, msg: dict) -> None:
+        if msg.get("gone"):   # this node's own verdict: a node stopped beating in node 0's store
+            self.remote = ev.RankFailure(msg["rank"], "node_gone", msg["summary"], timestamp=0.0)
+            self.remote_verified = True
+            return
         summary = f"{msg['summary']} (on node {msg['node']})"
         if not msg.get("verified", True):
             # Anything that reaches node 0's store can write this record: said so, with why.

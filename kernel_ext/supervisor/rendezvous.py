@@ -33,15 +33,20 @@ closing) lets go and tries again: each round is a store of its own.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
 import time
 from datetime import timedelta
 from typing import Optional
 
+from . import node_notes
 from .. import hooks
 from ..environment import resolve_host
 # The ladders' order: see timing.py.
 from ..timing import HOST_RETRY
+
+log = logging.getLogger("accel_magics.rendezvous")
 
 ROUND = "accel_magics/round"
 JOINED = "accel_magics/nodes_joined"
@@ -49,7 +54,9 @@ FINISHED = "accel_magics/nodes_finished"
 CHECKED = "accel_magics/nodes_checked"   # restarts may follow: every node has looked for a failure elsewhere
 FAILED = "accel_magics/failure"
 DEPARTED = "accel_magics/departed"   # ranks that finished the cell, with their rounds of init (a count, then each)
-ALIVE = "accel_magics/alive"         # a session: each node's count of its beats (see beat)
+ALIVE = "accel_magics/alive"         # each node's count of its beats (see beat)
+CLAIMS = "accel_magics/node0_claims"  # kernels that tried to be node 0 too (a count, then each: node_notes)
+NODE = "accel_magics/node"           # each node's address, as it joined (NODE/<node rank>)
 
 
 #: The ``store`` hook is in place in this process (set in the launcher,
@@ -71,8 +78,6 @@ def _store_on_bound_socket(**backend) -> Optional[str]:
     why not.  Never here: libuv's process-wide state (its thread pool) does
     not survive a fork, and every supervisor is forked from this process
     (a libuv store tried here left node 0's store of a two-node run mute)."""
-    import os
-
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:   # pragma: no cover - the child
@@ -172,12 +177,22 @@ class NodeRendezvous:
         self.timeout = timeout
         self.store = None
         self.silent = False   # an attempt found the address mute (accepts, never answers)
+        self.reach: Optional[str] = None   # why node 0 was not reached at the last try (node_notes.how_unreachable)
+        self.local_addr = ""   # this node's address towards node 0 (its last probe's)
+        self.claimed: list = []   # node 0: second node 0s that announced themselves (whose_port), and
+        self.claims_seen = 0      # how many announcements were read
         self.joined_self = False
         self.listener: Optional[socket.socket] = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def bound(self) -> str:
+        """What a node's signed record is bound to besides its round: the port
+        (nodes may spell node 0's address differently: a name, an address)."""
+        return f"port {self.port}"
 
     def host_store(self) -> None:
         """Node 0: listen now (raises if the port cannot be bound).
@@ -256,7 +271,9 @@ class NodeRendezvous:
                                   attempt_timeout + 1.0)
         except Exception:   # not listening yet, unreachable, refused, mute: try again until the deadline
             self.silent = True
+            self.reach = "silent"
             return False
+        self.reach = None
         self.store.set_timeout(timedelta(seconds=30))
         try:
             hosted = int(self.store.get(ROUND)) if self.store.check([ROUND]) else None
@@ -283,33 +300,92 @@ class NodeRendezvous:
         waits in the backlog until the store accepts it (see :meth:`listen`).
         """
         try:
-            socket.create_connection((self.host, self.port), timeout=timeout).close()
+            with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+                self.local_addr = sock.getsockname()[0]
             return True
-        except OSError:
+        except OSError as exc:
+            self.reach = node_notes.how_unreachable(exc)
             return False
 
-    def join_step(self) -> int:
-        """Count this node in (once); how many nodes have joined so far."""
+    def join_step(self, key: Optional[str] = None) -> int:
+        """Count this node in (once, saying where it is); how many nodes have joined so far."""
         if not self.joined_self:
             self.joined_self = True
+            record = {"host": socket.gethostname(), "addr": self.local_addr or self.host}
+            try:
+                self.store.set(f"{NODE}/{self.node_rank}",
+                               json.dumps(node_notes.sign(key, self.attempt, self.bound, record)))
+            except Exception:
+                pass
             return int(self.store.add(JOINED, 1))
         return int(self.store.add(JOINED, 0))
 
     def timeout_message(self, joined: int) -> str:
-        if self.store is not None:
-            who = f"only {joined} of {self.num_nodes} nodes joined"
-        elif self.silent:
-            who = "node 0's address accepted the connection but never answered (is it node 0's store?)"
-        else:
-            who = "node 0's store was not reachable"
-        return (f"rendezvous at {self.address} timed out after {self.timeout:g}s: {who}. Check that the "
-                f"%%distributed cell runs on every node with the same --num_nodes, --master_addr and "
-                f"--master_port, that node 0's cell was started, and that port {self.port} on "
-                f"{self.host} is reachable from every node (firewall).")
+        return node_notes.timeout_message(self.address, self.host, self.port, self.timeout, self.num_nodes, joined,
+                                          self.store is not None, "silent" if self.silent else self.reach,
+                                          tuple(self.claimed))
 
     def check_deadline(self, joined: int) -> None:
         if time.monotonic() >= self.deadline:
             raise RendezvousTimeout(self.timeout_message(joined))
+
+    def problem(self, key: Optional[str] = None) -> str:
+        """What is wrong while this node waits, for its view ('' if nothing):
+        node 0 not reached (refused, no answer), or, on node 0, a second node
+        0 that tried to host this rendezvous (the latest)."""
+        if self.node_rank == 0 and self.store is not None:
+            self.claims_seen, new = self.claims(self.claims_seen, key)
+            for claim in new:
+                log.warning("rendezvous at %s: %s", self.address, node_notes.claim_note(claim))
+            self.claimed += new
+        if self.claimed:
+            return node_notes.claim_note(self.claimed[-1])
+        return node_notes.reach_problem(self.address, self.reach if self.store is None else None)
+
+    # -- a second node 0 ----------------------------------------------------------------
+    def whose_port(self, key: Optional[str] = None) -> dict:
+        """Node 0 could not listen on its port: what holds it (see
+        node_notes.second_node0_message).  Where it is node 0 of an
+        accel_magics rendezvous, this kernel says there that it tried to be
+        node 0 too (CLAIMS), so that node 0's view tells its user at once."""
+        from torch.distributed import TCPStore
+
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
+        try:
+            store = _bounded(lambda: TCPStore(host, self.port, None, False, timedelta(seconds=2)), 3.0)
+            store.set_timeout(timedelta(seconds=2))
+            until = time.monotonic() + 1.0   # a node 0 that started the same moment may not have said its round yet
+            while not store.check([ROUND]):
+                if time.monotonic() >= until:
+                    return {"kind": "store"}
+                time.sleep(0.05)
+            joined = int(store.add(JOINED, 0))
+            claim = node_notes.sign(key, self.attempt, self.bound,
+                                    {"host": socket.gethostname(), "pid": os.getpid()})
+            store.set(f"{CLAIMS}/{int(store.add(CLAIMS, 1)) - 1}", json.dumps(claim))
+            return {"kind": "node0", "joined": joined}
+        except Exception as exc:
+            return {"kind": "other", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    if not isinstance(exc, TimeoutError) else "it does not answer as a torch store"}
+
+    def claims(self, seen: int, key: Optional[str] = None) -> tuple[int, list]:
+        """Second node 0s that announced themselves after the first ``seen``:
+        (how many there are now, those whose record counts: node_notes.verified)."""
+        try:
+            count = int(self.store.add(CLAIMS, 0))
+            found = [json.loads(self.store.get(f"{CLAIMS}/{i}")) for i in range(seen, count)]
+        except Exception:
+            return seen, []
+        records = [node_notes.verified(key, self.attempt, self.bound, f) for f in found if isinstance(f, dict)]
+        return count, [r for r in records if r is not None]
+
+    def node_info(self, node: int, key: Optional[str] = None) -> Optional[dict]:
+        """Where node ``node`` said it was when it joined (None: unknown, or not signed with ``key``)."""
+        try:
+            stored = json.loads(self.store.get(f"{NODE}/{node}")) if self.store.check([f"{NODE}/{node}"]) else None
+        except Exception:
+            return None
+        return node_notes.verified(key, self.attempt, self.bound, stored) if isinstance(stored, dict) else None
 
     # -- during and after the run -------------------------------------------------
     def report_failure(self, node_rank: int, rank: int, summary: str, key: Optional[str] = None) -> None:
@@ -406,11 +482,21 @@ class NodeRendezvous:
             pass
 
     def finish(self, name: str = FINISHED) -> None:
-        """Count this node as done (``FINISHED``), or as having checked (``CHECKED``)."""
+        """Count this node as done (``FINISHED``: its beats end, see
+        :meth:`ended`), or as having checked (``CHECKED``)."""
         try:
+            if name == FINISHED:
+                self.store.set(f"{ALIVE}/{self.node_rank}/end", "1")
             self.store.add(name, 1)
         except Exception:
             pass
+
+    def ended(self, node: int) -> bool:
+        """Whether ``node`` finished its part (a stop in its beats is no loss then)."""
+        try:
+            return bool(self.store.check([f"{ALIVE}/{node}/end"]))
+        except Exception:
+            return False
 
     def finished(self, name: str = FINISHED) -> int:
         """How many nodes are done (or have checked); all of them once the store is gone."""

@@ -38,7 +38,8 @@ from .rank_logs import RankLogs
 from ..process_tree import kill_orphans
 from .rank_process import RankProcess, stacks_message
 from .resources import ResourceSampler
-from . import rendezvous
+from . import node_notes, rendezvous
+from .node_liveness import NodeLiveness
 from .rendezvous import CHECKED, FINISHED, NodeRendezvous, RendezvousTimeout
 from .run_state import RunState, tell
 # The ladders' order: see timing.py.
@@ -92,6 +93,7 @@ class Supervisor:
         self.peers_done = False   # runs dispatched together: the kernel said every node is done
         self.remote_check: Optional[float] = None
         self.departures_seen = 0   # several nodes: other nodes' ranks that left, relayed so far
+        self.liveness: Optional[NodeLiveness] = None   # a kernel per node: is every other node still there?
         self.stall_check: Optional[float] = None
         self.resource_check: Optional[float] = None   # the next sample of the ranks' CPU and memory
         self.sampler = ResourceSampler()
@@ -317,6 +319,12 @@ class Supervisor:
         except RendezvousTimeout as exc:
             self._rendezvous_failed(str(exc))
         except Exception as exc:   # e.g. node 0 could not listen on the port
+            if nodes > 1 and spec["node_rank"] == 0 and any(
+                    word in str(exc).lower() for word in ("address already in use", "eaddrinuse")):
+                found = self.rdzv.whose_port(spec.get("rendezvous_key"))   # another node 0? it is told too
+                self._rendezvous_failed(node_notes.second_node0_message(self.rdzv.address, self.rdzv.port,
+                                                                        nodes, found))
+                return
             self._rendezvous_failed(f"could not {'host' if spec['node_rank'] == 0 else 'reach'} the "
                                     f"rendezvous at {self.rdzv.address}: {type(exc).__name__}: {exc}")
 
@@ -332,15 +340,16 @@ class Supervisor:
                 return
             if time.monotonic() - last_note >= 1.0:
                 last_note = time.monotonic()
-                self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address})
+                self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address,
+                            "problem": self.rdzv.problem(self.spec.get("rendezvous_key"))})
             self.rdzv.check_deadline(joined)
             self._poll(RDZV_POLL)
 
     def _count_in(self) -> int:
         """One kernel per node: count this node in on node 0's store; how many are in."""
         if self.rdzv.store is not None or self.rdzv.try_connect():
-            return self.rdzv.join_step()
-        return 0
+            return self.rdzv.join_step(self.spec.get("rendezvous_key"))
+        return 1   # this node; node 0 not reached yet (rdzv.reach says why)
 
     def _node0_listening(self) -> int:
         """Nodes handed the run at once by one kernel (``--launcher slurm``).
@@ -484,6 +493,7 @@ class Supervisor:
         Ranks of other nodes that left without joining the world go to the
         kernel too (its fold sees whether one of ours waits for them)."""
         self.remote_check = time.monotonic() + REMOTE_CHECK
+        self._liveness().beat()
         self.departures_seen, departed = self.rdzv.departed_elsewhere(self.departures_seen)
         for d in departed:
             self._send({"kind": "remote_departed", **d})
@@ -491,6 +501,12 @@ class Supervisor:
         if remote is not None and self.stopping is None:
             self._send({"kind": "remote_failure", **remote})
             self._stop("remote_failed", stacks=False)
+
+    def _liveness(self) -> NodeLiveness:
+        """A kernel per node: the other nodes' beats (made at the first look)."""
+        if self.liveness is None:
+            self.liveness = NodeLiveness(self.rdzv, self.spec)
+        return self.liveness
 
     def _finish_nodes(self) -> None:
         """Several nodes: node 0 keeps the store up until every node is done.
@@ -508,7 +524,11 @@ class Supervisor:
                 if remote is not None:
                     self._send({"kind": "remote_failure", **remote})
                     break
-                self._poll(0.1)
+                gone = self._liveness().gone_message()   # no word from it: did a node go away?
+                if gone is not None:
+                    self._send(gone)
+                    break
+                self._poll(REMOTE_CHECK)
         self.rdzv.finish()
         if self.spec.get("attempt", 0) < self.spec.get("max_restarts", 0):
             self._agree_on_outcome()
@@ -523,6 +543,11 @@ class Supervisor:
         while self.rdzv.finished(name) < self.spec["num_nodes"] and time.monotonic() < deadline:
             self._poll(RDZV_POLL)
             if self.stopping in ("interrupt", "terminated"):
+                return
+            gone = self._liveness().gone()
+            if gone is not None:   # it never will
+                log.warning("run %s: node %d went away (silent for %.1fs); not waiting for it",
+                            self.spec.get("run_id"), *gone)
                 return
 
     def _agree_on_outcome(self) -> None:

@@ -21,12 +21,14 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``stacks``             ``rank``, ``text``, ``native``, ``where``: where the rank was when stopped
 ``exit``               ``rank``, ``exitcode``, ``signal``, ``stopped``, ``timestamp``, ``prompt``, ``where``;
                        ``recorded``: what @record wrote (a failed rank's TORCHELASTIC_ERROR_FILE)
-``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far
+``waiting``            ``joined``, ``expected``, ``address``: nodes in the rendezvous so far; ``problem``:
+                       what is wrong meanwhile ("node 0 at ... refuses connections, retrying"), or ""
 ``rendezvous_failed``  ``message``
 ``stalled``            ``ranks``, ``finished``, ``seconds``
 ``resources``          ``ranks``: {rank: [cpu %, resident bytes, GPU bytes or None, GPU % busy or None]}, a few times a second
 ``remote_failure``     ``rank``, ``node``, ``summary``: another node's root cause; ``verified`` (signed
-                       with the nodes' ``--rendezvous_key``) and, when not, ``unverified`` (why not)
+                       with the nodes' ``--rendezvous_key``) and, when not, ``unverified`` (why not);
+                       ``gone``: this node saw node ``node`` go away (``summary`` says so whole)
 ``remote_departed``    ``rank``, ``node``, ``how``, ``rounds``: a rank of another node finished the
                        cell after ``rounds`` rounds of the world's init (a kernel per node)
 ``supervisor_error``   ``traceback``, ``message``
