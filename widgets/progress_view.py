@@ -24,7 +24,8 @@ it).  The record folds ranks whose output is the same ("ranks 1-7 output").
 
 This module imports ipywidgets and, from the engine, only how an amount of
 memory and a set of ranks are written (``events.bytes_text``,
-``events.ranks_label``) and when ranks are many; events are duck-typed by class name.
+``events.ranks_label``), when ranks are many, and which are behind
+(``behind.Behind``, judged on time); events are duck-typed by class name.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import Optional
 
 import ipywidgets as w
 
+from accel_magics.kernel_ext.kernel.behind import Behind
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
@@ -73,7 +75,6 @@ STYLE = {
 STYLE["aggregate"] = STYLE["row"]
 ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
 STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
-STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind most ranks is marked "behind"
 PANE_INTERVAL = 0.4   # the panes re-render at most this often (at 1 s they lagged the rows visibly)
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
@@ -114,6 +115,7 @@ class BarState:
     text: str
     order: int = 0
     closed: bool = False
+    vacated: bool = False   # closed with leave=False: kept, unseen, until a bar takes its place (the row keeps its height)
 
 
 @dataclass
@@ -142,11 +144,15 @@ class _RankState:
                 return line
         return ""
 
-    def shown_bars(self) -> list:
-        return sorted(self.bars.values(), key=lambda b: (b.pos, b.order))
+    def shown_bars(self, slots: bool = False) -> list:
+        """The bars on screen; with ``slots``, the places of inner bars between
+        two epochs' too (a row keeps its height while the next one starts)."""
+        return sorted((b for b in self.bars.values() if slots or not b.vacated), key=lambda b: (b.pos, b.order))
 
 
-def _bar_html(bar: BarState, color: str) -> str:
+def _bar_html(bar: BarState, color: str, hidden: bool = False) -> str:
+    if bar.vacated or hidden:   # holds the place: the same height, nothing shown
+        return _el("div", "bar", _el("div", "track", "") + _el("span", "bartext", "&nbsp;"), "visibility:hidden")
     width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
     fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
     return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
@@ -171,7 +177,7 @@ def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
 
 def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
     color = STATE_COLORS.get(s.state, "#888")
-    bars = "".join(_bar_html(b, color) for b in s.shown_bars())
+    bars = "".join(_bar_html(b, color) for b in s.shown_bars(slots=not final))
     latest = s.failure or s.latest
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
     return _el("div", "row",
@@ -191,7 +197,7 @@ class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
 
     def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = PANE_INTERVAL,
-                 log_dir: str = "", started: Optional[float] = None) -> None:
+                 log_dir: str = "", started: Optional[float] = None, clock=time.monotonic) -> None:
         self.max_lines = max_lines
         self.interval = interval
         self.pane_interval = pane_interval
@@ -209,6 +215,8 @@ class RunView:
         self._last_refresh = 0.0
         self._dirty = True
         self._bar_order = 0
+        self.clock = clock   # when bars move: "behind" is judged on time
+        self.behind = Behind()
         self.note = ""      # what happens before the run starts ("starting the launcher")
         self.context = ""   # where it runs, for the whole run ("on the session: its cell 3")
 
@@ -256,8 +264,15 @@ class RunView:
         self.fold.add_class("accel-magics-fold")
         self.widget.children = (self.header, self.rows, self.tabs, self.fold)
 
-    def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str) -> None:
+    def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str,
+                 n: Optional[float] = None, total: Optional[float] = None, closed: bool = False) -> None:
+        if n is None and fraction is not None:
+            n, total = fraction * 100, 100
+        if n is not None:
+            self.behind.bar(self.clock(), state.rank, key, pos, n, total, closed)
         if key not in state.bars:
+            for other in [k for k, b in state.bars.items() if b.vacated and b.pos == pos]:
+                del state.bars[other]   # the new bar takes the place its predecessor kept
             self._bar_order += 1
             state.bars[key] = BarState(pos, fraction, text, self._bar_order)
         else:
@@ -281,6 +296,7 @@ class RunView:
             state.state, state.latest, state.failure = "running", "", ""
             state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
+            self.behind.reset(rank)
 
     def on_Output(self, e) -> None:
         if self.status == "waiting":
@@ -308,12 +324,19 @@ class RunView:
         state = self._rank(e.rank)
         fraction = min(1.0, e.n / e.total) if e.total else None
         text = f"{e.desc + ': ' if e.desc else ''}{e.n:g}{'/%g' % e.total if e.total else ''}"
-        self._set_bar(state, "api", 999, fraction, text)
+        self._set_bar(state, "api", 999, fraction, text, e.n, e.total)
 
     def on_Bar(self, e) -> None:
         state = self._rank(e.rank)
+        if e.closed:
+            for key, bar in list(state.bars.items()):
+                if bar.vacated and bar.pos > e.pos:
+                    del state.bars[key]   # its loop is over: no bar comes to take the place
         if e.closed and not e.leave:
-            state.bars.pop(e.id, None)      # leave=False: gone from the screen, as in a terminal
+            # Gone from the screen, as in a terminal; its place kept until the
+            # next bar at its position (the next epoch's) takes it.
+            self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, True)
+            state.bars[e.id].vacated = True
             return
         if e.closed:
             # Left on screen: its final line arrives in the rank's output (in
@@ -324,11 +347,12 @@ class RunView:
             for key, bar in list(state.bars.items()):
                 if key != e.id and bar.pos == e.pos and getattr(bar, "closed", False):
                     del state.bars[key]
-        self._set_bar(state, e.id, e.pos, e.fraction, e.text)
+        self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, e.closed)
         state.bars[e.id].closed = e.closed
 
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
+        self.behind.ended(e.rank)
         if e.failure is not None:
             state.state = "failed"
             state.failure = e.failure.summary
@@ -411,15 +435,17 @@ class RunView:
         groups = " &middot; ".join(f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> "
                                    f"{rank_runs(ranks)}" for state, ranks in self.groups(behind).items())
         usage = self._peak_text() if final else self._usage_now_text()
-        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"])
+        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"], final)
         return _el("div", "aggregate",
                    _el("span", "label", f"<b>{_plural(len(self.ranks), 'rank')}</b>")
                    + _el("span", "groups", groups)
                    + (_el("span", "usage", usage) if usage else "")
                    + (_el("div", "bars", bars) if bars else ""))
 
-    def _extreme_bars_html(self, color: str) -> str:
-        """The slowest and the fastest rank's outer bar (one bar when all are level)."""
+    def _extreme_bars_html(self, color: str, final: bool = False) -> str:
+        """The slowest and the fastest rank's outer bar (one bar when all are
+        level; live, the second one's place is kept: ranks level one moment
+        and apart the next must not make the view jump)."""
         outer = {}
         for rank, s in self.ranks.items():
             bars = [b for b in s.shown_bars() if b.fraction is not None]
@@ -433,8 +459,8 @@ class RunView:
             picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
             return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
         # All level: no one rank's times and rate stand for the others'
-        return _bar_html(BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}"),
-                         color)
+        level = BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}")
+        return _bar_html(level, color) + ("" if final or len(self.ranks) < 2 else _bar_html(level, color, hidden=True))
 
     def _usage_now_text(self) -> str:
         now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
@@ -452,19 +478,10 @@ class RunView:
         return f"largest peak: rank {top} {bytes_text(peaks[top])}"
 
     def stragglers(self) -> set:
-        """Ranks still running whose outer bar is far behind most ranks' (a
-        slow GPU, a bigger shard): the row says so.  Measured from the upper
-        median, not the furthest rank: one rank ahead makes no one else a
-        straggler."""
-        outer = {}
-        for rank, s in self.ranks.items():
-            bars = [b for b in s.shown_bars() if b.fraction is not None]
-            if bars and s.state in ("running", "starting"):
-                outer[rank] = bars[0].fraction
-        if len(outer) < 2:
-            return set()
-        most = sorted(outer.values())[len(outer) // 2]
-        return {rank for rank, fraction in outer.items() if most - fraction >= STRAGGLER_GAP}
+        """Ranks still running that most ranks are well ahead of, in time (a
+        slow GPU, a bigger shard): the row says so (``behind.Behind``)."""
+        return {rank for rank in self.behind.judge(self.clock())
+                if rank in self.ranks and self.ranks[rank].state in ("running", "starting")}
 
     def on_Resources(self, e) -> None:
         for rank, sample in e.ranks.items():
