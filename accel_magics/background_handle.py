@@ -11,6 +11,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from accel_magics.kernel_ext.clip import clip
 from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                                    RunInterrupted, RunStopped, SessionLostError, WaitStopped)
@@ -183,4 +184,4 @@ class BackgroundCell:
 
 
 def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+    return clip(text, limit)

@@ -193,7 +193,8 @@ def test_status_lists_the_sessions_names_with_type_and_size(session):
     assert "on the session: its cell 1" in "".join(str(m["content"]) for m in res.messages)
     status = k.ok("%distributed_session status").stdout
     assert "4 name(s) of its own" in status and re.search(r"  torch +module +- +In", status), status
-    assert re.search(r"  model +torch\.nn\.modules\.linear\.L.* +3\.9 kB +In\[\d+\]", status), status
+    # Whole (issue 45: it was cut at 28 characters, "torch.nn.modules.linear.Line")
+    assert re.search(r"  model +torch\.nn\.modules\.linear\.Linear +3\.9 kB +In\[\d+\]", status), status
     assert re.search(r"  x +torch\.Tensor +3\.9 kB +In\[\d+\]", status), status
     assert re.search(r"  steps +int +- +In\[\d+\]", status), status
     ok_cell(k, "del x")

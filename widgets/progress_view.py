@@ -37,6 +37,7 @@ from typing import Optional
 
 import ipywidgets as w
 
+from accel_magics.kernel_ext.clip import clip
 from accel_magics.kernel_ext.kernel.behind import Behind
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
@@ -156,8 +157,8 @@ def _bar_html(bar: BarState, color: str, hidden: bool = False) -> str:
     width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
     fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
     return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
-               + _el("span", "bartext", html.escape(bar.text[-300:]),
-                     attrs=f" title='{html.escape(bar.text[-300:], quote=True)}'"))
+               + _el("span", "bartext", html.escape(clip(bar.text, 300, keep="tail")),
+                     attrs=f" title='{html.escape(clip(bar.text, 300, keep='tail'), quote=True)}'"))
 
 
 def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
@@ -185,8 +186,8 @@ def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
                + _usage_html(s, final, behind)
                + (_el("div", "bars", bars) if bars else "")
                # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
-               + (_el("span", "latest", html.escape(latest[-300:]),
-                      attrs=f" title='{html.escape(latest[-300:], quote=True)}'") if latest else ""))
+               + (_el("span", "latest", html.escape(clip(latest, 300, keep="tail")),
+                      attrs=f" title='{html.escape(clip(latest, 300, keep='tail'), quote=True)}'") if latest else ""))
 
 
 def _plural(n: int, word: str) -> str:
