@@ -97,9 +97,16 @@ class Presenter:
         else:
             self.text(event)
 
-    def tick(self) -> None:
+    def tick(self, phase: Optional[str] = None) -> None:
         """The cell waits (for the launcher, for the session's turn): the view's
-        elapsed time moves on, so slow can be told from stuck."""
+        elapsed time moves on, so slow can be told from stuck; ``phase``: what
+        the launcher does now ("importing torch"), said in the view."""
+        if phase:
+            note = f"starting the launcher (once per kernel): {phase}"
+            if self.view is not None:
+                self.view.note = note
+            else:
+                self.live.write([f"[accel_magics] {note}"])
         self(ev.Heartbeat())
 
     def not_started(self, exc: BaseException) -> None:

@@ -119,6 +119,10 @@ class TextView:
                 f"[accel_magics] {why}restarting the whole group: attempt {e.attempt + 1} of {e.max_restarts + 1}"
             ])
 
+    def on_Phase(self, e: ev.Phase) -> None:
+        if e.text:   # what a quiet rank is busy with ("importing accelerate"), once per change
+            self.live.write([f"[rank {e.rank}] ({e.text})"])
+
     def on_Output(self, e: ev.Output) -> None:
         prefix = f"[rank {e.rank}] "
         keep = getattr(self.live, "max_lines", None)   # a display shows only its last lines

@@ -133,6 +133,7 @@ class _RankState:
     head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
     seqs: deque = field(default_factory=deque)    # each of ``lines``' arrival window (RunView._window)
     node: str = ""                                # the node it runs on (one kernel driving every node)
+    phase: str = ""                               # what its cell is busy with ("importing accelerate"), ev.Phase
     usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
     peak_rss: int = 0
     peak_gpu: Optional[int] = None
@@ -180,11 +181,14 @@ def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
     color = STATE_COLORS.get(s.state, "#888")
     bars = "".join(_bar_html(b, color) for b in s.shown_bars(slots=not final))
     latest = s.failure or s.latest
+    busy = "" if final or latest or s.state not in ("running", "starting") else s.phase
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
     return _el("div", "row",
                _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
                + _usage_html(s, final, behind)
                + (_el("div", "bars", bars) if bars else "")
+               + (_el("span", "latest", html.escape(busy + " …"), "font-style:italic",
+                      attrs=" title='what the rank is busy with before it prints'") if busy else "")
                # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
                + (_el("span", "latest", html.escape(clip(latest, 300, keep="tail")),
                       attrs=f" title='{html.escape(clip(latest, 300, keep='tail'), quote=True)}'") if latest else ""))
@@ -351,6 +355,9 @@ class RunView:
         self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, e.closed)
         state.bars[e.id].closed = e.closed
 
+    def on_Phase(self, e) -> None:
+        self._rank(e.rank).phase = e.text
+
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
         self.behind.ended(e.rank)
@@ -435,6 +442,12 @@ class RunView:
         peak in the record)."""
         groups = " &middot; ".join(f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> "
                                    f"{rank_runs(ranks)}" for state, ranks in self.groups(behind).items())
+        if not final:   # what quiet ranks are busy with: "importing accelerate 0-7"
+            busy: dict[str, list[int]] = {}
+            for rank, s in sorted(self.ranks.items()):
+                if s.phase and not s.latest and s.state in ("running", "starting"):
+                    busy.setdefault(s.phase, []).append(rank)
+            groups += "".join(f" &middot; <i>{html.escape(phase)}</i> {rank_runs(ranks)}" for phase, ranks in busy.items())
         usage = self._peak_text() if final else self._usage_now_text()
         bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"], final)
         return _el("div", "aggregate",

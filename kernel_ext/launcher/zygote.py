@@ -140,15 +140,19 @@ class Zygote:
         self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
         self.quiet_since = time.monotonic()        # the last control message, signal or status
 
-    def preload(self, modules) -> dict:
+    def preload(self, modules, phases: bool = False) -> dict:
         """Import ``modules``; returns {file: (mtime_ns, size)} of every module
-        this imported, so the kernel can tell when one changed on disk."""
+        this imported, so the kernel can tell when one changed on disk.
+        ``phases``: say each import to the kernel first (the first cell's view
+        shows what it waits for)."""
         ENV_READS.start()   # on already for the first preload: until ready (see env_reads)
         before = set(sys.modules)
         with self.own_temp_dir():
             for name in modules:
                 if name in sys.modules or name in self.failed_preload:
                     continue
+                if phases:
+                    self.reply({"kind": "phase", "text": f"importing {name}"})
                 try:
                     importlib.import_module(name)
                     self.preloaded.append(name)
@@ -243,7 +247,8 @@ class Zygote:
             self.extra_fds.append(kernel)
         except (AttributeError, OSError):
             kernel = None
-        self.preload(init.get("preload", DEFAULT_PRELOAD))   # recording goes on until ready
+        self.preload(init.get("preload", DEFAULT_PRELOAD), phases=True)   # recording goes on until ready
+        self.reply({"kind": "phase", "text": "setting up torch.distributed"})
         native_stacks.install()
         if "torch.distributed" in sys.modules:
             from . import dnsfix
