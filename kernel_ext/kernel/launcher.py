@@ -169,6 +169,7 @@ class Launcher:
         """Start the launcher process; returns at once (torch loads meanwhile)."""
         if self.proc is not None:
             return
+        self.phase = "starting Python"
         self.dir, self._owner_lock = _private_dir()
         self.pull = None
         try:
