@@ -152,7 +152,7 @@ class Zygote:
                 if name in sys.modules or name in self.failed_preload:
                     continue
                 if phases:
-                    self.reply({"kind": "phase", "text": f"importing {name}"})
+                    self.say_phase(f"importing {name}")
                 try:
                     importlib.import_module(name)
                     self.preloaded.append(name)
@@ -248,7 +248,7 @@ class Zygote:
         except (AttributeError, OSError):
             kernel = None
         self.preload(init.get("preload", DEFAULT_PRELOAD), phases=True)   # recording goes on until ready
-        self.reply({"kind": "phase", "text": "setting up torch.distributed"})
+        self.say_phase("setting up torch.distributed")
         native_stacks.install()
         if "torch.distributed" in sys.modules:
             from . import dnsfix
@@ -315,6 +315,14 @@ class Zygote:
                         return
         finally:
             self.shutdown()
+
+    def say_phase(self, text: str) -> None:
+        """Before ready: what this process does now, for the first cell's view.
+        A kernel gone meanwhile is found at the ready reply, not here."""
+        try:
+            self.reply({"kind": "phase", "text": text})
+        except OSError:
+            self.outbox = bytearray()   # nothing more goes to a kernel that is gone
 
     def reply(self, obj) -> None:
         """Send ``obj`` to the kernel, in order, never blocking (see outbox)."""
