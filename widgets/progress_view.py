@@ -298,7 +298,7 @@ class RunView:
             self.world_note = f"rendezvous at {e.master_addr}:{e.master_port}"
         for rank in e.ranks:
             state = self._rank(rank)
-            state.state, state.latest, state.failure = "running", "", ""
+            state.state, state.latest, state.failure, state.phase = "running", "", "", ""
             state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
             self.behind.reset(rank)
