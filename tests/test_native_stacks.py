@@ -411,8 +411,12 @@ def test_the_cells_thread_comes_first_and_a_collective_is_named_in_the_fold():
     assert shown[2] == '  File "<%%distributed In[6]>", line 5, in <module>'
     assert shown[3] == ("  ... 5 native frames (innermost: pthread_cond_wait in libc.so.6; "
                         "waiting in c10d::Work::wait in libtorch_cpu.so)")
-    assert shown[4] == 'thread "Thread-1 (pin_memory)":'
-    assert shown[-1] == "  ... 1 native frame (innermost: pthread_cond_wait in libc.so.6)"
+    # a library's thread: one line, as the stop button's stacks say it
+    assert shown[4:] == ["(+ 1 other thread in no notebook cell: _utils/pin_memory.py worker)"]
+    with_a_cell = dump.replace("worker (torch/utils/data/_utils/pin_memory.py:52)", "loop (Cell In[2]:3)")
+    shown = readable(with_a_cell).splitlines()
+    assert shown[4:] == ['thread "Thread-1 (pin_memory)":', '  File "Cell In[2]", line 3, in loop',
+                         "  ... 1 native frame (innermost: pthread_cond_wait in libc.so.6)"]
 
 
 def test_a_dump_with_no_thread_title_is_still_read():

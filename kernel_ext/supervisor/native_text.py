@@ -89,15 +89,29 @@ def readable(text: str, sources: Optional[dict] = None) -> str:
     main = next((t for t in threads if is_main(t[0])), threads[0])
     others = [t for t in threads if t is not main]
     out = ["the cell's thread:"] + render(main[1])
-    native_only = []
+    native_only, elsewhere = [], []
     for title, frames in others:
-        if not any(_PY.match(f) for f in frames):
+        python = [_PY.match(f) for f in frames if _PY.match(f)]
+        if not python:
             native_only.append(frames)
+            continue
+        if not any(m["file"].startswith(("Cell In[", "<")) for m in python):
+            # A thread of a library (a DataLoader's pin thread, tqdm's monitor): one
+            # line for all, as the stop button's stacks say it.
+            elsewhere.append(f"{_short_file(python[0]['file'])} {python[0]['func']}")
             continue
         found = _THREAD.match(title)
         out.append(f'thread "{found["name"]}":' if found and found["name"] else title.replace("Thread", "thread", 1))
         out.extend(render(frames))
+    if elsewhere:
+        n = len(elsewhere)
+        out.append(f"(+ {n} other thread{'s' if n != 1 else ''} in no notebook cell: {', '.join(sorted(set(elsewhere)))})")
     if native_only:
         n = len(native_only)
         out.append(f"(+ {n} other thread{'s' if n != 1 else ''} in native code only)")
     return "\n".join(out) + "\n"
+
+
+def _short_file(file: str) -> str:
+    """``torch/utils/data/_utils/pin_memory.py`` -> ``_utils/pin_memory.py``."""
+    return "/".join(file.split("/")[-2:])
