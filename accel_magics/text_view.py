@@ -120,7 +120,10 @@ class TextView:
             ])
 
     def on_Phase(self, e: ev.Phase) -> None:
-        if e.text:   # what a quiet rank is busy with ("importing accelerate"), once per change
+        """What a quiet rank is busy with ("importing accelerate"), once per
+        change; only in a live display the record replaces (a terminal's or a
+        script's output keeps what the ranks printed, nothing timing-dependent)."""
+        if e.text and self.live.keeps_record:
             self.live.write([f"[rank {e.rank}] ({e.text})"])
 
     def on_Output(self, e: ev.Output) -> None:
