@@ -424,3 +424,13 @@ def test_a_dump_with_no_thread_title_is_still_read():
     assert readable("    clock_nanosleep (libc.so.6)\n    <module> (Cell In[2]:1)\n") == (
         "the cell's thread:\n  File \"Cell In[2]\", line 1, in <module>\n"
         "  ... 1 native frame (innermost: clock_nanosleep in libc.so.6)\n")
+
+
+def test_a_dump_with_no_python_frame_is_shown_as_it_came():
+    """gdb's dump (no py-spy) names no Python frame: nothing to lead with, and
+    folding would hide every frame it has."""
+    from accel_magics.kernel_ext.supervisor.native_text import readable
+    gdb = ("Thread 1 (Thread 0x7f3c1a2b3740 (LWP 4242) \"python\"):\n"
+           "#0  0x00007f3c1a4e5c3f in __GI___clock_nanosleep () from /lib/x86_64-linux-gnu/libc.so.6\n"
+           "#1  0x000055d1c0a1b2c3 in pysleep () at ./Modules/timemodule.c:2159\n")
+    assert readable(gdb) == gdb

@@ -59,8 +59,8 @@ def readable(text: str, sources: Optional[dict] = None) -> str:
     file label (``Cell In[3]``) for the line each frame is at."""
     sources = sources or {}
     threads = _threads(text)
-    if not threads:
-        return text
+    if not any(_PY.match(f) for _, frames in threads for f in frames):
+        return text   # no Python frame to lead with (gdb's dump, an empty one): as it came
 
     def source_line(file: str, line: int) -> str:
         if file in sources:
