@@ -144,7 +144,10 @@ def test_the_first_cell_shows_what_the_launcher_and_each_rank_are_busy_with(app)
         _run_cell(page, 1)   # at once: the launcher is still importing torch
         cell = page.locator(CELL).nth(1)
         page.wait_for_function("""c => /starting the launcher \\(once per kernel\\): (importing|setting up) /.test(
-            (c.querySelector('.accel-magics-header') || {}).innerText || '')""", arg=cell.element_handle())
+            (c.querySelector('.accel-magics-header') || {}).innerText || '')
+            && [...c.querySelectorAll('.accel-magics-row')].filter(
+                r => /starting/.test(r.innerText) && /waiting for the launcher: /.test(r.innerText)).length === 2""",
+                               arg=cell.element_handle())
         cell.screenshot(path=str(ARTIFACTS / f"45-first-cell-launcher-{name}.png"))
         page.wait_for_function("""c => [...c.querySelectorAll('.accel-magics-row')].filter(
             r => /importing slow_to_import_pkg …/.test(r.innerText)).length === 2""", arg=cell.element_handle())

@@ -79,8 +79,34 @@ def test_the_view_shows_it_in_the_rank_rows_and_the_launcher_its_imports(tmp_pat
                   if m["msg_type"] == "comm_msg"]
         assert any("starting the launcher (once per kernel): importing torch" in v for v in values), [v[:200] for v in values if "launcher" in v]
         rows = [v for v in values if "class='accel-magics-row'" in v]
+        # before the run: a row for each of its ranks, waiting for the launcher (-n 2: they are known)
+        assert any(v.count("class='accel-magics-row'") == 2 and "rank 1 <b" in v and ">starting</b>" in v
+                   and "waiting for the launcher: importing torch …" in v for v in rows), rows[:2]
         assert any("rank 0" in v and "importing slow_to_import_pkg …" in v for v in rows), rows
         assert "importing slow_to_import_pkg" not in res.messages[-1]["content"].get("data", {}).get("text/html", "")
     finally:
         k.shutdown()
         shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+def test_the_rows_before_the_run_are_the_ranks_the_flags_say_and_go_when_it_starts():
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.presenter import expected_ranks
+    from accel_magics.widgets.progress_view import RunView
+
+    assert expected_ranks(2, None, None) == (0, 1)
+    assert expected_ranks(2, 2, 1) == (2, 3)                    # node 1 of 2
+    assert expected_ranks(None, None, None) == ()               # every GPU: counted by the launcher
+    assert expected_ranks(2, None, None, "accelerate.yaml") == ()
+    view = RunView()
+    try:
+        view.expect((0, 1, 2), "waiting for the launcher: importing torch")
+        view.refresh(force=True)
+        rows = view.rows.value
+        assert rows.count("class='accel-magics-row'") == 3 and rows.count("importing torch …") == 3, rows
+        assert [view.tabs.get_title(i) for i in range(len(view.tabs.children))] == ["all ranks"]   # no pane yet
+        view(ev.RunStarted("r", 0, 0, 2, 1, 0, [0, 1], "127.0.0.1", 29500))   # 2 after all
+        view.refresh(force=True)
+        assert sorted(view.ranks) == [0, 1] and "importing torch" not in view.rows.value
+    finally:
+        view.close()

@@ -134,6 +134,7 @@ class _RankState:
     seqs: deque = field(default_factory=deque)    # each of ``lines``' arrival window (RunView._window)
     node: str = ""                                # the node it runs on (one kernel driving every node)
     phase: str = ""                               # what its cell is busy with ("importing accelerate"), ev.Phase
+    expected: bool = False                        # a row shown before the run started (:meth:`RunView.expect`)
     usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
     peak_rss: int = 0
     peak_gpu: Optional[int] = None
@@ -296,8 +297,11 @@ class RunView:
         if e.num_nodes > 1:
             self.status = "waiting"
             self.world_note = f"rendezvous at {e.master_addr}:{e.master_port}"
+        for rank in [r for r, s in self.ranks.items() if s.expected and r not in e.ranks]:
+            del self.ranks[rank]   # expected before the run, not among its ranks after all
         for rank in e.ranks:
             state = self._rank(rank)
+            state.expected = False
             state.state, state.latest, state.failure, state.phase = "running", "", "", ""
             state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
@@ -354,6 +358,17 @@ class RunView:
                     del state.bars[key]
         self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, e.closed)
         state.bars[e.id].closed = e.closed
+
+    def expect(self, ranks, phase: str) -> None:
+        """Before the run starts (the first cell waits for the launcher): a
+        row for each rank it will have, saying what they wait for."""
+        for rank in ranks:
+            if rank not in self.ranks:
+                self._rank(rank).expected = True
+            state = self.ranks[rank]
+            if state.expected:
+                state.phase = phase
+        self._dirty = True
 
     def on_Phase(self, e) -> None:
         self._rank(e.rank).phase = e.text
@@ -550,7 +565,7 @@ class RunView:
         if self._all_dirty:
             self._all_dirty = False
             all_pane.value = _pre(self.merged_lines())
-        for rank in sorted(self.ranks):
+        for rank in sorted(r for r, s in self.ranks.items() if not s.expected):
             pane, state = self._pane(rank, f"rank {rank}"), self.ranks[rank]
             if state.pane_dirty:
                 state.pane_dirty = False
