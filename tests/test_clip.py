@@ -44,3 +44,19 @@ def test_a_long_error_line_sent_to_the_kernel_is_cut_between_words():
     head, _, rest = cut.partition(ELLIPSIS)
     assert _words(head) == {"word"} and head.endswith("word") and \
         rest == f" [{len(line) - len(head)} more characters are in the rank's log]", cut
+
+
+def test_a_failed_ranks_row_keeps_its_errors_type_whole_and_wraps():
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView()
+    try:
+        summary = "torch.distributed.DistBackendError: " + "a long explanation of what went wrong " * 12
+        view(ev.RankExited(0, 1, None, False, ev.RankFailure(0, "exception", summary)))
+        row = view._rows_html(final=True)
+        latest = re.search(r"class='accel-magics-latest' style='([^']*)'[^>]*>([^<]*)<", row)
+        assert "white-space:normal" in latest.group(1)
+        assert latest.group(2).startswith("torch.distributed.DistBackendError: a long") and latest.group(2).endswith(ELLIPSIS)
+    finally:
+        view.close()

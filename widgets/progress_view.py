@@ -183,6 +183,7 @@ def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
     bars = "".join(_bar_html(b, color) for b in s.shown_bars(slots=not final))
     latest = s.failure or s.latest
     busy = "" if final or latest or s.state not in ("running", "starting") else s.phase
+    shown = clip(latest, 300, keep="head" if s.failure else "tail")   # an error's type leads it
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
     return _el("div", "row",
                _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
@@ -191,8 +192,10 @@ def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
                + (_el("span", "latest", html.escape(busy + " …"), "font-style:italic",
                       attrs=" title='what the rank is busy with before it prints'") if busy else "")
                # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
-               + (_el("span", "latest", html.escape(clip(latest, 300, keep="tail")),
-                      attrs=f" title='{html.escape(clip(latest, 300, keep='tail'), quote=True)}'") if latest else ""))
+               # a failure's line wraps, whole: an error cut by the window's width lost its type's name
+               + (_el("span", "latest", html.escape(shown),
+                      "white-space:normal;overflow-wrap:break-word" if s.failure else "",
+                      attrs=f" title='{html.escape(shown, quote=True)}'") if latest else ""))
 
 
 def _plural(n: int, word: str) -> str:
