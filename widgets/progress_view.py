@@ -22,6 +22,7 @@ behind), and every rank's row and pane folded away, opened on demand in the
 browser (the kernel is busy while a cell runs: nothing on demand may need
 it).  The record folds ranks whose output is the same ("ranks 1-7 output").
 
+The rows' HTML (styles, a rank's state, its row) is :mod:`widgets.rows`.
 This module imports ipywidgets and, from the engine, only how an amount of
 memory and a set of ranks are written (``events.bytes_text``,
 ``events.ranks_label``), when ranks are many, and which are behind
@@ -32,175 +33,15 @@ from __future__ import annotations
 import html
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 import ipywidgets as w
 
-from accel_magics.kernel_ext.clip import clip
 from accel_magics.kernel_ext.kernel.behind import Behind
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
-STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
-                "stopped": "#ff7f0e", "waiting": "#888"}
-
-PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
-OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many lines, collapsed beyond
-
-# Every style is inline, in values the notebook sanitizers keep: an untrusted
-# notebook (opened from git, by a colleague, on another server) loses
-# <style> elements and CSS variables, and a record styled by them fell apart.
-# Theme-aware without variables: text colour is inherited, muted text is
-# translucent and the bar track is a translucent grey, so light and dark
-# themes both read.  Nothing has a fixed width; rows wrap.
-_MONO = "font-family:monospace;font-size:12px"
-STYLE = {
-    "row": "display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;font-size:13px;line-height:1.45",
-    "label": "flex:0 0 auto;min-width:8.5em;white-space:nowrap",
-    "bars": "flex:3 1 300px;min-width:160px;max-width:640px",
-    "bar": "display:flex;align-items:center;gap:6px;min-width:0",
-    "track": ("flex:0 0 auto;width:30%;min-width:60px;max-width:160px;height:9px;border-radius:2px;"
-              "background-color:rgba(128,128,128,0.3);overflow:hidden"),
-    "fill": "height:100%",
-    # A bar's text and the latest line are cut with an ellipsis where there is
-    # no room (a narrow window), whole in their tooltips (and the pane).
-    "bartext": f"flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO}",
-    "latest": (f"flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO};"
-               "opacity:0.75"),
-    # word-break:normal: JupyterLab's output CSS breaks <pre> lines anywhere ("loss 0.3 | 0").
-    "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere",
-    "muted": "opacity:0.75",
-    "usage": f"flex:0 0 auto;white-space:nowrap;{_MONO};opacity:0.75",
-    "groups": "flex:2 1 200px;min-width:0;overflow-wrap:anywhere",
-}
-STYLE["aggregate"] = STYLE["row"]
-ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
-STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
-PANE_INTERVAL = 0.4   # the panes re-render at most this often (at 1 s they lagged the rows visibly)
-HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
-
-
-def _el(tag: str, part: str, body: str, extra: str = "", attrs: str = "") -> str:
-    """An element of the view: its class (what tests and users' CSS can
-    select) and its whole style inline (what survives a sanitizer)."""
-    style = STYLE[part] + (";" + extra if extra else "")
-    return f"<{tag} class='accel-magics-{part}' style='{style}'{attrs}>{body}</{tag}>"
-
-
-def parse_progress(text: str) -> Optional[tuple[float, str]]:
-    """(fraction, description) from a tqdm-like carriage-return line, or None.
-
-    Only a tqdm meter (``NN%|...|``) counts: an ``n/m`` in ordinary text
-    ("loading shard 3/4") is not progress.  Linear and bounded: only the
-    line's last ``PROGRESS_TAIL`` characters are read, with string searches.
-    """
-    tail = text[-PROGRESS_TAIL:]
-    bar = tail.rfind("%|")
-    if bar > 0:
-        start = bar
-        while start > 0 and bar - start < 3 and tail[start - 1].isdigit():
-            start -= 1
-        if start < bar and tail.find("|", bar + 2) > 0:
-            head = tail[:start].rstrip()
-            desc = head[:-1].strip() if head.endswith(":") else ""
-            return min(1.0, int(tail[start:bar]) / 100), desc
-    return None
-
-
-@dataclass
-class BarState:
-    """One progress bar of a rank: a tqdm bar, ``accel_magics.progress`` or a
-    carriage-return line that looks like a tqdm meter."""
-    pos: int
-    fraction: Optional[float]
-    text: str
-    order: int = 0
-    closed: bool = False
-    vacated: bool = False   # closed with leave=False: kept, unseen, until a bar takes its place (the row keeps its height)
-
-
-@dataclass
-class _RankState:
-    rank: int
-    state: str = "starting"
-    bars: dict = field(default_factory=dict)      # bar id -> BarState, on screen now
-    latest: str = ""                              # the latest *printed* line
-    failure: str = ""
-    lines: deque = field(default_factory=deque)
-    count: int = 0
-    pane_dirty: bool = False
-    bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
-    head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
-    seqs: deque = field(default_factory=deque)    # each of ``lines``' arrival window (RunView._window)
-    node: str = ""                                # the node it runs on (one kernel driving every node)
-    phase: str = ""                               # what its cell is busy with ("importing accelerate"), ev.Phase
-    expected: bool = False                        # a row shown before the run started (:meth:`RunView.expect`)
-    usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
-    peak_rss: int = 0
-    peak_gpu: Optional[int] = None
-
-    def latest_printed(self) -> str:
-        """The newest line the rank printed: not a finished bar's final line
-        (the row shows the bar itself)."""
-        for line in reversed(self.lines):
-            if line not in self.bar_lines:
-                return line
-        return ""
-
-    def shown_bars(self, slots: bool = False) -> list:
-        """The bars on screen; with ``slots``, the places of inner bars between
-        two epochs' too (a row keeps its height while the next one starts)."""
-        return sorted((b for b in self.bars.values() if slots or not b.vacated), key=lambda b: (b.pos, b.order))
-
-
-def _bar_html(bar: BarState, color: str, hidden: bool = False) -> str:
-    if bar.vacated or hidden:   # holds the place: the same height, nothing shown
-        return _el("div", "bar", _el("div", "track", "") + _el("span", "bartext", "&nbsp;"), "visibility:hidden")
-    width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
-    fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
-    return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
-               + _el("span", "bartext", html.escape(clip(bar.text, 300, keep="tail")),
-                     attrs=f" title='{html.escape(clip(bar.text, 300, keep='tail'), quote=True)}'"))
-
-
-def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
-    """The rank's resources: now (CPU, memory, GPU memory) while it runs, its
-    peaks in the record; "behind" when it is far behind the others' progress."""
-    parts = []
-    if final and s.peak_rss:
-        parts.append(f"peak {bytes_text(s.peak_rss)}" + (f", GPU {bytes_text(s.peak_gpu)}" if s.peak_gpu is not None else ""))
-    elif not final and s.usage is not None:
-        cpu, rss, gpu, busy = s.usage
-        parts.append(f"cpu {cpu:.0f}% &middot; {bytes_text(rss)}" + (f" &middot; GPU {bytes_text(gpu)}" if gpu is not None else "")
-                     + (f" {busy}% busy" if busy is not None else ""))
-    if behind:
-        parts.append("<b style='color:#ff7f0e'>behind</b>")
-    return _el("span", "usage", " &middot; ".join(parts)) if parts else ""
-
-
-def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
-    color = STATE_COLORS.get(s.state, "#888")
-    bars = "".join(_bar_html(b, color) for b in s.shown_bars(slots=not final))
-    latest = s.failure or s.latest
-    busy = "" if final or latest or s.state not in ("running", "starting") else s.phase
-    shown = clip(latest, 300, keep="head" if s.failure else "tail")   # an error's type leads it
-    where = f" &middot; {html.escape(s.node)}" if s.node else ""
-    return _el("div", "row",
-               _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
-               + _usage_html(s, final, behind)
-               + (_el("div", "bars", bars) if bars else "")
-               + (_el("span", "latest", html.escape(busy + " …"), "font-style:italic",
-                      attrs=" title='what the rank is busy with before it prints'") if busy else "")
-               # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
-               # a failure's line wraps, whole: an error cut by the window's width lost its type's name
-               + (_el("span", "latest", html.escape(shown),
-                      "white-space:normal;overflow-wrap:break-word" if s.failure else "",
-                      attrs=f" title='{html.escape(shown, quote=True)}'") if latest else ""))
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
+from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, PANE_INTERVAL, STATE_COLORS, STATE_ORDER,
+                   STYLE, BarState, RankState, bar_html, el, parse_progress, plural, pre, row_html)
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
@@ -211,7 +52,7 @@ class RunView:
         self.interval = interval
         self.pane_interval = pane_interval
         self.log_dir = log_dir
-        self.ranks: dict[int, _RankState] = {}
+        self.ranks: dict[int, RankState] = {}
         self._window = 0   # pane refreshes so far: lines arriving between two are one window (the merged pane)
         self.status = "starting"
         self.world = ""
@@ -256,9 +97,9 @@ class RunView:
         if time.monotonic() - self._last_refresh >= self.interval:
             self.refresh()
 
-    def _rank(self, rank: int) -> _RankState:
+    def _rank(self, rank: int) -> RankState:
         if rank not in self.ranks:
-            self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines),
+            self.ranks[rank] = RankState(rank, lines=deque(maxlen=self.max_lines),
                                           seqs=deque(maxlen=self.max_lines))
             if len(self.ranks) > COMPACT_RANKS and not self.compact:
                 self._go_compact()
@@ -273,7 +114,7 @@ class RunView:
         self.fold.add_class("accel-magics-fold")
         self.widget.children = (self.header, self.rows, self.tabs, self.fold)
 
-    def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str,
+    def _set_bar(self, state: RankState, key, pos: int, fraction: Optional[float], text: str,
                  n: Optional[float] = None, total: Optional[float] = None, closed: bool = False) -> None:
         if n is None and fraction is not None:
             n, total = fraction * 100, 100
@@ -293,7 +134,7 @@ class RunView:
         nodes = f"node {e.node_rank} of {e.num_nodes}" if e.num_nodes > 1 else "1 node"
         if getattr(e, "nodes", None):
             nodes = f"{e.num_nodes} nodes ({e.placement()})"
-        self.world = (f"{_plural(len(e.ranks), 'rank')} on {nodes} "
+        self.world = (f"{plural(len(e.ranks), 'rank')} on {nodes} "
                       f"(world size {e.world_size}; ranks {e.ranks[0]}-{e.ranks[-1]}), "
                       f"master {e.master_addr}:{e.master_port}")
         self.attempt = f"attempt {e.attempt + 1} of {e.max_restarts + 1}" if e.max_restarts else ""
@@ -435,10 +276,10 @@ class RunView:
         if not self.compact:
             return self._every_html(final, behind)
         return self._aggregate_html(final, behind) + "".join(
-            _row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
+            row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
 
     def _every_html(self, final: bool, behind: set) -> str:
-        return "".join(_row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
+        return "".join(row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
 
     def attention(self, behind: set) -> list[int]:
         """The ranks the compact form shows on their own: failed (the root
@@ -468,11 +309,11 @@ class RunView:
             groups += "".join(f" &middot; <i>{html.escape(phase)}</i> {rank_runs(ranks)}" for phase, ranks in busy.items())
         usage = self._peak_text() if final else self._usage_now_text()
         bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"], final)
-        return _el("div", "aggregate",
-                   _el("span", "label", f"<b>{_plural(len(self.ranks), 'rank')}</b>")
-                   + _el("span", "groups", groups)
-                   + (_el("span", "usage", usage) if usage else "")
-                   + (_el("div", "bars", bars) if bars else ""))
+        return el("div", "aggregate",
+                   el("span", "label", f"<b>{plural(len(self.ranks), 'rank')}</b>")
+                   + el("span", "groups", groups)
+                   + (el("span", "usage", usage) if usage else "")
+                   + (el("div", "bars", bars) if bars else ""))
 
     def _extreme_bars_html(self, color: str, final: bool = False) -> str:
         """The slowest and the fastest rank's outer bar (one bar when all are
@@ -489,10 +330,10 @@ class RunView:
         fast = max(outer, key=lambda r: (outer[r].fraction, -r))
         if outer[slow].fraction < outer[fast].fraction:
             picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
-            return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+            return "".join(bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
         # All level: no one rank's times and rate stand for the others'
         level = BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}")
-        return _bar_html(level, color) + ("" if final or len(self.ranks) < 2 else _bar_html(level, color, hidden=True))
+        return bar_html(level, color) + ("" if final or len(self.ranks) < 2 else bar_html(level, color, hidden=True))
 
     def _usage_now_text(self) -> str:
         now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
@@ -567,12 +408,12 @@ class RunView:
         all_pane = self._pane("all", "all ranks")
         if self._all_dirty:
             self._all_dirty = False
-            all_pane.value = _pre(self.merged_lines())
+            all_pane.value = pre(self.merged_lines())
         for rank in sorted(r for r, s in self.ranks.items() if not s.expected):
             pane, state = self._pane(rank, f"rank {rank}"), self.ranks[rank]
             if state.pane_dirty:
                 state.pane_dirty = False
-                pane.value = _pre(state.lines)
+                pane.value = pre(state.lines)
 
     def merged_lines(self) -> list[str]:
         """The "all ranks" pane: the newest lines, each rank with a fair share
@@ -642,19 +483,19 @@ class RunView:
         where = ""
         if stacks:
             title, _, body = stacks.partition("\n")
-            where = f"<details open><summary>{html.escape(title.strip('- '))}</summary>{_pre(body.splitlines())}</details>"
+            where = f"<details open><summary>{html.escape(title.strip('- '))}</summary>{pre(body.splitlines())}</details>"
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
                 f"{self._rows_html(final=True)}{every}{where}{''.join(details)}</div>")
 
     @staticmethod
-    def _same_key(s: _RankState) -> tuple:
+    def _same_key(s: RankState) -> tuple:
         """What must match for ranks to share a block: their lines, a finished
         bar's line compared without its times (ranks' rates always differ)."""
         def key(lines):
             return tuple(without_times(line) if line in s.bar_lines else line for line in lines)
         return s.count, key(s.head), key(s.lines)
 
-    def _output_html(self, ranks: list[int], s: _RankState) -> str:
+    def _output_html(self, ranks: list[int], s: RankState) -> str:
         """One block of the record: the output of ``ranks``, which printed the
         same lines (``s`` is one of them)."""
         head, tail = list(s.head), list(s.lines)
@@ -670,16 +511,13 @@ class RunView:
             same = ", the same on each" + ("" if exact else f" but for their bars' times; these are rank {ranks[0]}'s")
         opened = " open" if s.count <= OPEN_RECORD_LINES else ""
         where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
-        gap = (f"<div style='{STYLE['muted']};{_MONO}'>... {_plural(left_out, 'line')} left out{where} ...</div>"
+        gap = (f"<div style='{STYLE['muted']};{MONO}'>... {plural(left_out, 'line')} left out{where} ...</div>"
                if left_out else "")
-        body = (_pre(head) + gap + _pre(tail)) if left_out else _pre(head + tail)
-        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({_plural(s.count, 'line')}{shown}{same})"
+        body = (pre(head) + gap + pre(tail)) if left_out else pre(head + tail)
+        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({plural(s.count, 'line')}{shown}{same})"
                 f"</summary>{body}</details>")
 
 
 def _html_widget() -> w.HTML:
     return w.HTML(layout=w.Layout(display="block"))
 
-
-def _pre(lines) -> str:
-    return _el("pre", "pre", html.escape("\n".join(lines)))
