@@ -149,3 +149,13 @@ def test_eight_real_ranks_over_a_coarse_outer_bar_never_flip_and_the_view_keeps_
     shapes = {(v.count("class='accel-magics-row'"), v.count("class='accel-magics-bar'")) for v in live
               if "behind</b>" not in v}
     assert len(shapes) == 1, shapes
+
+
+def test_one_rank_ahead_makes_no_one_else_behind():
+    behind = Behind()
+    for step in range(60):
+        t = step * 0.5
+        behind.bar(t, 0, 1, 0, 2 * step, 1000, False)   # twice as fast as the others
+        for rank in (1, 2):
+            behind.bar(t, rank, 1, 0, step, 1000, False)
+    assert behind.judge(30.0) == set()

@@ -104,7 +104,7 @@ class Behind:
             i = bisect.bisect_right(other.places, here)
             if i < len(other.places):
                 past.append(other.times[i])
-        need = max(1, len(self.ranks) // 2)
+        need = len(self.ranks) - len(self.ranks) // 2   # the upper median is past it: one fast rank is no reason
         if len(past) < need:
             return 0.0
         return max(0.0, now - sorted(past)[need - 1])
