@@ -11,6 +11,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from accel_magics.kernel_ext.clip import clip
 from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                                    RunInterrupted, RunStopped, SessionLostError, WaitStopped)
@@ -54,7 +55,9 @@ class BackgroundCell:
             raise error
         result = self._run.result
         try:
-            return self._deliver(result)
+            value = self._deliver(result)
+            print(self._done_line(result, value))
+            return value
         finally:
             # The values are the notebook's now: the handle (kept in Out[N])
             # must not keep them alive after a `del` (a 1 GB tensor stayed).
@@ -66,6 +69,20 @@ class BackgroundCell:
                     except TypeError:   # no weak reference to it (a list): kept, as any value
                         pass
                 result.returns.clear()
+
+    def _done_line(self, result, value) -> str:
+        """What ``wait()`` says of a run that succeeded: its time, the names it
+        assigned, whether a value is returned (shown as the cell's ``Out``)."""
+        took = f"{(self._run.ended or self._run.started) - self._run.started:.1f}s"
+        said = []
+        names = list(result.returns) or self._handed
+        if names:
+            said.append(f"assigned {', '.join(names)} in the notebook")
+        if value is not None:
+            said.append(f"returns rank 0's value ({type(value).__name__}), shown below")
+        if not said:
+            said.append("nothing to return (no --return names, and its last line is not an expression with a value)")
+        return f"{self.label} done in {took}: " + "; ".join(said)
 
     def stop(self) -> None:
         """Stop the run as the stop button would (stacks, then every rank
@@ -167,4 +184,4 @@ class BackgroundCell:
 
 
 def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+    return clip(text, limit)

@@ -31,7 +31,7 @@ from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
 
 from .background_stop import BackgroundStops
 from .node_lines import other_node_lines
-from .presenter import Presenter
+from .presenter import Presenter, expected_ranks
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # IPython's history variables (_, __, _5, _i5, _ih, ...): the frontend's, never shipped.
@@ -344,9 +344,12 @@ class DistributedMagics(Magics):
         # since they save the state of every widget ever opened, closed or not.
         interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
         try:
+            given = {**self.defaults, **{k: v for k, v in vars(args).items() if v is not None}}
             return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
                              launcher_ready=bool(self.launcher.info), interactive=interactive,
-                             background=background, note=note, context=context)
+                             background=background, note=note, context=context,
+                             expected=expected_ranks(*(given.get(k) for k in (
+                                 "num_processes", "num_nodes", "node_rank", "config_file"))))
         except KeyboardInterrupt:   # the first widget cell of a kernel imports ipywidgets
             if mode == "text":
                 raise RunInterrupted.before_start("the stop came while the cell's view was being made") from None

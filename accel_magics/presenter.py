@@ -40,7 +40,7 @@ def widgets_available() -> bool:
 class Presenter:
     def __init__(self, mode: str, in_kernel: bool, label: str, started: Optional[float] = None,
                  launcher_ready: bool = True, interactive: bool = True, background: bool = False,
-                 note: str = "", context: str = "") -> None:
+                 note: str = "", context: str = "", expected: tuple = ()) -> None:
         if mode == "auto":
             mode = "widget" if in_kernel and interactive and widgets_available() else "text"
         if mode == "widget" and not in_kernel:
@@ -51,6 +51,7 @@ class Presenter:
         self.record = RunRecord(log_dir)
         self.view = None
         self.text = None
+        self.expected: tuple = ()
         if mode == "widget":
             from IPython.display import display
             from accel_magics.widgets.progress_view import RunView
@@ -58,6 +59,8 @@ class Presenter:
             self.view = RunView(log_dir=log_dir, started=started)
             if not launcher_ready:   # the first cell waits for it (torch import): say so at once
                 self.view.note = "starting the launcher (it imports torch, once per kernel)"
+                self.expected = tuple(expected)   # its ranks' rows, waiting for it
+                self.view.expect(self.expected, "waiting for the launcher")
             if note:
                 self.view.note = note
             self.view.context = context
@@ -97,9 +100,17 @@ class Presenter:
         else:
             self.text(event)
 
-    def tick(self) -> None:
+    def tick(self, phase: Optional[str] = None) -> None:
         """The cell waits (for the launcher, for the session's turn): the view's
-        elapsed time moves on, so slow can be told from stuck."""
+        elapsed time moves on, so slow can be told from stuck; ``phase``: what
+        the launcher does now ("importing torch"), said in the view."""
+        if phase:
+            note = f"starting the launcher (once per kernel): {phase}"
+            if self.view is not None:
+                self.view.note = note
+                self.view.expect(self.expected, f"waiting for the launcher: {phase}")
+            else:
+                self.live.write([f"[accel_magics] {note}"])
         self(ev.Heartbeat())
 
     def not_started(self, exc: BaseException) -> None:
@@ -151,3 +162,13 @@ class Presenter:
             if text:   # a quiet run adds nothing (and costs no flush round trip)
                 sys.stdout.write(text)
                 sys.stdout.flush()
+
+
+def expected_ranks(num_processes, num_nodes, node_rank, config_file=None) -> tuple:
+    """The ranks this node's run will have, where the cell's flags or the
+    defaults say it before the launcher has counted the GPUs; () where they
+    do not (the default is every GPU) or an Accelerate config file decides."""
+    if not num_processes or config_file is not None:
+        return ()
+    node = (node_rank or 0) if (num_nodes or 1) > 1 else 0
+    return tuple(range(node * num_processes, (node + 1) * num_processes))

@@ -279,10 +279,12 @@ class SessionMagics(Magics):
               f"{len(session.owned)} name(s) of its own")
         if session.owned:   # what is in the ranks' memory, as rank 0 last had it
             width = max(len(name) for name in session.owned)
-            print(f"  {'name':<{width}}  {'type':<28} {'size':>9}  set by")
+            kinds = {name: session.kinds.get(name, ("?", None)) for name in session.owned}
+            wide = max(len("type"), *(len(kind) for kind, _ in kinds.values()))   # a type name is never cut
+            print(f"  {'name':<{width}}  {'type':<{wide}} {'size':>9}  set by")
             for name in sorted(session.owned):
-                kind, size = session.kinds.get(name, ("?", None))
-                print(f"  {name:<{width}}  {kind[:28]:<28} {bytes_text(size):>9}  {session.owned[name]}")
+                kind, size = kinds[name]
+                print(f"  {name:<{width}}  {kind:<{wide}} {bytes_text(size):>9}  {session.owned[name]}")
         nodes = any(row.get("node") for row in rows)   # a session on several nodes: where each rank is
         print(f"{'rank':>4}  " + (f"{'node':<8} " if nodes else "") +
               f"{'pid':>7}  {'state':<9} {'RSS':>9}  {'GPU mem':>9}  cell")

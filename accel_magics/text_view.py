@@ -119,6 +119,13 @@ class TextView:
                 f"[accel_magics] {why}restarting the whole group: attempt {e.attempt + 1} of {e.max_restarts + 1}"
             ])
 
+    def on_Phase(self, e: ev.Phase) -> None:
+        """What a quiet rank is busy with ("importing accelerate"), once per
+        change; only in a live display the record replaces (a terminal's or a
+        script's output keeps what the ranks printed, nothing timing-dependent)."""
+        if e.text and self.live.keeps_record:
+            self.live.write([f"[rank {e.rank}] ({e.text})"])
+
     def on_Output(self, e: ev.Output) -> None:
         prefix = f"[rank {e.rank}] "
         keep = getattr(self.live, "max_lines", None)   # a display shows only its last lines

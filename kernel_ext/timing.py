@@ -98,6 +98,15 @@ AGENT_LOST_AFTER = 5.0    # without the kernel's connection this long, an agent 
 AGENT_IDLE_POLL = 0.2     # an agent's poll while nothing happens
 AGENT_SEND_WAIT = 0.5     # a cell or stop to its node's session supervisor: taken at once, or the supervisor is gone
 
+# -- the progress view (kernel_ext/kernel/behind.py) -------------------------------------
+# A rank is "behind" when most ranks were where it is now this long ago: at
+# least BEHIND_LAG seconds and BEHIND_SHARE of the time the bars have run;
+# it stops being behind below half of that.  Ranks of one DDP job are at most a
+# step apart; ranks 0.15 s apart read 25% apart on a 4-step bar for 0.15 s at
+# each epoch boundary, which is nothing a person can act on.
+BEHIND_LAG = 2.0
+BEHIND_SHARE = 0.1
+
 
 def check_order() -> list[str]:
     """The relations the ladders need, each as (holds, why); the ones that do not hold."""

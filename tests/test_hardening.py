@@ -989,14 +989,23 @@ def test_a_busy_rank_after_its_peers_finished_is_not_a_stall(clean_kernel):
 
 
 def test_a_timeout_shows_native_frames(clean_kernel):
-    """Item 0: the timeout's stack showed only '<%%distributed In[8]>, line 2'."""
+    """Item 0: the timeout's stack showed only '<%%distributed In[8]>, line 2'.
+    Issue 45: it leads with the cell's frames, as the interrupt's stacks read
+    (py-spy's order put the cell's line last of eight); the native frames
+    follow, folded into a line that names the innermost one."""
     k = clean_kernel
     k.ok(STUCK_IN_NATIVE)
-    res = k.run("%%distributed -n 2 --output text --timeout 3\nwait_in_native_code()\n", timeout=60)
+    res = k.run("%%distributed -n 2 --output text --timeout 3\ndef inner():\n    wait_in_native_code()\ninner()\n",
+                timeout=60)
     assert res.error["ename"] == "DistributedTimeoutError", res.error_text
     for rank in ("rank 0:", "rank 1:"):
-        stack = res.error_text.split(rank, 1)[1]
-        assert "pause" in stack and "wait_in_native_code" in stack
+        stack = res.error_text.split(rank, 1)[1].split("\nrank ", 1)[0]
+        lines = [line.strip() for line in stack.strip().splitlines()]
+        assert lines[0] == "the cell's thread:", stack
+        assert lines[1].endswith("line 3, in wait_in_native_code") and lines[2].startswith("ctypes.PyDLL(None).pause()")
+        assert lines[3].endswith("line 3, in inner") and lines[4] == "wait_in_native_code()"
+        assert lines[5].endswith("line 4, in <module>") and lines[6] == "inner()"
+        assert re.fullmatch(r"\.\.\. \d+ native frames \(innermost: pause in libc\.so\.6\)", lines[7]), stack
 
 
 def test_a_killed_kernel_leaves_no_launcher_directory():

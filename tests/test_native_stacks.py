@@ -365,3 +365,72 @@ def test_a_long_cpp_frame_is_folded_to_a_line_a_person_reads():
     assert native_stacks.trim(f'Thread 1 (idle): "MainThread"\n{pybind}\n{loop}\n') == (
         'Thread 1 (idle): "MainThread"\n    pybind11::cpp_function::initialize<...>::_FUN (libtorch_python.so)\n'
         '    c10d::ProcessGroupGloo::runLoop(...) (libtorch_cpu.so)\n')
+
+
+# Recorded (py-spy 0.4, trimmed): a --timeout stop of a rank paused in C under
+# two notebook functions, and its interpreter's idle native-only thread.
+PAUSED_UNDER_TWO_CELLS = """Thread 14526 (idle): "MainThread"
+    pause (libc.so.6)
+    ffi_call (libffi.so.8.1.2)
+    _call_function_pointer (callproc.c:943)
+    _ctypes_callproc (callproc.c:1262)
+    PyCFuncPtr_call (_ctypes.c:4201)
+    wait_in_native_code (Cell In[3]:3)
+    inner (Cell In[4]:4)
+    <module> (Cell In[4]:5)
+Thread 14536 (idle)
+    pthread_cond_timedwait (libc.so.6)
+    thread_run (libpython3.11.so.1.0)
+"""
+
+
+def test_a_native_dump_leads_with_the_cells_frames_and_folds_the_native_ones():
+    from accel_magics.kernel_ext.supervisor.native_text import readable
+    sources = {"Cell In[3]": "import ctypes\ndef wait_in_native_code():\n    ctypes.PyDLL(None).pause()\n",
+               "Cell In[4]": "import time\ndef inner():\n    x = 1\n    wait_in_native_code()\ninner()\n"}
+    assert readable(PAUSED_UNDER_TWO_CELLS, sources) == (
+        "the cell's thread:\n"
+        '  File "Cell In[3]", line 3, in wait_in_native_code\n'
+        "    ctypes.PyDLL(None).pause()\n"
+        '  File "Cell In[4]", line 4, in inner\n'
+        "    wait_in_native_code()\n"
+        '  File "Cell In[4]", line 5, in <module>\n'
+        "    inner()\n"
+        "  ... 5 native frames (innermost: pause in libc.so.6)\n"
+        "(+ 1 other thread in native code only)\n")
+
+
+def test_the_cells_thread_comes_first_and_a_collective_is_named_in_the_fold():
+    from accel_magics.kernel_ext.supervisor.native_text import readable
+    pin_first = IN_A_COLLECTIVE.split("Thread 2470")[1]
+    dump = "Thread 2470" + pin_first + "    worker (torch/utils/data/_utils/pin_memory.py:52)\n" + \
+        IN_A_COLLECTIVE.split("Thread 2470")[0]
+    shown = readable(dump).splitlines()
+    assert shown[0] == "the cell's thread:"
+    assert shown[1] == '  File "torch/distributed/distributed_c10d.py", line 3252, in all_reduce'
+    assert shown[2] == '  File "<%%distributed In[6]>", line 5, in <module>'
+    assert shown[3] == ("  ... 5 native frames (innermost: pthread_cond_wait in libc.so.6; "
+                        "waiting in c10d::Work::wait in libtorch_cpu.so)")
+    # a library's thread: one line, as the stop button's stacks say it
+    assert shown[4:] == ["(+ 1 other thread in no notebook cell: _utils/pin_memory.py worker)"]
+    with_a_cell = dump.replace("worker (torch/utils/data/_utils/pin_memory.py:52)", "loop (Cell In[2]:3)")
+    shown = readable(with_a_cell).splitlines()
+    assert shown[4:] == ['thread "Thread-1 (pin_memory)":', '  File "Cell In[2]", line 3, in loop',
+                         "  ... 1 native frame (innermost: pthread_cond_wait in libc.so.6)"]
+
+
+def test_a_dump_with_no_thread_title_is_still_read():
+    from accel_magics.kernel_ext.supervisor.native_text import readable
+    assert readable("    clock_nanosleep (libc.so.6)\n    <module> (Cell In[2]:1)\n") == (
+        "the cell's thread:\n  File \"Cell In[2]\", line 1, in <module>\n"
+        "  ... 1 native frame (innermost: clock_nanosleep in libc.so.6)\n")
+
+
+def test_a_dump_with_no_python_frame_is_shown_as_it_came():
+    """gdb's dump (no py-spy) names no Python frame: nothing to lead with, and
+    folding would hide every frame it has."""
+    from accel_magics.kernel_ext.supervisor.native_text import readable
+    gdb = ("Thread 1 (Thread 0x7f3c1a2b3740 (LWP 4242) \"python\"):\n"
+           "#0  0x00007f3c1a4e5c3f in __GI___clock_nanosleep () from /lib/x86_64-linux-gnu/libc.so.6\n"
+           "#1  0x000055d1c0a1b2c3 in pysleep () at ./Modules/timemodule.c:2159\n")
+    assert readable(gdb) == gdb

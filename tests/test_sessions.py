@@ -193,7 +193,8 @@ def test_status_lists_the_sessions_names_with_type_and_size(session):
     assert "on the session: its cell 1" in "".join(str(m["content"]) for m in res.messages)
     status = k.ok("%distributed_session status").stdout
     assert "4 name(s) of its own" in status and re.search(r"  torch +module +- +In", status), status
-    assert re.search(r"  model +torch\.nn\.modules\.linear\.L.* +3\.9 kB +In\[\d+\]", status), status
+    # Whole (issue 45: it was cut at 28 characters, "torch.nn.modules.linear.Line")
+    assert re.search(r"  model +torch\.nn\.modules\.linear\.Linear +3\.9 kB +In\[\d+\]", status), status
     assert re.search(r"  x +torch\.Tensor +3\.9 kB +In\[\d+\]", status), status
     assert re.search(r"  steps +int +- +In\[\d+\]", status), status
     ok_cell(k, "del x")
@@ -486,7 +487,10 @@ def test_a_background_cell_returns_at_once_and_the_notebook_stays_usable(clean_k
     k.ok("h = _")
     assert k.ok("2 + 2").result == "4"                 # ordinary cells run meanwhile
     assert k.ok("h.done(), h.status").result == "(False, 'running')"
-    assert k.ok("h.wait()").result == "'value of rank 0'"
+    waited = k.ok("h.wait()")
+    assert waited.result == "'value of rank 0'"
+    assert re.fullmatch(r"In\[\d+\] done in \d+\.\ds: assigned total in the notebook; returns rank 0's value "
+                        r"\(str\), shown below\n", waited.stdout), waited.stdout
     assert time.monotonic() - started >= 6
     assert k.ok("total, h.returned, h.status").result == "(2.0, ['total'], 'done')"
     assert "done in" in k.ok("repr(h)").result and "returned total" in k.ok("repr(h)").result
@@ -635,6 +639,20 @@ def test_stopping_or_restarting_the_session_leaves_a_one_shot_background_run_alo
     assert k.ok("h.wait(60)", timeout=90).result == "'survived'"
 
 
+def test_wait_says_what_a_run_that_returned_no_value_did(clean_kernel):
+    """Issue 45: `h.wait()` after a run whose last line is not an expression
+    showed nothing at all, as if it had not waited."""
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text --return x,y\nx = 5\ny = [1, 2]")
+    res = k.ok("h = _\nh.wait()")
+    assert res.result is None and re.fullmatch(r"In\[\d+\] done in \d+\.\ds: assigned x, y in the notebook\n",
+                                               res.stdout), res.stdout
+    assert k.ok("x, y").result == "(5, [1, 2])"
+    k.ok("%%distributed -n 2 --background --output text\nprint('hi')")
+    res = k.ok("h = _\nh.wait()")
+    assert res.result is None and "done in" in res.stdout and "nothing to return" in res.stdout, res.stdout
+
+
 def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
     k = clean_kernel
     k.ok("%%distributed -n 2 --background --output text\nimport os, time\n"
@@ -643,7 +661,7 @@ def test_a_failing_background_run_raises_its_root_cause_at_wait(clean_kernel):
     res = k.run("h.wait(timeout=30)")
     assert res.error["ename"] == "DistributedRunError", res.error_text
     assert res.error["evalue"].startswith("rank 1 failed: KeyError: 'missing column'")
-    assert "--- rank 1 traceback (root cause) ---" in res.error_text
+    assert "--- rank 1 traceback (root cause) ---" in res.error_text and "done in" not in res.stdout
     assert k.ok("h.status").result == "'failed'" and "failed after" in k.ok("repr(h)").result
 
 

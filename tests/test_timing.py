@@ -56,5 +56,7 @@ def test_the_readmes_numbers_are_the_modules():
     assert f"within {timing.AGENT_LOST_AFTER:g} s of a kernel killed with" in README
     assert f"if they all come back within {timing.RECALL_WAIT:g} s" in README
     assert f"optimizer step within {timing.FORCE_AFTER:g} s" in README
+    tenth = {0.1: "a tenth"}[timing.BEHIND_SHARE]
+    assert f"at least {timing.BEHIND_LAG:g} s and {tenth} of the run ago" in README
     assert f"runs its `atexit` handlers (a checkpoint writer finishes, wandb marks the run failed), at most " \
            f"{timing.RANK_GRACE:g} s before it is killed" in README

@@ -299,12 +299,15 @@ def test_each_rank_row_shows_its_resources_and_the_record_its_peaks():
     from accel_magics.kernel_ext.kernel import events as ev
     from accel_magics.widgets.progress_view import RunView
 
-    view = RunView()
+    clock = [0.0]
+    view = RunView(clock=lambda: clock[0])
     mb = 1 << 20
     view(ev.Resources({0: (97.5, 600 * mb, None), 1: (12.0, 300 * mb, None)}))
     view(ev.Resources({0: (99.0, 512 * mb, None, None), 1: (100.0, 310 * mb, 2048 * mb, 87)}))
-    view(ev.Bar(0, 1, 0, "epoch", 9, 10, "9/10", True, False))
-    view(ev.Bar(1, 1, 0, "epoch", 3, 10, "3/10", True, False))
+    for step in range(10):   # rank 0 a step a second, rank 1 stuck at 3 since the 3rd: 5 s behind
+        clock[0] = float(step)
+        view(ev.Bar(0, 1, 0, "epoch", step, 10, f"{step}/10", True, False))
+        view(ev.Bar(1, 1, 0, "epoch", min(step, 3), 10, f"{min(step, 3)}/10", True, False))
     for rank in (0, 1):
         view._rank(rank).state = "running"
     rows = view._rows_html()

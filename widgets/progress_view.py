@@ -22,181 +22,37 @@ behind), and every rank's row and pane folded away, opened on demand in the
 browser (the kernel is busy while a cell runs: nothing on demand may need
 it).  The record folds ranks whose output is the same ("ranks 1-7 output").
 
+The rows' HTML (styles, a rank's state, its row) is :mod:`widgets.rows`.
 This module imports ipywidgets and, from the engine, only how an amount of
 memory and a set of ranks are written (``events.bytes_text``,
-``events.ranks_label``) and when ranks are many; events are duck-typed by class name.
+``events.ranks_label``), when ranks are many, and which are behind
+(``behind.Behind``, judged on time); events are duck-typed by class name.
 """
 from __future__ import annotations
 
 import html
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 import ipywidgets as w
 
+from accel_magics.kernel_ext.kernel.behind import Behind
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
-STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
-                "stopped": "#ff7f0e", "waiting": "#888"}
-
-PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
-OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many lines, collapsed beyond
-
-# Every style is inline, in values the notebook sanitizers keep: an untrusted
-# notebook (opened from git, by a colleague, on another server) loses
-# <style> elements and CSS variables, and a record styled by them fell apart.
-# Theme-aware without variables: text colour is inherited, muted text is
-# translucent and the bar track is a translucent grey, so light and dark
-# themes both read.  Nothing has a fixed width; rows wrap.
-_MONO = "font-family:monospace;font-size:12px"
-STYLE = {
-    "row": "display:flex;flex-wrap:wrap;align-items:center;gap:2px 10px;margin:1px 0;font-size:13px;line-height:1.45",
-    "label": "flex:0 0 auto;min-width:8.5em;white-space:nowrap",
-    "bars": "flex:3 1 300px;min-width:160px;max-width:640px",
-    "bar": "display:flex;align-items:center;gap:6px;min-width:0",
-    "track": ("flex:0 0 auto;width:30%;min-width:60px;max-width:160px;height:9px;border-radius:2px;"
-              "background-color:rgba(128,128,128,0.3);overflow:hidden"),
-    "fill": "height:100%",
-    # A bar's text and the latest line are cut with an ellipsis where there is
-    # no room (a narrow window), whole in their tooltips (and the pane).
-    "bartext": f"flex:1 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO}",
-    "latest": (f"flex:2 1 160px;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;{_MONO};"
-               "opacity:0.75"),
-    # word-break:normal: JupyterLab's output CSS breaks <pre> lines anywhere ("loss 0.3 | 0").
-    "pre": f"margin:0;padding:0;{_MONO};line-height:1.35;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere",
-    "muted": "opacity:0.75",
-    "usage": f"flex:0 0 auto;white-space:nowrap;{_MONO};opacity:0.75",
-    "groups": "flex:2 1 200px;min-width:0;overflow-wrap:anywhere",
-}
-STYLE["aggregate"] = STYLE["row"]
-ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
-STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
-STRAGGLER_GAP = 0.25   # a rank this far (a fraction of its outer bar) behind most ranks is marked "behind"
-PANE_INTERVAL = 0.4   # the panes re-render at most this often (at 1 s they lagged the rows visibly)
-HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
-
-
-def _el(tag: str, part: str, body: str, extra: str = "", attrs: str = "") -> str:
-    """An element of the view: its class (what tests and users' CSS can
-    select) and its whole style inline (what survives a sanitizer)."""
-    style = STYLE[part] + (";" + extra if extra else "")
-    return f"<{tag} class='accel-magics-{part}' style='{style}'{attrs}>{body}</{tag}>"
-
-
-def parse_progress(text: str) -> Optional[tuple[float, str]]:
-    """(fraction, description) from a tqdm-like carriage-return line, or None.
-
-    Only a tqdm meter (``NN%|...|``) counts: an ``n/m`` in ordinary text
-    ("loading shard 3/4") is not progress.  Linear and bounded: only the
-    line's last ``PROGRESS_TAIL`` characters are read, with string searches.
-    """
-    tail = text[-PROGRESS_TAIL:]
-    bar = tail.rfind("%|")
-    if bar > 0:
-        start = bar
-        while start > 0 and bar - start < 3 and tail[start - 1].isdigit():
-            start -= 1
-        if start < bar and tail.find("|", bar + 2) > 0:
-            head = tail[:start].rstrip()
-            desc = head[:-1].strip() if head.endswith(":") else ""
-            return min(1.0, int(tail[start:bar]) / 100), desc
-    return None
-
-
-@dataclass
-class BarState:
-    """One progress bar of a rank: a tqdm bar, ``accel_magics.progress`` or a
-    carriage-return line that looks like a tqdm meter."""
-    pos: int
-    fraction: Optional[float]
-    text: str
-    order: int = 0
-    closed: bool = False
-
-
-@dataclass
-class _RankState:
-    rank: int
-    state: str = "starting"
-    bars: dict = field(default_factory=dict)      # bar id -> BarState, on screen now
-    latest: str = ""                              # the latest *printed* line
-    failure: str = ""
-    lines: deque = field(default_factory=deque)
-    count: int = 0
-    pane_dirty: bool = False
-    bar_lines: deque = field(default_factory=lambda: deque(maxlen=64))   # final lines of closed bars
-    head: list = field(default_factory=list)      # the first HEAD_LINES lines (the record keeps them)
-    seqs: deque = field(default_factory=deque)    # each of ``lines``' arrival window (RunView._window)
-    node: str = ""                                # the node it runs on (one kernel driving every node)
-    usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
-    peak_rss: int = 0
-    peak_gpu: Optional[int] = None
-
-    def latest_printed(self) -> str:
-        """The newest line the rank printed: not a finished bar's final line
-        (the row shows the bar itself)."""
-        for line in reversed(self.lines):
-            if line not in self.bar_lines:
-                return line
-        return ""
-
-    def shown_bars(self) -> list:
-        return sorted(self.bars.values(), key=lambda b: (b.pos, b.order))
-
-
-def _bar_html(bar: BarState, color: str) -> str:
-    width = 0 if bar.fraction is None else int(round(bar.fraction * 100))
-    fill = _el("div", "fill", "", f"width:{width}%;background-color:{color}") if bar.fraction is not None else ""
-    return _el("div", "bar", _el("div", "track", fill, attrs=f" title='{width}%'")
-               + _el("span", "bartext", html.escape(bar.text[-300:]),
-                     attrs=f" title='{html.escape(bar.text[-300:], quote=True)}'"))
-
-
-def _usage_html(s: _RankState, final: bool, behind: bool) -> str:
-    """The rank's resources: now (CPU, memory, GPU memory) while it runs, its
-    peaks in the record; "behind" when it is far behind the others' progress."""
-    parts = []
-    if final and s.peak_rss:
-        parts.append(f"peak {bytes_text(s.peak_rss)}" + (f", GPU {bytes_text(s.peak_gpu)}" if s.peak_gpu is not None else ""))
-    elif not final and s.usage is not None:
-        cpu, rss, gpu, busy = s.usage
-        parts.append(f"cpu {cpu:.0f}% &middot; {bytes_text(rss)}" + (f" &middot; GPU {bytes_text(gpu)}" if gpu is not None else "")
-                     + (f" {busy}% busy" if busy is not None else ""))
-    if behind:
-        parts.append("<b style='color:#ff7f0e'>behind</b>")
-    return _el("span", "usage", " &middot; ".join(parts)) if parts else ""
-
-
-def _row_html(s: _RankState, final: bool = False, behind: bool = False) -> str:
-    color = STATE_COLORS.get(s.state, "#888")
-    bars = "".join(_bar_html(b, color) for b in s.shown_bars())
-    latest = s.failure or s.latest
-    where = f" &middot; {html.escape(s.node)}" if s.node else ""
-    return _el("div", "row",
-               _el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
-               + _usage_html(s, final, behind)
-               + (_el("div", "bars", bars) if bars else "")
-               # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
-               + (_el("span", "latest", html.escape(latest[-300:]),
-                      attrs=f" title='{html.escape(latest[-300:], quote=True)}'") if latest else ""))
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
+from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, PANE_INTERVAL, STATE_COLORS, STATE_ORDER,
+                   STYLE, BarState, RankState, bar_html, el, parse_progress, plural, pre, row_html)
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
 
     def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = PANE_INTERVAL,
-                 log_dir: str = "", started: Optional[float] = None) -> None:
+                 log_dir: str = "", started: Optional[float] = None, clock=time.monotonic) -> None:
         self.max_lines = max_lines
         self.interval = interval
         self.pane_interval = pane_interval
         self.log_dir = log_dir
-        self.ranks: dict[int, _RankState] = {}
+        self.ranks: dict[int, RankState] = {}
         self._window = 0   # pane refreshes so far: lines arriving between two are one window (the merged pane)
         self.status = "starting"
         self.world = ""
@@ -209,6 +65,8 @@ class RunView:
         self._last_refresh = 0.0
         self._dirty = True
         self._bar_order = 0
+        self.clock = clock   # when bars move: "behind" is judged on time
+        self.behind = Behind()
         self.note = ""      # what happens before the run starts ("starting the launcher")
         self.context = ""   # where it runs, for the whole run ("on the session: its cell 3")
 
@@ -239,9 +97,9 @@ class RunView:
         if time.monotonic() - self._last_refresh >= self.interval:
             self.refresh()
 
-    def _rank(self, rank: int) -> _RankState:
+    def _rank(self, rank: int) -> RankState:
         if rank not in self.ranks:
-            self.ranks[rank] = _RankState(rank, lines=deque(maxlen=self.max_lines),
+            self.ranks[rank] = RankState(rank, lines=deque(maxlen=self.max_lines),
                                           seqs=deque(maxlen=self.max_lines))
             if len(self.ranks) > COMPACT_RANKS and not self.compact:
                 self._go_compact()
@@ -256,8 +114,15 @@ class RunView:
         self.fold.add_class("accel-magics-fold")
         self.widget.children = (self.header, self.rows, self.tabs, self.fold)
 
-    def _set_bar(self, state: _RankState, key, pos: int, fraction: Optional[float], text: str) -> None:
+    def _set_bar(self, state: RankState, key, pos: int, fraction: Optional[float], text: str,
+                 n: Optional[float] = None, total: Optional[float] = None, closed: bool = False) -> None:
+        if n is None and fraction is not None:
+            n, total = fraction * 100, 100
+        if n is not None:
+            self.behind.bar(self.clock(), state.rank, key, pos, n, total, closed)
         if key not in state.bars:
+            for other in [k for k, b in state.bars.items() if b.vacated and b.pos == pos]:
+                del state.bars[other]   # the new bar takes the place its predecessor kept
             self._bar_order += 1
             state.bars[key] = BarState(pos, fraction, text, self._bar_order)
         else:
@@ -269,18 +134,22 @@ class RunView:
         nodes = f"node {e.node_rank} of {e.num_nodes}" if e.num_nodes > 1 else "1 node"
         if getattr(e, "nodes", None):
             nodes = f"{e.num_nodes} nodes ({e.placement()})"
-        self.world = (f"{_plural(len(e.ranks), 'rank')} on {nodes} "
+        self.world = (f"{plural(len(e.ranks), 'rank')} on {nodes} "
                       f"(world size {e.world_size}; ranks {e.ranks[0]}-{e.ranks[-1]}), "
                       f"master {e.master_addr}:{e.master_port}")
         self.attempt = f"attempt {e.attempt + 1} of {e.max_restarts + 1}" if e.max_restarts else ""
         if e.num_nodes > 1:
             self.status = "waiting"
             self.world_note = f"rendezvous at {e.master_addr}:{e.master_port}"
+        for rank in [r for r, s in self.ranks.items() if s.expected and r not in e.ranks]:
+            del self.ranks[rank]   # expected before the run, not among its ranks after all
         for rank in e.ranks:
             state = self._rank(rank)
-            state.state, state.latest, state.failure = "running", "", ""
+            state.expected = False
+            state.state, state.latest, state.failure, state.phase = "running", "", "", ""
             state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
+            self.behind.reset(rank)
 
     def on_Output(self, e) -> None:
         if self.status == "waiting":
@@ -308,12 +177,19 @@ class RunView:
         state = self._rank(e.rank)
         fraction = min(1.0, e.n / e.total) if e.total else None
         text = f"{e.desc + ': ' if e.desc else ''}{e.n:g}{'/%g' % e.total if e.total else ''}"
-        self._set_bar(state, "api", 999, fraction, text)
+        self._set_bar(state, "api", 999, fraction, text, e.n, e.total)
 
     def on_Bar(self, e) -> None:
         state = self._rank(e.rank)
+        if e.closed:
+            for key, bar in list(state.bars.items()):
+                if bar.vacated and bar.pos > e.pos:
+                    del state.bars[key]   # its loop is over: no bar comes to take the place
         if e.closed and not e.leave:
-            state.bars.pop(e.id, None)      # leave=False: gone from the screen, as in a terminal
+            # Gone from the screen, as in a terminal; its place kept until the
+            # next bar at its position (the next epoch's) takes it.
+            self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, True)
+            state.bars[e.id].vacated = True
             return
         if e.closed:
             # Left on screen: its final line arrives in the rank's output (in
@@ -324,11 +200,26 @@ class RunView:
             for key, bar in list(state.bars.items()):
                 if key != e.id and bar.pos == e.pos and getattr(bar, "closed", False):
                     del state.bars[key]
-        self._set_bar(state, e.id, e.pos, e.fraction, e.text)
+        self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, e.closed)
         state.bars[e.id].closed = e.closed
+
+    def expect(self, ranks, phase: str) -> None:
+        """Before the run starts (the first cell waits for the launcher): a
+        row for each rank it will have, saying what they wait for."""
+        for rank in ranks:
+            if rank not in self.ranks:
+                self._rank(rank).expected = True
+            state = self.ranks[rank]
+            if state.expected:
+                state.phase = phase
+        self._dirty = True
+
+    def on_Phase(self, e) -> None:
+        self._rank(e.rank).phase = e.text
 
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
+        self.behind.ended(e.rank)
         if e.failure is not None:
             state.state = "failed"
             state.failure = e.failure.summary
@@ -385,10 +276,10 @@ class RunView:
         if not self.compact:
             return self._every_html(final, behind)
         return self._aggregate_html(final, behind) + "".join(
-            _row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
+            row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
 
     def _every_html(self, final: bool, behind: set) -> str:
-        return "".join(_row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
+        return "".join(row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
 
     def attention(self, behind: set) -> list[int]:
         """The ranks the compact form shows on their own: failed (the root
@@ -410,16 +301,24 @@ class RunView:
         peak in the record)."""
         groups = " &middot; ".join(f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> "
                                    f"{rank_runs(ranks)}" for state, ranks in self.groups(behind).items())
+        if not final:   # what quiet ranks are busy with: "importing accelerate 0-7"
+            busy: dict[str, list[int]] = {}
+            for rank, s in sorted(self.ranks.items()):
+                if s.phase and not s.latest and s.state in ("running", "starting"):
+                    busy.setdefault(s.phase, []).append(rank)
+            groups += "".join(f" &middot; <i>{html.escape(phase)}</i> {rank_runs(ranks)}" for phase, ranks in busy.items())
         usage = self._peak_text() if final else self._usage_now_text()
-        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"])
-        return _el("div", "aggregate",
-                   _el("span", "label", f"<b>{_plural(len(self.ranks), 'rank')}</b>")
-                   + _el("span", "groups", groups)
-                   + (_el("span", "usage", usage) if usage else "")
-                   + (_el("div", "bars", bars) if bars else ""))
+        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"], final)
+        return el("div", "aggregate",
+                   el("span", "label", f"<b>{plural(len(self.ranks), 'rank')}</b>")
+                   + el("span", "groups", groups)
+                   + (el("span", "usage", usage) if usage else "")
+                   + (el("div", "bars", bars) if bars else ""))
 
-    def _extreme_bars_html(self, color: str) -> str:
-        """The slowest and the fastest rank's outer bar (one bar when all are level)."""
+    def _extreme_bars_html(self, color: str, final: bool = False) -> str:
+        """The slowest and the fastest rank's outer bar (one bar when all are
+        level; live, the second one's place is kept: ranks level one moment
+        and apart the next must not make the view jump)."""
         outer = {}
         for rank, s in self.ranks.items():
             bars = [b for b in s.shown_bars() if b.fraction is not None]
@@ -431,10 +330,10 @@ class RunView:
         fast = max(outer, key=lambda r: (outer[r].fraction, -r))
         if outer[slow].fraction < outer[fast].fraction:
             picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
-            return "".join(_bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
+            return "".join(bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
         # All level: no one rank's times and rate stand for the others'
-        return _bar_html(BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}"),
-                         color)
+        level = BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}")
+        return bar_html(level, color) + ("" if final or len(self.ranks) < 2 else bar_html(level, color, hidden=True))
 
     def _usage_now_text(self) -> str:
         now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
@@ -452,19 +351,10 @@ class RunView:
         return f"largest peak: rank {top} {bytes_text(peaks[top])}"
 
     def stragglers(self) -> set:
-        """Ranks still running whose outer bar is far behind most ranks' (a
-        slow GPU, a bigger shard): the row says so.  Measured from the upper
-        median, not the furthest rank: one rank ahead makes no one else a
-        straggler."""
-        outer = {}
-        for rank, s in self.ranks.items():
-            bars = [b for b in s.shown_bars() if b.fraction is not None]
-            if bars and s.state in ("running", "starting"):
-                outer[rank] = bars[0].fraction
-        if len(outer) < 2:
-            return set()
-        most = sorted(outer.values())[len(outer) // 2]
-        return {rank for rank, fraction in outer.items() if most - fraction >= STRAGGLER_GAP}
+        """Ranks still running that most ranks are well ahead of, in time (a
+        slow GPU, a bigger shard): the row says so (``behind.Behind``)."""
+        return {rank for rank in self.behind.judge(self.clock())
+                if rank in self.ranks and self.ranks[rank].state in ("running", "starting")}
 
     def on_Resources(self, e) -> None:
         for rank, sample in e.ranks.items():
@@ -518,12 +408,12 @@ class RunView:
         all_pane = self._pane("all", "all ranks")
         if self._all_dirty:
             self._all_dirty = False
-            all_pane.value = _pre(self.merged_lines())
-        for rank in sorted(self.ranks):
+            all_pane.value = pre(self.merged_lines())
+        for rank in sorted(r for r, s in self.ranks.items() if not s.expected):
             pane, state = self._pane(rank, f"rank {rank}"), self.ranks[rank]
             if state.pane_dirty:
                 state.pane_dirty = False
-                pane.value = _pre(state.lines)
+                pane.value = pre(state.lines)
 
     def merged_lines(self) -> list[str]:
         """The "all ranks" pane: the newest lines, each rank with a fair share
@@ -593,19 +483,19 @@ class RunView:
         where = ""
         if stacks:
             title, _, body = stacks.partition("\n")
-            where = f"<details open><summary>{html.escape(title.strip('- '))}</summary>{_pre(body.splitlines())}</details>"
+            where = f"<details open><summary>{html.escape(title.strip('- '))}</summary>{pre(body.splitlines())}</details>"
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
                 f"{self._rows_html(final=True)}{every}{where}{''.join(details)}</div>")
 
     @staticmethod
-    def _same_key(s: _RankState) -> tuple:
+    def _same_key(s: RankState) -> tuple:
         """What must match for ranks to share a block: their lines, a finished
         bar's line compared without its times (ranks' rates always differ)."""
         def key(lines):
             return tuple(without_times(line) if line in s.bar_lines else line for line in lines)
         return s.count, key(s.head), key(s.lines)
 
-    def _output_html(self, ranks: list[int], s: _RankState) -> str:
+    def _output_html(self, ranks: list[int], s: RankState) -> str:
         """One block of the record: the output of ``ranks``, which printed the
         same lines (``s`` is one of them)."""
         head, tail = list(s.head), list(s.lines)
@@ -621,16 +511,13 @@ class RunView:
             same = ", the same on each" + ("" if exact else f" but for their bars' times; these are rank {ranks[0]}'s")
         opened = " open" if s.count <= OPEN_RECORD_LINES else ""
         where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
-        gap = (f"<div style='{STYLE['muted']};{_MONO}'>... {_plural(left_out, 'line')} left out{where} ...</div>"
+        gap = (f"<div style='{STYLE['muted']};{MONO}'>... {plural(left_out, 'line')} left out{where} ...</div>"
                if left_out else "")
-        body = (_pre(head) + gap + _pre(tail)) if left_out else _pre(head + tail)
-        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({_plural(s.count, 'line')}{shown}{same})"
+        body = (pre(head) + gap + pre(tail)) if left_out else pre(head + tail)
+        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({plural(s.count, 'line')}{shown}{same})"
                 f"</summary>{body}</details>")
 
 
 def _html_widget() -> w.HTML:
     return w.HTML(layout=w.Layout(display="block"))
 
-
-def _pre(lines) -> str:
-    return _el("pre", "pre", html.escape("\n".join(lines)))

@@ -82,6 +82,14 @@ class Progress:
 
 
 @dataclass
+class Phase:
+    """What a rank's cell is busy with, seen once a heartbeat (``rank/startup.py``):
+    "importing accelerate", "in init_process_group"; '' when its own code runs."""
+    rank: int
+    text: str
+
+
+@dataclass
 class Bar:
     """A tqdm bar in a rank (``kernel_ext.rank.rank_bars``): its latest state.
 

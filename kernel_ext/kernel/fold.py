@@ -144,7 +144,7 @@ class RunFold:
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
             RankEvent.PROGRESS: self._rank_progress, RankEvent.NAMES: self._rank_names,
             RankEvent.BAR: self._rank_bar, RankEvent.JOINING: self._rank_joining,
-            RankEvent.JOINED: self._rank_joined,
+            RankEvent.JOINED: self._rank_joined, RankEvent.PHASE: self._rank_phase,
         }
 
     @classmethod
@@ -254,6 +254,9 @@ class RunFold:
         self.assigned.update(event.get("assigned", ()))
         self.deleted.update(event.get("deleted", ()))
         self.kinds.update({name: tuple(kind) for name, kind in event.get("kinds", {}).items()})
+
+    def _rank_phase(self, rank: int, event: dict) -> None:
+        self.emit(ev.Phase(rank, str(event.get("text", ""))))
 
     def _rank_bar(self, rank: int, event: dict) -> None:
         self.emit(ev.Bar(rank, event["id"], event["pos"], event["desc"], event["n"], event["total"],

@@ -146,7 +146,8 @@ class Launcher:
         self.report_keys = report_keys
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
-        self._tick: Optional[Callable[[], None]] = None   # see waiting()
+        self._tick: Optional[Callable[..., None]] = None   # see waiting()
+        self.phase = "starting Python"   # what the launcher does until it is ready
         self.dropped = 0          # messages that failed verification (forged, stale)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.RLock()   # a background run's thread launches too
@@ -168,6 +169,7 @@ class Launcher:
         """Start the launcher process; returns at once (torch loads meanwhile)."""
         if self.proc is not None:
             return
+        self.phase = "starting Python"
         self.dir, self._owner_lock = _private_dir()
         self.pull = None
         try:
@@ -456,7 +458,10 @@ class Launcher:
     def waiting(self, tick: Callable[[], None]):
         """While the block waits for the launcher (the first cell of a kernel:
         it imports torch, seconds), call ``tick()`` a few times a second, so
-        a view's elapsed time moves and slow is told from stuck."""
+        a view's elapsed time moves and slow is told from stuck, and
+        ``tick(phase)`` as the launcher says what it does ("importing torch")."""
+        if tick is not None and not self.info:
+            tick(self.phase)
         self._tick, previous = tick, self._tick
         try:
             yield
@@ -487,6 +492,10 @@ class Launcher:
                 )
             if msg.get("kind") == kind:
                 return msg
+            if msg.get("kind") == "phase":
+                self.phase = str(msg.get("text", ""))
+                if tick is not None:
+                    tick(self.phase)
 
     def session_for(self, key: bytes):
         """The verifying Session, re-keyed per run (building one costs ~1 ms)."""

@@ -146,15 +146,19 @@ class Zygote:
         self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
         self.quiet_since = time.monotonic()        # the last control message, signal or status
 
-    def preload(self, modules) -> dict:
+    def preload(self, modules, phases: bool = False) -> dict:
         """Import ``modules``; returns {file: (mtime_ns, size)} of every module
-        this imported, so the kernel can tell when one changed on disk."""
+        this imported, so the kernel can tell when one changed on disk.
+        ``phases``: say each import to the kernel first (the first cell's view
+        shows what it waits for)."""
         ENV_READS.start()   # on already for the first preload: until ready (see env_reads)
         before = set(sys.modules)
         with self.own_temp_dir():
             for name in modules:
                 if name in sys.modules or name in self.failed_preload:
                     continue
+                if phases:
+                    self.say_phase(f"importing {name}")
                 try:
                     importlib.import_module(name)
                     self.preloaded.append(name)
@@ -253,7 +257,8 @@ class Zygote:
         except (AttributeError, OSError):
             kernel = None
         native_stacks.start_probe()   # ptrace, for native_stacks' guard: while torch imports
-        self.preload(init.get("preload", DEFAULT_PRELOAD))   # recording goes on until ready
+        self.preload(init.get("preload", DEFAULT_PRELOAD), phases=True)   # recording goes on until ready
+        self.say_phase("setting up torch.distributed")
         native_stacks.install()
         if "torch.distributed" in sys.modules:
             from . import dnsfix
@@ -321,6 +326,14 @@ class Zygote:
                         return
         finally:
             self.shutdown()
+
+    def say_phase(self, text: str) -> None:
+        """Before ready: what this process does now, for the first cell's view.
+        A kernel gone meanwhile is found at the ready reply, not here."""
+        try:
+            self.reply({"kind": "phase", "text": text})
+        except OSError:
+            self.outbox = bytearray()   # nothing more goes to a kernel that is gone
 
     def reply(self, obj) -> None:
         """Send ``obj`` to the kernel, in order, never blocking (see outbox)."""

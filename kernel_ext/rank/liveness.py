@@ -84,6 +84,8 @@ DUMP_MAIN = "-- accel_magics: the cell's thread --"
 _MAIN_EDGE = 50   # frames kept at each end of a longer main-thread stack
 
 _main_ident: Optional[int] = None   # the rank's main thread, which runs the cell
+#: Called once a beat, with the GIL (startup.Watcher: what the cell is busy with); never blocks.
+on_beat: Optional[Callable[[], None]] = None
 _current_frames = sys._current_frames   # taken now: a cell that replaces sys's does not change the dump
 try:   # see _write_holding_gil
     _libc_write = ctypes.PyDLL(None, use_errno=True).write
@@ -250,6 +252,11 @@ def _beat(counter, ask_fd: Optional[int], again_fd: int) -> None:
             time.sleep(BEAT_INTERVAL)
         n += 1
         struct.pack_into(_FORMAT, counter, _BEATS, n)
+        if on_beat is not None:
+            try:
+                on_beat()
+            except Exception:   # pragma: no cover - never the end of the heartbeat
+                pass
         if again_fd in ready:
             again = _take(again_fd, again_pipe)
             if again:

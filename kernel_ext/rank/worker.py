@@ -20,6 +20,7 @@ import itertools
 import linecache
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -33,7 +34,7 @@ import cloudpickle
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
 from .. import PACKAGE_DIR, hooks, process_tree
-from . import bounded_traceback, rank_bars, script_end
+from . import bounded_traceback, rank_bars, script_end, startup
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
@@ -89,6 +90,24 @@ def emit(event: dict) -> bool:
             return False
         wire.write_frame(_event_fd, event)
     return True
+
+
+def emit_now(event: dict) -> bool:
+    """:func:`emit`, or nothing when it would wait (another thread is
+    sending, the pipe is full): for the heartbeat thread, which must not block."""
+    if not _emit_lock.acquire(blocking=False):
+        return False
+    try:
+        if _event_fd is None or os.getpid() != _rank_pid:
+            return False
+        poller = select.poll()
+        poller.register(_event_fd, select.POLLOUT)
+        if not poller.poll(0):
+            return False
+        wire.write_frame(_event_fd, event)
+        return True
+    finally:
+        _emit_lock.release()
 
 
 def _emit_last(event: dict) -> None:
@@ -268,7 +287,8 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
-        liveness.install(beat, ask_fd, stack_fd)
+        if liveness.install(beat, ask_fd, stack_fd):
+            liveness.on_beat = startup.Watcher(emit_now, threading.get_ident())
     except BaseException:
         os._exit(1)
     run_rank(spec, local_rank, event_fd, stack_fd, go_fd)

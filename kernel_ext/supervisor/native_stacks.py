@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from .. import PACKAGE_DIR, hooks
+from ..clip import clip
 from ..doctor import probes
 from ..process_tree import descendants, stat_fields
 
@@ -180,7 +181,7 @@ def _fold_templates(line: str) -> str:
                     out.append(ch)
             symbol = "".join(out)
         line = symbol + (sep + module if sep else "")
-    return line if len(line) <= _SYMBOL_CHARS * 2 else line[:_SYMBOL_CHARS * 2] + "..."
+    return clip(line, _SYMBOL_CHARS * 2)
 
 
 def cpu_seconds(pid: int) -> Optional[float]:

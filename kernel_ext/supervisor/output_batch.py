@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ..clip import clip
+
 MAX_LINE_BYTES = 64 * 1024   # an unfinished line longer than this is cut: memory stays bounded
 VIEW_LINE_BYTES = 4096        # the kernel is sent at most this much of any one line
 
@@ -73,9 +75,10 @@ def bound_text(text: str, line_chars: int = VIEW_LINE_BYTES, head: int = 100, ta
     lines = text.split("\n")
     if len(lines) > head + tail:
         lines = lines[:head] + [f"... [{len(lines) - head - tail} more lines are in the rank's log] ..."] + lines[-tail:]
-    return "\n".join(line if len(line) <= line_chars else
-                     f"{line[:line_chars]}... [{len(line) - line_chars} more characters are in the rank's log]"
-                     for line in lines)
+    def cut(line: str) -> str:
+        head = clip(line, line_chars)
+        return f"{head} [{len(line) - len(head) + 1} more characters are in the rank's log]"
+    return "\n".join(line if len(line) <= line_chars else cut(line) for line in lines)
 
 
 class OutputBatch:

@@ -21,6 +21,7 @@ from typing import NoReturn, Optional
 
 from .. import PACKAGE_DIR, wire
 from ..rank import liveness, worker
+from . import native_text
 from .output_batch import Excerpt, OutputBatch
 from ..process_tree import descendants
 from ..timing import STACK_ASK_WAIT
@@ -396,7 +397,7 @@ def stacks_message(r: "RankProcess", sources: dict) -> dict:
     its stack as a person reads it (native frames when they were dumped) and
     where it was in a few words, for the line that says it was stopped."""
     raw = r.stack.decode("utf-8", "replace")
-    text = r.native or user_stack(raw, sources)
+    text = native_text.readable(r.native, sources) if r.native else user_stack(raw, sources)
     where = where_blocked(raw) if raw.strip() else ""
     return {"kind": "stacks", "rank": r.rank, "text": text, "native": bool(r.native),
             "where": "" if where == NO_STACK else where}

@@ -90,6 +90,7 @@ class RankEvent(_Text):
     SESSION_READY = "session_ready"
     JOINING = "joining"        # round: entered the round-th init_process_group for the run's world
     JOINED = "joined"          # round: left it (joined, or it raised)
+    PHASE = "phase"            # text: what the cell is busy with ("importing accelerate", "in init_process_group"; '': its own code)
 
 
 def failure_summary(event: dict) -> str:
