@@ -7,6 +7,7 @@ with the widget view (a frontend's default) and with ``--output text``.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from jupyter_client.manager import KernelManager
 
 CELL = """%%distributed -n 2 {flags}
 import torch, torch.distributed as dist
+dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 print(f"rank {{dist.get_rank()}} of {{dist.get_world_size()}}: sum {{t.item():g}}")
@@ -51,7 +53,8 @@ def run(kc, code: str, timeout: float = 180) -> tuple[str, str]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="accel_magics-host-") as cwd:
         km = KernelManager(kernel_name="python3")
-        km.start_kernel(cwd=cwd)
+        # (ipykernel 6's debugger warns about frozen modules on stderr at every start)
+        km.start_kernel(cwd=cwd, env=dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1"))
         kc = km.client()
         kc.start_channels()
         try:

@@ -31,21 +31,24 @@ start=$SECONDS
 rm -rf "$venv"
 "$python" -m venv "$venv"
 py="$PWD/$venv/bin/python"
+pip() {   # the venv's pip, without the notes of a machine's local index that lacks a package
+    "$py" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 
 # 1. The host's packages, as its image has them. PIP_CONSTRAINT replaces a constraint of
 #    pip's own configuration (a machine's torch cap) with the pins themselves.
-PIP_CONSTRAINT="$PWD/$pins" "$py" -m pip install -q -r "$pins"
-"$py" -m pip freeze --all > "$venv/before.txt"
+PIP_CONSTRAINT="$PWD/$pins" pip install -q -r "$pins"
+pip freeze --all > "$venv/before.txt"
 echo "host_check: $host's packages installed ($("$py" -V)) in $((SECONDS - start)) s"
 
 # 2. This package, non-editable, with nothing holding pip back (an empty constraint file
 #    replaces the machine's): what `pip install accel_magics` does in that image.
 wheel_dir=$(mktemp -d)
 trap 'rm -rf "$wheel_dir"' EXIT
-"$py" -m pip wheel -q --no-deps -w "$wheel_dir" . >/dev/null
+pip wheel -q --no-deps -w "$wheel_dir" . >/dev/null
 rm -rf build   # the wheel build's scratch (ignored by git)
-PIP_CONSTRAINT=/dev/null "$py" -m pip install -q "$wheel_dir"/accel_magics-*.whl
-"$py" -m pip freeze --all > "$venv/after.txt"
+PIP_CONSTRAINT=/dev/null pip install -q "$wheel_dir"/accel_magics-*.whl
+pip freeze --all > "$venv/after.txt"
 
 # 3. No pinned package changed version (nor went away).
 "$py" - "$pins" "$venv/before.txt" "$venv/after.txt" <<'PY'
