@@ -1,6 +1,6 @@
-"""The views use ipywidgets' core models only (issue 45, notebook hosts).
+"""Notebook hosts (issue 45): what the views need from a frontend.
 
-A frontend renders a widget whose model and view live in a JavaScript module it
+The views use ipywidgets' core models only.  A frontend renders a widget whose model and view live in a JavaScript module it
 has: every widget manager (JupyterLab, Notebook, VS Code, Colab) bundles
 ipywidgets' own (@jupyter-widgets/base, /controls, /output); anything else is
 fetched from a CDN or needs Colab's custom widget manager, and fails offline.
@@ -8,6 +8,11 @@ So every widget model the progress view and the config form create, their
 layouts and styles included, must be one of those, at the version the installed
 ipywidgets speaks, and of a class ipywidgets defines (no subclass of ours that
 could carry its own front-end code: ``_esm``, ``_view_module``).
+
+Where no widget renders at all, a run still shows live text: the widget's own
+display says so in its ``text/plain``, and the latest lines live in a display
+that a widget manager hides (a widget view with an empty model_id) and any
+other frontend shows as text (the browser test: tests/test_browser_hosts.py).
 """
 from __future__ import annotations
 
@@ -126,3 +131,21 @@ def test_a_widget_with_its_own_front_end_code_is_caught():
     finally:
         custom.close()
         tinted.close()
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def test_a_widget_run_keeps_live_text_only_a_frontend_without_widgets_shows(clean_kernel):
+    res = clean_kernel.ok("%%distributed -n 2\nimport os\nfor i in range(3):\n    print('line', i, 'of', os.environ['RANK'])\n")
+    shown = [m["content"] for m in res.messages if m["msg_type"] in ("display_data", "update_display_data")]
+    view = shown[0]["data"]
+    assert view[WIDGET_VIEW]["model_id"], view   # the live view itself, first
+    assert view["text/plain"].startswith("[accel_magics] this frontend shows no widgets"), view
+    texts = [c for c in shown if c["data"].get(WIDGET_VIEW, {}).get("model_id") == ""]
+    assert len({c["transient"]["display_id"] for c in texts}) == 1, texts   # one display, updated
+    lines = [c["data"]["text/plain"] for c in texts]
+    assert any(all(f"[rank {r}] line 2 of {r}" in t for r in (0, 1)) for t in lines), lines
+    assert lines[-1] == ""   # emptied at the end: the record follows
+    record = [m["content"]["data"] for m in res.messages if m["msg_type"] == "display_data"][-1]
+    assert "text/html" in record and "[rank 1] line 2 of 1" in record["text/plain"], record
