@@ -27,19 +27,32 @@ find_python() {
 }
 python=${PYTHON:-$(find_python "$want")}
 venv=${HOST_VENV:-.venv-host-$host}
-start=$SECONDS
 rm -rf "$venv"
+start=$SECONDS
 "$python" -m venv "$venv"
 py="$PWD/$venv/bin/python"
 pip() {   # the venv's pip, without the notes of a machine's local index that lacks a package
     "$py" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
-# 1. The host's packages, as its image has them. PIP_CONSTRAINT replaces a constraint of
-#    pip's own configuration (a machine's torch cap) with the pins themselves.
-PIP_CONSTRAINT="$PWD/$pins" pip install -q -r "$pins"
+# 1. The host's packages, as its image has them: with uv, as Kaggle builds its image (and
+#    uv's cache makes a second run take seconds, not minutes of unpacking CUDA wheels), else
+#    pip. PIP_CONSTRAINT replaces a constraint of pip's own configuration (a machine's
+#    torch cap) with the pins themselves; uv reads no pip configuration.
+tools=${HOST_TOOLS:-.venv-host-tools}
+if [ ! -x "$tools/bin/uv" ] && ! command -v uv >/dev/null; then
+    { python3 -m venv "$tools" && "$tools/bin/python" -m pip install -q uv; } 2>/dev/null \
+        || echo "host_check: no uv (pip installs the host's packages: slower)"
+fi
+uv=$(command -v uv || { [ -x "$tools/bin/uv" ] && echo "$tools/bin/uv"; } || true)
+if [ -n "$uv" ]; then
+    "$uv" pip install -q --python "$py" -r "$pins"
+else
+    PIP_CONSTRAINT="$PWD/$pins" pip install -q -r "$pins"
+fi
 pip freeze --all > "$venv/before.txt"
-echo "host_check: $host's packages installed ($("$py" -V)) in $((SECONDS - start)) s"
+echo "host_check: $host's packages installed ($("$py" -V), ${uv:+uv, }$(sed -n 's/^torch==//p' "$pins")) in $((SECONDS - start)) s"
+step=$SECONDS
 
 # 2. This package, non-editable, with nothing holding pip back (an empty constraint file
 #    replaces the machine's): what `pip install accel_magics` does in that image.
@@ -82,6 +95,8 @@ if bad:
     print("host_check: FAILED\n  " + "\n  ".join(bad))
     sys.exit(1)
 PY
+
+echo "host_check: pip install of the package and the check took $((SECONDS - step)) s"
 
 # 4. A 2-rank cell in a real kernel of this venv, driven over the Jupyter protocol.
 "$py" scripts/host_cell.py
