@@ -3,7 +3,8 @@
 Starts an IPython kernel with jupyter_client, as a notebook frontend does, loads
 the installed accel_magics (the kernel runs in a temporary directory, so the
 worktree's sources are not what it imports) and runs one all_reduce on 2 ranks,
-with the widget view (a frontend's default) and with ``--output text``.
+with the widget view (a frontend's default) and with ``--output text``; then
+the pre-flight's refusal once CUDA is (simulated) initialised must name the cell.
 """
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def main() -> int:
                     print(f"host_cell: the 2-rank cell ({label}) FAILED: status {status}, missing {missing}:\n{text}")
                     return 1
                 print(f"host_cell: 2-rank cell ({label}) ok in {time.monotonic() - t0:.1f} s")
+            # The pre-flight names the cell that initialised CUDA (IPython 7 has no map of
+            # cell names): simulated, as tests/test_magic_e2e.py does, on a machine without a GPU.
+            run(kc, "import torch\ntorch.cuda._initialized = True\ntorch.cuda.init()")
+            number = int(run(kc, "print(get_ipython().execution_count - 1)")[1].strip())
+            status, text = run(kc, CELL.format(flags=""))
+            run(kc, "torch.cuda._initialized = False")
+            if status != "error" or f"In[{number}], line 3: torch.cuda.init()" not in text:
+                print(f"host_cell: the pre-flight did not name In[{number}]: status {status}:\n{text}")
+                return 1
+            print("host_cell: the pre-flight names the cell that initialised CUDA")
             return 0
         finally:
             kc.stop_channels()
