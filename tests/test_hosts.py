@@ -149,3 +149,25 @@ def test_a_widget_run_keeps_live_text_only_a_frontend_without_widgets_shows(clea
     assert lines[-1] == ""   # emptied at the end: the record follows
     record = [m["content"]["data"] for m in res.messages if m["msg_type"] == "display_data"][-1]
     assert "text/html" in record and "[rank 1] line 2 of 1" in record["text/plain"], record
+
+
+@pytest.mark.parametrize("colab", [False, True])
+def test_the_text_beside_the_view_is_left_out_on_colab(colab, monkeypatch, tmp_path, capsys):
+    """Colab's own widget manager renders core widgets and is not known to hide
+    an empty view: there the widget view stands alone."""
+    import sys
+    import types
+
+    from accel_magics.presenter import Presenter
+
+    monkeypatch.setenv("ACCEL_MAGICS_LOG_DIR", str(tmp_path))
+    if colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    else:
+        monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    presenter = Presenter("widget", in_kernel=True, label="In[1]")   # (no shell: its displays go nowhere)
+    try:
+        assert presenter.view is not None
+        assert (presenter.text is None) == colab
+    finally:
+        presenter.view.close()
