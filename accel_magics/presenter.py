@@ -38,7 +38,8 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # What a widget manager renders as nothing: its renderer hides a view whose
 # model_id is empty (jupyterlab_widgets, widgetsnbextension).
 NO_WIDGET = {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": ""}}
-NO_MANAGER_NOTE = "[accel_magics] this frontend shows no widgets: the run's latest lines follow as text"
+NO_MANAGER_NOTE = ("[accel_magics] this frontend shows no widgets (ipywidgets' extension is missing or "
+                   "disabled): the run's latest lines follow as text")
 
 
 def widget_bundle(widget, text: str) -> dict:
