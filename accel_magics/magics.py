@@ -167,21 +167,36 @@ class DistributedMagics(Magics):
         self._form_displays: list = []  # where it is shown (their text follows the defaults)
 
     # -- GPU-runtime pre-flight -------------------------------------------
+    def _code_name(self, filename: str) -> Optional[tuple]:
+        """``("Cell", "In[2]")`` for code compiled from a notebook cell, as
+        IPython's tracebacks name it; None for code from a file."""
+        compiler = self.shell.compile
+        if hasattr(compiler, "format_code_name"):   # IPython >= 8
+            return compiler.format_code_name(filename) if filename in compiler._filename_map else None
+        # IPython 7 (Kaggle's and Colab's images) keeps no map, but each cell's source, under
+        # the name it was compiled as: the latest cell of the history with that source.
+        import linecache
+
+        entry = getattr(linecache, "_ipython_cache", {}).get(filename)
+        if entry is None:
+            return None
+        source, parsed = "".join(entry[2]).rstrip("\n"), self.shell.history_manager.input_hist_parsed
+        number = next((n for n in range(len(parsed) - 1, 0, -1) if parsed[n].rstrip("\n") == source), None)
+        return ("Cell", f"In[{number}]") if number is not None else None
+
     def _is_cell_file(self, filename: str) -> bool:
-        return filename in getattr(self.shell.compile, "_filename_map", {})
+        return self._code_name(filename) is not None
 
     def _cell_label(self, filename: str) -> Optional[str]:
         """``Cell In[2]`` for code compiled from a notebook cell, as IPython's
         tracebacks name it; None for code from a file."""
-        if not self._is_cell_file(filename):
-            return None
-        label = self.shell.compile.format_code_name(filename)
+        label = self._code_name(filename)
         return f"{label[0]} {label[1]}" if label else None
 
     def _describe_site(self, site: preflight.InitSite) -> str:
         if site.frames:
             frame = site.frames[-1]
-            label = self.shell.compile.format_code_name(frame.filename)
+            label = self._code_name(frame.filename)
             where = label[1] if label else frame.filename
             code = f": {frame.line.strip()}" if frame.line else ""
             return f"at {where}, line {frame.lineno}{code}"

@@ -7,7 +7,12 @@ replaces the live view with what the notebook keeps:
 
 * widget mode: the live :class:`widgets.progress_view.RunView` is replaced by
   one output holding its final state as static HTML plus the plain-text record
-  (``text/plain``), so nothing depends on widget state once the run is over;
+  (``text/plain``), so nothing depends on widget state once the run is over.
+  Beside the widget, the text view's latest lines live in an output that a
+  widget manager hides (a widget view with no model, as a closed widget's
+  output is) and a frontend without one (JupyterLab with the widget extension
+  disabled or not installed, a plain Jupyter client) shows as text: the
+  frontend picks, so no answer from it is awaited while the cell runs;
 * text mode in a Jupyter kernel: the live display of the latest lines is
   emptied and the record is printed (grouped by rank: deterministic);
 * a terminal: lines are printed live and nothing more.
@@ -27,6 +32,26 @@ from accel_magics.kernel_ext.kernel.errors import format_stacks
 from .record import HEAD_LINES, TAIL_LINES, RunRecord
 from .run_logs import run_log_dir
 from .text_view import DisplayLive, StreamLive, TextView
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# What a widget manager renders as nothing: its renderer hides a view whose
+# model_id is empty (jupyterlab_widgets, widgetsnbextension).
+NO_WIDGET = {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": ""}}
+NO_MANAGER_NOTE = ("[accel_magics] this frontend shows no widgets (ipywidgets' extension is missing or "
+                   "disabled): the run's latest lines follow as text")
+
+
+def widget_bundle(widget, text: str) -> dict:
+    """``widget``'s display, with ``text`` where a frontend cannot render widgets."""
+    return {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}, "text/plain": text}
+
+
+def text_beside_widgets() -> bool:
+    """Whether a widget view gets the live text beside it (see the module's
+    docstring).  Colab renders core widgets with its own manager, which is not
+    known to hide an empty view: there, none."""
+    return "google.colab" not in sys.modules
 
 
 def widgets_available() -> bool:
@@ -65,7 +90,12 @@ class Presenter:
                 self.view.note = note
             self.view.context = context
             self.view.refresh(force=True)
-            self.handle = display(self.view.widget, display_id=True)
+            self.handle = display(widget_bundle(self.view.widget, NO_MANAGER_NOTE), raw=True, display_id=True)
+            if text_beside_widgets():
+                self.live = DisplayLive(extra=NO_WIDGET)
+                self.text = TextView(self.live)
+                if note:
+                    self.live.write([f"[accel_magics] {note}"])
         else:
             self.live = DisplayLive() if in_kernel else StreamLive()
             self.text = TextView(self.live)
@@ -75,7 +105,7 @@ class Presenter:
         # and only updated later (from the run's thread, while other cells run).
         self.background = background and in_kernel
         self.stacks = ""   # where each rank was, when a background run was stopped
-        if self.background and self.view is None:
+        if self.background and self.text is not None:
             self.live.open()
 
     @property
@@ -97,7 +127,7 @@ class Presenter:
         self.record(event)
         if self.view is not None:
             self.view(event)
-        else:
+        if self.text is not None:
             self.text(event)
 
     def tick(self, phase: Optional[str] = None) -> None:
@@ -130,14 +160,16 @@ class Presenter:
 
     def discard(self) -> None:
         """Nothing was launched (a usage error): take the view away again."""
+        if self.text is not None:
+            self.live.close()
         if self.view is not None:
             self.handle.update({"text/plain": ""}, raw=True)
             self.view.close()
-        else:
-            self.live.close()
 
     def finish(self) -> None:
         """The run is over (whatever its outcome): leave the record behind."""
+        if self.view is not None and self.text is not None:
+            self.live.close()   # the text beside the widget: its record follows
         if self.background:
             # Replaced in place (display update): a new output now would land
             # wherever the notebook is executing meanwhile.

@@ -56,13 +56,17 @@ class DisplayLive:
 
     keeps_record = True
 
-    def __init__(self, max_lines: int = 40, interval: float = 0.2) -> None:
+    def __init__(self, max_lines: int = 40, interval: float = 0.2, extra: Optional[dict] = None) -> None:
         self.max_lines = max_lines
+        self.extra = dict(extra or {})   # more of the display's bundle, beside its text
         self.tail: deque = deque(maxlen=max_lines)
         self.interval = interval
         self.dirty = False
         self.last = 0.0
         self.handle = None
+
+    def _data(self, text: str) -> dict:
+        return {**self.extra, "text/plain": text}
 
     def write(self, lines: list[str]) -> None:
         self.tail.extend(lines)
@@ -79,24 +83,24 @@ class DisplayLive:
 
                 # Created empty, then updated: the output a notebook keeps (and
                 # nbval compares, it ignores updates) does not depend on timing.
-                self.handle = display({"text/plain": ""}, raw=True, display_id=True)
-            self.handle.update({"text/plain": "\n".join(self.tail)}, raw=True)
+                self.handle = display(self._data(""), raw=True, display_id=True)
+            self.handle.update(self._data("\n".join(self.tail)), raw=True)
 
     def close(self) -> None:
         if self.handle is not None:
-            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle.update(self._data(""), raw=True)
 
     def open(self) -> None:
         """Make the display now (a background run: later, other cells run)."""
         if self.handle is None:
             from IPython.display import display
 
-            self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+            self.handle = display(self._data(""), raw=True, display_id=True)
 
     def replace(self, text: str) -> None:
         """The display's final text (a background run's record)."""
         self.open()
-        self.handle.update({"text/plain": text.rstrip("\n")}, raw=True)
+        self.handle.update(self._data(text.rstrip("\n")), raw=True)
 
 
 class TextView:

@@ -449,9 +449,9 @@ class RunView:
         """Close every widget model of this view, their layout and style models
         too (the kernel forgets them, and a notebook saved or executed headless
         keeps no state of a view it no longer shows)."""
-        parts = (*self._pane_widgets.values(), self.header, self.rows, self.tabs, self.widget)
+        parts = (*self._pane_widgets.values(), self.header, self.rows, self.every, self.tabs, self.widget)
         if self.fold is not None:
-            parts += (self.every, self.rank_tabs, *self.fold.children, self.fold)
+            parts += (self.rank_tabs, *self.fold.children, self.fold)
         for widget in parts:
             for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
                 if part is not None:
