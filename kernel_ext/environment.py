@@ -159,11 +159,12 @@ def not_this_machine(host: str, num_nodes: int) -> str:
         return (f"--master_addr {host} is not an address of this machine, and a one-node run's "
                 "rendezvous listens on it. Leave --master_addr out (127.0.0.1), or for several nodes also "
                 "pass --num_nodes and --node_rank.")
+    others = "" if num_nodes == 2 else f" (each other machine its own, 1 .. {num_nodes - 1})"
     return (f"--master_addr {host} is not an address of this machine, but this cell is node 0 (--node_rank 0, "
             f"the default), which hosts the rendezvous on that address. If node 0 runs on the machine that "
-            f"has {host}, this machine is another node: pass --node_rank 1 here (each other machine its own, "
-            f"1 .. {num_nodes - 1}) with the same --num_nodes, --master_addr and --master_port. If this machine "
-            "is node 0, give an address of its own that every node reaches.")
+            f"has {host}, this machine is another node: pass --node_rank 1 here{others} with the same "
+            "--num_nodes, --master_addr and --master_port. If this machine is node 0, give an address of its "
+            "own that every node reaches.")
 
 
 def is_this_machine(host: str) -> bool:

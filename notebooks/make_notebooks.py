@@ -265,17 +265,19 @@ def multi_node():
         ),
         new_code_cell("%distributed_config"),
         new_markdown_cell(
-            "## The same, scripted\n\nOn node 0 (address 10.1.2.3), then on node 1 — the only difference "
-            "is `--node_rank`:"
+            "## The same, scripted\n\nHere on node 1, with node 0 at 10.1.2.3; node 0 runs the same line with "
+            "`--node_rank 0` (each node prints the other nodes' lines):"
         ),
-        new_code_cell("%distributed_config --num_processes 2 --num_nodes 2 --node_rank 0 --master_addr 10.1.2.3 --master_port 29500"),
-        new_code_cell("%distributed_config --node_rank 1"),
+        new_code_cell("%distributed_config --num_processes 2 --num_nodes 2 --node_rank 1 --master_addr 10.1.2.3 --master_port 29500"),
         new_markdown_cell(
             "With those defaults, a plain `%%distributed` cell joins the 4-rank world. Check on every node: the "
             "same port is open on node 0 (firewall), node 0's cell is started, all nodes use the same "
-            "`num_processes`. Bad combinations are refused before anything starts:"
+            "`num_processes`. Bad combinations are refused before anything starts: a `node_rank` not below "
+            "`num_nodes`, and node 0 on a machine that does not have node 0's address (here: this machine is "
+            "not 10.1.2.3):"
         ),
         new_code_cell("%distributed_config --node_rank 2", metadata={"tags": ["raises-exception"]}),
+        new_code_cell("%distributed_config --node_rank 0", metadata={"tags": ["raises-exception"]}),
         new_code_cell("%distributed_config --reset"),
     ]
 

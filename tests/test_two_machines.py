@@ -297,6 +297,15 @@ def test_second_node_0_messages():
     assert "already in use by another program" in other and "(x)" in other
 
 
+def test_node_0_elsewhere_asks_for_node_rank_1_and_a_range_only_beyond_two_nodes():
+    from accel_magics.kernel_ext.environment import not_this_machine
+    two = not_this_machine("10.1.2.3", 2)
+    assert "pass --node_rank 1 here with the same --num_nodes" in two and " .. " not in two, two
+    three = not_this_machine("10.1.2.3", 3)
+    assert "pass --node_rank 1 here (each other machine its own, 1 .. 2) with the same" in three, three
+    assert "Leave --master_addr out" in not_this_machine("10.1.2.3", 1)
+
+
 def test_gone_summaries_name_the_node_and_where_it_was():
     one = node_notes.gone_summary(1, {"addr": "10.1.2.4", "host": "b"}, 3.2, "10.1.2.3:29500")
     assert one.startswith("node 1 (at 10.1.2.4, host b) went away: it has not counted itself in node 0's store "
