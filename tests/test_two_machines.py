@@ -142,10 +142,23 @@ def test_node_0_with_this_machines_names_is_no_usage_error():
 
 @pytest.mark.parametrize("gone", [1, 0])
 def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_the_other_nodes_root_cause(pair, gone):
-    """kill -9 of one node's kernel and every process of it (its machine
-    switched off): the other node's cell names that node and where it was,
-    not gloo's lost connection (node 1 gone: node 0's store says no more of
-    it; node 0 gone: its store stops answering)."""
+    """kill -9 of one node's kernel and every process of it at once (its
+    machine switched off: all stopped first, so none of them acts on another's
+    death): the other node's cell names that node and where it was, not gloo's
+    lost connection (node 1 gone: node 0's store says no more of it; node 0
+    gone: its store stops answering)."""
+    _kill_one_node_mid_run(pair, gone, machine=True)
+
+
+def test_a_node_whose_kernel_alone_dies_mid_run_is_named_as_having_left(pair):
+    """kill -9 of node 1's kernel only (an OOM kill, a crash): its launcher
+    ends the run there, and node 0's root cause names node 1 and why it left,
+    not gloo's lost connection (before: node 1 ended its part as if done, and
+    node 0's error was "Connection closed by peer", 1 run in 7 under load)."""
+    _kill_one_node_mid_run(pair, 1, machine=False)
+
+
+def _kill_one_node_mid_run(pair, gone: int, machine: bool) -> None:
     port = _free_port()
     body = ("import time, torch, torch.distributed as dist\n"
             "dist.init_process_group('gloo')\n"
@@ -168,12 +181,13 @@ def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_the_other_nodes_root_
             on_output=lambda text: "both in" in text and seen.set())))
         first.start()
         assert seen.wait(90), "the two nodes never ran together"
-        doomed = descendants(victim.pid) | {victim.pid}
-        for pid in doomed:   # the kernel and every process of it: a machine switched off
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        doomed = descendants(victim.pid) | {victim.pid} if machine else {victim.pid}
+        for sig in (signal.SIGSTOP, signal.SIGKILL) if machine else (signal.SIGKILL,):
+            for pid in doomed:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         killed = time.monotonic()
         first.join(90)
         del waiting
@@ -187,9 +201,14 @@ def test_a_node_whose_kernel_is_killed_mid_run_is_named_in_the_other_nodes_root_
     res = box["res"]
     took = time.monotonic() - killed
     assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
-    where = "(at 127.0.0.1, host " if gone else "(at 127.0.0.1) went away"
-    assert res.error["evalue"].startswith(f"node {gone} {where}"), res.error["evalue"]
-    assert "went away" in res.error["evalue"], res.error["evalue"]
+    if machine:
+        where = "(at 127.0.0.1, host " if gone else "(at 127.0.0.1) went away"
+        assert res.error["evalue"].startswith(f"node {gone} {where}"), res.error["evalue"]
+        assert "went away" in res.error["evalue"], res.error["evalue"]
+    else:
+        assert res.error["evalue"].startswith(f"node 1 (host {socket.gethostname()}) left the run: its kernel "
+                                              "shut down, restarted or died"), res.error["evalue"]
+        assert "Connection closed" not in res.error["evalue"].split("\n")[0], res.error["evalue"]
     assert took < 30, took
     print(f"node {1 - gone}'s cell ended {took:.1f}s after node {gone} was killed:\n{res.error['evalue']}")
     wait_until(lambda: len(descendants(pair[0].pid)) <= 4, 20, "node 0's run to end")

@@ -121,6 +121,22 @@ def gone_summary(node: int, info: Optional[dict], seconds: float, address: str) 
             "so this node's ranks lost their connections to it")
 
 
+LEFT_BECAUSE = {
+    "interrupt": "its kernel stopped it (the stop button or an interrupt there)",
+    "terminated": "its kernel shut down, restarted or died, so its launcher ended the run there",
+    "timeout": "its --timeout passed there",
+    "stalled": "its ranks were stuck there (the stall check)",
+}
+
+
+def left_summary(node: int, host: str, reason: str) -> str:
+    """Why a node left a run with no failure of its own (``reason``: its stop),
+    for the other nodes, whose ranks then only lose their connections."""
+    why = LEFT_BECAUSE.get(reason, f"it stopped ({reason})")
+    where = f" (host {host})" if host else ""
+    return f"node {node}{where} left the run: {why}, so this node's ranks lost their connections to it"
+
+
 class NodeWatch:
     """The other nodes' beat counts (rendezvous ``beat``) and since when each
     stood still; node 0's store itself (``None`` counts) likewise."""

@@ -388,15 +388,18 @@ class NodeRendezvous:
         return node_notes.verified(key, self.attempt, self.bound, stored) if isinstance(stored, dict) else None
 
     # -- during and after the run -------------------------------------------------
-    def report_failure(self, node_rank: int, rank: int, summary: str, key: Optional[str] = None) -> None:
+    def report_failure(self, node_rank: int, rank: int, summary: str, key: Optional[str] = None,
+                       left: bool = False) -> None:
         """This node's root cause, for the other nodes (the first one only).
-        ``key``: the run's ``--rendezvous_key``; the record is signed with it
-        (its round and address too), so a node that has the same key can tell
-        it from one any process that reaches the store's port wrote."""
+        ``left``: not a failure of a rank, this node left the run (``summary``
+        names the node and why).  ``key``: the run's ``--rendezvous_key``; the
+        record is signed with it (its round and address too), so a node that
+        has the same key can tell it from one any process that reaches the
+        store's port wrote."""
         import hashlib
         import hmac
 
-        record = {"node": node_rank, "rank": rank, "summary": summary}
+        record = {"node": node_rank, "rank": rank, "summary": summary, **({"left": True} if left else {})}
         if key:
             bound = json.dumps([self.attempt, self.address, record], sort_keys=True).encode()
             secret = hashlib.sha256(b"accel_magics failure record\0" + key.encode()).digest()
@@ -420,6 +423,8 @@ class NodeRendezvous:
                 return None
             stored = json.loads(self.store.get(FAILED))
             failure = {"node": int(stored["node"]), "rank": int(stored["rank"]), "summary": str(stored["summary"])}
+            if stored.get("left") is True:
+                failure["left"] = True
         except Exception:
             return None
         if failure["node"] == self.node_rank:

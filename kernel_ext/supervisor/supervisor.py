@@ -26,6 +26,7 @@ import os
 import pickle
 import selectors
 import signal
+import socket
 import time
 from typing import NoReturn, Optional
 
@@ -46,6 +47,7 @@ from .run_state import RunState, tell
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
     DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE,
+    NODE_STORE_WAIT,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -671,10 +673,13 @@ class Supervisor:
     def _stop_now(self, signum: int) -> None:
         """SIGUSR2: the kernel's "stop now".  SIGTERM comes from elsewhere (a
         rank, the system, the launcher ending): the run says so."""
-        if self.stopping is None:
+        first = self.stopping is None
+        if first:
             self.stopping = "interrupt" if signum == signal.SIGUSR2 else "terminated"
         self.stack_deadline = None
         self._kill_all(signal.SIGKILL)
+        if first:
+            self._tell_other_nodes(self.stopping)
 
     def _reap(self) -> None:
         while True:
@@ -827,10 +832,6 @@ class Supervisor:
         self.stopping = reason
         log.info("run %s node %s: stopping its ranks (%s)", self.spec.get("run_id"), self.spec.get("node_rank"),
                  reason)
-        if reason == "failed" and self.remote_check is not None and self.first_failure is not None:
-            secondary, _, rank, summary = self.first_failure
-            if not secondary:   # a consequence of another node's failure is not news to it
-                self.rdzv.report_failure(self.spec["node_rank"], rank, summary, self.spec.get("rendezvous_key"))
         live = self._working()
         if stacks and live and reason in ("timeout", "stalled"):
             # A diagnosis was asked for: native frames too (a rank stuck in a
@@ -846,6 +847,25 @@ class Supervisor:
             self.stack_deadline = now + STACK_WAIT
         else:
             self._terminate()
+        self._tell_other_nodes(reason)
+
+    def _tell_other_nodes(self, reason: str) -> None:
+        """Several nodes: why this node stops, in node 0's store, when it is
+        news to them: its own root cause, or that it left with none (its
+        kernel stopped it or went away, its --timeout): their ranks only see
+        lost connections.  A consequence of another node's failure is not."""
+        if self.remote_check is None or self.rdzv is None or reason == "remote_failed":
+            return
+        key = self.spec.get("rendezvous_key")
+        if reason == "failed":
+            if self.first_failure is not None and not self.first_failure[0]:
+                _, _, rank, summary = self.first_failure
+                self.rdzv.report_failure(self.spec["node_rank"], rank, summary, key)
+            return
+        node = self.spec["node_rank"]
+        self.rdzv.quick(NODE_STORE_WAIT)   # node 0's machine may be gone: never hold this node's stop
+        self.rdzv.report_failure(node, node * self.spec["num_processes"],
+                                 node_notes.left_summary(node, socket.gethostname(), reason), key, left=True)
 
     def _working(self) -> list:
         """Ranks still running the cell: not exited, not finished (parked)."""
