@@ -351,8 +351,9 @@ class NodeRendezvous:
         from torch.distributed import TCPStore
 
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
-        try:
-            store = _bounded(lambda: TCPStore(host, self.port, None, False, timedelta(seconds=2)), 3.0)
+
+        def ask() -> dict:
+            store = TCPStore(host, self.port, None, False, timedelta(seconds=2))
             store.set_timeout(timedelta(seconds=2))
             until = time.monotonic() + 1.0   # a node 0 that started the same moment may not have said its round yet
             while not store.check([ROUND]):
@@ -364,6 +365,11 @@ class NodeRendezvous:
                                     {"host": socket.gethostname(), "pid": os.getpid()})
             store.set(f"{CLAIMS}/{int(store.add(CLAIMS, 1)) - 1}", json.dumps(claim))
             return {"kind": "node0", "joined": joined}
+
+        try:
+            # Whole, in a thread: a program that accepts and never answers holds torch 2.4's
+            # client in recv past its timeout (its check() waits without one).
+            return _bounded(ask, 5.0)
         except Exception as exc:
             return {"kind": "other", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     if not isinstance(exc, TimeoutError) else "it does not answer as a torch store"}
