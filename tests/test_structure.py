@@ -78,3 +78,27 @@ def test_no_module_imports_a_private_name_of_another():
                  for target, names in _imports(name, path, modules) for n in names
                  if n.startswith("_") and not n.startswith("__") and target != name]
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """A folder of the package (an ``__init__.py``) missing from pyproject's
+    explicit ``packages`` works in an editable install and is absent from the
+    wheel a user installs (kernel_ext/doctor was: ``%load_ext`` failed with
+    ModuleNotFoundError in the notebook-hosts check)."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        text = f.read()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.S | re.M).group(1)))
+    folders = {"accel_magics": "accel_magics", "kernel_ext": "accel_magics.kernel_ext",
+               "widgets": "accel_magics.widgets"}
+    found = set()
+    for top, name in folders.items():
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            if "__init__.py" in filenames:
+                rel = os.path.relpath(dirpath, os.path.join(root, top))
+                found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    assert found - listed == set(), f"package folders missing from pyproject's packages: {sorted(found - listed)}"
