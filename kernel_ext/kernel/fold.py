@@ -318,14 +318,14 @@ class RunFold:
             self.remote_verified = True
             return
         # A node that left (its kernel stopped it or went away) is named by its summary; a failure is its rank's.
-        summary = msg["summary"] if msg.get("left") else f"{msg['summary']} (on node {msg['node']})"
+        left = bool(msg.get("left"))
+        summary = msg["summary"] if left else f"{msg['summary']} (on node {msg['node']})"
         if not msg.get("verified", True):
             # Anything that reaches node 0's store can write this record: said so, with why.
             summary += (f" [unverified ({msg.get('unverified') or 'it is not signed'}): it came through node 0's "
                         "store, which any process that reaches its port can write; the same --rendezvous_key on "
                         "every node's cell verifies it]")
-        self.remote = ev.RankFailure(msg["rank"], "node_gone" if msg.get("left") else "remote", summary,
-                                     timestamp=0.0)
+        self.remote = ev.RankFailure(msg["rank"], "node_gone" if left else "remote", summary, timestamp=0.0)
         self.remote_verified = bool(msg.get("verified", True))
 
     def _remote_departed(self, msg: dict) -> None:

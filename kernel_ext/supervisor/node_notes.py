@@ -125,7 +125,6 @@ LEFT_BECAUSE = {
     "interrupt": "its kernel stopped it (the stop button or an interrupt there)",
     "terminated": "its kernel shut down, restarted or died, so its launcher ended the run there",
     "timeout": "its --timeout passed there",
-    "stalled": "its ranks were stuck there (the stall check)",
 }
 
 
@@ -172,7 +171,7 @@ def sign(key: Optional[str], attempt: int, address: str, record: dict) -> dict:
     """``record`` with its signature (``sig``) when a key is given."""
     if not key:
         return dict(record)
-    return {**record, "sig": _mac(key, attempt, address, record)}
+    return {**record, "sig": mac(key, attempt, address, record)}
 
 
 def verified(key: Optional[str], attempt: int, address: str, stored: dict) -> Optional[dict]:
@@ -183,12 +182,18 @@ def verified(key: Optional[str], attempt: int, address: str, stored: dict) -> Op
     if not key:
         return record
     sig = stored.get("sig")
-    if isinstance(sig, str) and hmac.compare_digest(sig, _mac(key, attempt, address, record)):
+    if isinstance(sig, str) and hmac.compare_digest(sig, mac(key, attempt, address, record)):
         return record
     return None
 
 
-def _mac(key: str, attempt: int, address: str, record: dict) -> str:
+NODE_RECORD = b"accel_magics node record"          # a node's address, a second node 0's claim
+FAILURE_RECORD = b"accel_magics failure record"    # a node's root cause, or why it left (rendezvous FAILED)
+
+
+def mac(key: str, attempt: int, address: str, record: dict, kind: bytes = NODE_RECORD) -> str:
+    """``record``'s signature with the run's key, bound to its round and
+    address; ``kind`` keeps one kind of record from passing for another."""
     bound = json.dumps([attempt, address, record], sort_keys=True).encode()
-    secret = hashlib.sha256(b"accel_magics node record\0" + key.encode()).digest()
+    secret = hashlib.sha256(kind + b"\0" + key.encode()).digest()
     return hmac.new(secret, bound, hashlib.sha256).hexdigest()

@@ -402,14 +402,9 @@ class NodeRendezvous:
         record is signed with it (its round and address too), so a node that
         has the same key can tell it from one any process that reaches the
         store's port wrote."""
-        import hashlib
-        import hmac
-
         record = {"node": node_rank, "rank": rank, "summary": summary, **({"left": True} if left else {})}
         if key:
-            bound = json.dumps([self.attempt, self.address, record], sort_keys=True).encode()
-            secret = hashlib.sha256(b"accel_magics failure record\0" + key.encode()).digest()
-            record["sig"] = hmac.new(secret, bound, hashlib.sha256).hexdigest()
+            record["sig"] = node_notes.mac(key, self.attempt, self.address, record, node_notes.FAILURE_RECORD)
         try:
             if not self.store.check([FAILED]):
                 self.store.set(FAILED, json.dumps(record))
@@ -421,7 +416,6 @@ class NodeRendezvous:
         ``rank``, ``summary`` and ``verified``: whether it is signed with
         ``key`` (never without one: the store takes anyone's writes; then
         ``unverified`` says why it cannot be trusted)."""
-        import hashlib
         import hmac
 
         try:
@@ -443,9 +437,8 @@ class NodeRendezvous:
             failure["verified"] = False
             failure["unverified"] = "it is not signed"
         else:
-            bound = json.dumps([self.attempt, self.address, failure], sort_keys=True).encode()
-            secret = hashlib.sha256(b"accel_magics failure record\0" + key.encode()).digest()
-            failure["verified"] = hmac.compare_digest(sig, hmac.new(secret, bound, hashlib.sha256).hexdigest())
+            expected = node_notes.mac(key, self.attempt, self.address, failure, node_notes.FAILURE_RECORD)
+            failure["verified"] = hmac.compare_digest(sig, expected)
             if not failure["verified"]:
                 failure["unverified"] = "it is signed with another --rendezvous_key"
         return failure
