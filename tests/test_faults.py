@@ -191,15 +191,40 @@ def test_a_stop_at_any_moment_of_a_background_cell_is_one_line(clean_kernel):
 # -- a session cell that completed as the stop came ------------------------------------------
 
 SLOW_TO_REPORT = """
-import time
+import os, sys, threading, time
+
+def mark_past_the_cell():
+    '''Rank 1: a file PAST once its main thread has left the cell's code, so
+    a stop after that finds every rank done with the cell.'''
+    cell, main = sys._getframe(1).f_code.co_filename, threading.main_thread().ident
+    def watch():
+        while True:
+            frame, files = sys._current_frames().get(main), set()
+            while frame is not None:
+                files.add(frame.f_code.co_filename)
+                frame = frame.f_back
+            if cell not in files:
+                break
+            time.sleep(0.002)
+        open(PAST, 'w').close()
+    threading.Thread(target=watch, daemon=True).start()
+
 class SlowToReport:
-    '''Rank 0's last expression: packed for the kernel after the cell's code has run.'''
+    '''Rank 0's last expression: packed for the kernel after the cell's code
+    has run, once rank 1 is past it too; the stop comes during the packing.'''
     def __reduce__(self):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(PAST) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.remove(PAST)
         print('reporting', flush=True)
         open(REPORTING, 'w').close()
         time.sleep(3)
         return (SlowToReport, ())
 """
+
+#: The cell whose stop these tests time: every rank runs its code, rank 0 packs its last expression.
+COUNTED_CELL = "n += 1\nif os.environ['RANK'] == '1':\n    mark_past_the_cell()\nSlowToReport()\n"
 
 
 def session_counts(k) -> list[int]:
@@ -210,7 +235,7 @@ def session_counts(k) -> list[int]:
 @pytest.fixture
 def counting_session(clean_kernel, tmp_path):
     k = clean_kernel
-    k.ok(SLOW_TO_REPORT + f"REPORTING = {str(tmp_path / 'reporting')!r}\n")
+    k.ok(SLOW_TO_REPORT + f"REPORTING = {str(tmp_path / 'reporting')!r}\nPAST = {str(tmp_path / 'past')!r}\n")
     k.ok("%distributed_session start -n 2")
     try:
         k.ok("%%distributed --session --output text\nn = 0\n")
@@ -232,7 +257,7 @@ def test_a_session_cell_that_completed_as_the_stop_came_says_it_completed(counti
             pressed.append(True)
             k.interrupt()
 
-    res = k.run("%%distributed --session --output text\nn += 1\nSlowToReport()\n", on_output=on_output, timeout=60)
+    res = k.run("%%distributed --session --output text\n" + COUNTED_CELL, on_output=on_output, timeout=60)
     assert pressed, res.stdout
     assert session_counts(k) == [1, 1]   # it ran, on every rank
     assert res.error["ename"] == "CompletedBeforeTheStop", res.error_text   # and it says so
@@ -244,7 +269,7 @@ def test_a_background_session_cell_that_completed_as_it_was_stopped_is_done(coun
     """The same with h.stop() (no press in the kernel): the supervisor's own
     stop came after every rank was done with the cell's code."""
     k = counting_session
-    k.ok("%%distributed --session --background --output text\nn += 1\nSlowToReport()\n")
+    k.ok("%%distributed --session --background --output text\n" + COUNTED_CELL)
     k.ok("h = _")
     wait_until((tmp_path / "reporting").exists, 30, "rank 0 to report its last expression")
     stopped = k.ok("h.stop()").stdout
