@@ -30,7 +30,25 @@ if [ "${ACCEL_MAGICS_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stam
 fi
 rm -f "$stamp"
 python -m pip install -q --upgrade pip
-python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION:-}' or not '${TORCH_VERSION:-}'" 2>/dev/null \
-    || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+if ! python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION:-}' or not '${TORCH_VERSION:-}'" 2>/dev/null; then
+    # A torch from PyPI (TORCH_PINS: a CUDA build, gigabytes) goes in with uv when it can be had
+    # (a tools venv beside this one; scripts/host_check.sh shares it and uv's cache): 36 s here
+    # for torch 2.6.0 and its CUDA libraries from a cold cache, where pip took minutes. uv reads
+    # no pip configuration, so the constraints are given to it; without uv, pip does it.
+    uv=""
+    if [ -n "${TORCH_PINS:-}" ]; then
+        tools=${UV_TOOLS:-.venv-tools}
+        if ! command -v uv >/dev/null && [ ! -x "$tools/bin/uv" ]; then
+            { python3 -m venv "$tools" && "$tools/bin/python" -m pip install -q uv; } >/dev/null 2>&1 \
+                || echo "setup: no uv; pip installs torch ${TORCH_VERSION} (slower)"
+        fi
+        uv=$(command -v uv || { [ -x "$tools/bin/uv" ] && echo "$tools/bin/uv"; } || true)
+    fi
+    if [ -n "$uv" ]; then
+        "$uv" pip install -q --python "$VENV/bin/python" -c "$PIP_CONSTRAINT" "torch==${TORCH_VERSION}"
+    else
+        python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+    fi
+fi
 python -m pip install -q -e ".[$EXTRAS]"
 echo "$want" > "$stamp"
