@@ -53,6 +53,9 @@ STARTED_NOTE = 0.02       # one node: "started" goes with the ranks' first messa
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
+RANK_BURST_WINDOW = 0.1   # a rank printing BURST_LINES lines within this switches its stdout to block buffering (rank/rank_stdio.py)
+RANK_FLUSH_INTERVAL = 0.05  # ... and its flusher thread then flushes this often
+BAR_INTERVAL = 0.1        # seconds between two events of one progress bar (its first and last state always go) (rank/rank_bars.py)
 THREADS_NOTE_AFTER = 2.0  # a cell's code done, its rank still waits for its threads: then it says so (rank/script_end.py)
 PEERS_JOIN_WAIT = 2.0     # a rank that set up the world, at its end: at most this long for its peers' set-up (rank/pg_guard.py)
 GROUP_DROP_DELAY = 0.5    # a destroyed group nothing else holds goes this long after its destroy (rank/pg_guard.py)
@@ -167,6 +170,7 @@ LOOPBACK_WAIT = 2.0       # a TCP connection over loopback
 TEXT_REFRESH = 0.2        # a plain-text view redraws at most this often
 TEXT_PROGRESS_EVERY = 1.0  # ... and prints a rank's progress bar at most this often
 VIEW_REFRESH = 0.2        # the widget view redraws its rows at most this often
+PANE_INTERVAL = 0.4       # ... and its panes (at 1 s they lagged the rows visibly) (widgets/rows.py)
 
 # -- the progress view (kernel_ext/kernel/behind.py) -------------------------------------
 # A rank is "behind" when most ranks were where it is now this long ago: at

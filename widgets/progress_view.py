@@ -38,10 +38,10 @@ from typing import Optional
 import ipywidgets as w
 
 from accel_magics.kernel_ext.kernel.behind import Behind
-from accel_magics.kernel_ext.timing import VIEW_REFRESH
+from accel_magics.kernel_ext.timing import PANE_INTERVAL, VIEW_REFRESH
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
-from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, PANE_INTERVAL, STATE_COLORS, STATE_ORDER,
+from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, STATE_COLORS, STATE_ORDER,
                    STYLE, BarState, RankState, bar_html, el, parse_progress, plural, pre, row_html)
 
 class RunView:
