@@ -53,9 +53,6 @@ STARTED_NOTE = 0.02       # one node: "started" goes with the ranks' first messa
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
-RANK_BURST_WINDOW = 0.1   # a rank printing BURST_LINES lines within this switches its stdout to block buffering (rank/rank_stdio.py)
-RANK_FLUSH_INTERVAL = 0.05  # ... and its flusher thread then flushes this often
-BAR_INTERVAL = 0.1        # seconds between two events of one progress bar (its first and last state always go) (rank/rank_bars.py)
 THREADS_NOTE_AFTER = 2.0  # a cell's code done, its rank still waits for its threads: then it says so (rank/script_end.py)
 PEERS_JOIN_WAIT = 2.0     # a rank that set up the world, at its end: at most this long for its peers' set-up (rank/pg_guard.py)
 GROUP_DROP_DELAY = 0.5    # a destroyed group nothing else holds goes this long after its destroy (rank/pg_guard.py)
@@ -84,6 +81,9 @@ PORT_ASK_ROUND_WAIT = 1.0  # ... how long a node 0 that started the same moment 
 PORT_ASK_POLL = 0.05      # ... seconds between looks for that round
 
 # -- a rank (kernel_ext/rank/) -----------------------------------------------------------
+RANK_BURST_WINDOW = 0.1   # a rank printing BURST_LINES lines within this switches its stdout to block buffering (rank/rank_stdio.py)
+RANK_FLUSH_INTERVAL = 0.05  # ... and its flusher thread then flushes this often
+BAR_INTERVAL = 0.1        # seconds between two events of one progress bar (its first and last state always go) (rank/rank_bars.py)
 STACK_LOCK_WAIT = 1.0     # a rank closing its stack pipe waits this long for a dump in progress (liveness.py)
 MAIN_FRAME_POLL = 0.001   # a rank looking for its main thread's frame to leave a function: seconds between looks (liveness.py)
 STORE_WAIT_FLOOR = 0.001  # a wait on the store at or past its deadline still gets this (never zero or less) (pg_guard.py)
@@ -116,7 +116,7 @@ WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the sessio
 CELL_HEARTBEAT = 0.25     # while a cell runs and nothing comes, how often its view moves on (its elapsed time)
 BACKGROUND_STOP_POLL = 0.1  # h.stop(): seconds between looks whether the run ended
 BACKGROUND_END_WAIT = 30.0  # the kernel's end, a session's stop: how long each stopped background run gets to end
-SUPERVISOR_LOOK = 0.5     # no pidfd (Linux < 5.3): seconds between looks whether a run's supervisor is alive
+SUPERVISOR_LOOK = 0.5     # no pidfd for a run's supervisor (Linux < 5.3): seconds between looks whether it is alive
 FORCED_GONE_DRAIN = 0.2   # ... its messages' drain when the kernel killed it (nothing more is coming)
 SESSION_GONE_WAIT = 5.0   # a session ended (stopped, lost): how long its supervisor gets to exit before it is killed
 SESSION_GONE_POLL = 0.02  # ... seconds between looks
@@ -170,7 +170,7 @@ LOOPBACK_WAIT = 2.0       # a TCP connection over loopback
 TEXT_REFRESH = 0.2        # a plain-text view redraws at most this often
 TEXT_PROGRESS_EVERY = 1.0  # ... and prints a rank's progress bar at most this often
 VIEW_REFRESH = 0.2        # the widget view redraws its rows at most this often
-PANE_INTERVAL = 0.4       # ... and its panes (at 1 s they lagged the rows visibly) (widgets/rows.py)
+PANE_INTERVAL = 0.4       # ... and its panes (at 1 s they lagged the rows visibly)
 
 # -- the progress view (kernel_ext/kernel/behind.py) -------------------------------------
 # A rank is "behind" when most ranks were where it is now this long ago: at
