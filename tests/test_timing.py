@@ -51,7 +51,6 @@ def test_the_modules_take_their_times_from_the_one_module():
     assert slurm_agent.HEARTBEAT_MS == timing.AGENT_HEARTBEAT * 1000
     assert background_handle.STOP_WAIT == timing.BACKGROUND_STOP_WAIT
     # No module defines a time of its own any more (a wait, a polling or refresh interval).
-    root = pathlib.Path(timing.__file__).resolve().parent.parent
     own = re.compile(r"^(STOP_WAIT|KILL_WAIT|[A-Z_]*_WAIT|TIMEOUT_SLACK|GONE_DRAIN|LOST_AFTER|INTERVAL|[A-Z_]*_INTERVAL"
                      r"|[A-Z_]*_WINDOW|[A-Z_]*_POLL|[A-Z_]*_DELAY|[A-Z_]*_SLICE|[A-Z_]*_TICK|TIMEOUT) = [0-9.]", re.M)
     for path in _product_files():
