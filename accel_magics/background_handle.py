@@ -16,7 +16,7 @@ from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                                    RunInterrupted, RunStopped, SessionLostError, WaitStopped)
 # The ladders' order: see timing.py.
-from accel_magics.kernel_ext.timing import BACKGROUND_STOP_WAIT as STOP_WAIT
+from accel_magics.kernel_ext.timing import BACKGROUND_STOP_POLL, BACKGROUND_STOP_WAIT as STOP_WAIT
 
 
 
@@ -92,7 +92,7 @@ class BackgroundCell:
         already = self._run.done()
         self._run.stop()
         deadline = time.monotonic() + STOP_WAIT
-        while not self._run.wait(0.1):
+        while not self._run.wait(BACKGROUND_STOP_POLL):
             if time.monotonic() > deadline:   # the escalation: a second stop kills the ranks
                 self._run.stop()
                 deadline = time.monotonic() + STOP_WAIT

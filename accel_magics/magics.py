@@ -28,6 +28,7 @@ from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
+from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT
 
 from .background_stop import BackgroundStops
 from .node_lines import other_node_lines
@@ -309,7 +310,7 @@ class DistributedMagics(Magics):
                 cfg, payload, presenter, control), label=f"In[{self.cell_number()}]", release=payload.release)
         try:
             try:
-                result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
+                result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt)
             finally:
                 presenter.finish()
@@ -378,7 +379,7 @@ class DistributedMagics(Magics):
         events = None
         try:
             events = self.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
-            return execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=0.25,
+            return execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                            log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events)
         finally:
             payload.release()
@@ -671,7 +672,7 @@ class DistributedMagics(Magics):
             run.stop()
         if self.slurm_agents is not None:
             for run in runs:   # their threads may hold the Slurm agents' sockets: done before those close
-                run.wait(30)
+                run.wait(BACKGROUND_END_WAIT)
         self.session = None
         if self.slurm_agents is not None:
             self.slurm_agents.close()

@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, ReportedError, WaitStopped
 from accel_magics.kernel_ext.kernel.events import bytes_text
-from accel_magics.kernel_ext.timing import WAIT_TICK
+from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT, WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
@@ -98,8 +98,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
 
     def run(control=None):
         try:
-            return session.run_cell(payload, label, on_event=presenter, heartbeat=0.25, log_dir=presenter.log_dir,
-                                    excerpt=presenter.excerpt, timeout=timeout, control=control)
+            return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
+                                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control)
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:
@@ -237,7 +237,7 @@ class SessionMagics(Magics):
         for run in own:   # its background cell first (one-shot background runs have ranks of their own)
             run.stop()
         for run in own:
-            run.wait(30)
+            run.wait(BACKGROUND_END_WAIT)
         started = time.monotonic()
         session.stop()
         if quiet:

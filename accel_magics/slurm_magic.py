@@ -13,6 +13,7 @@ from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
+from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
 from accel_magics.kernel_ext.kernel.slurm_session import SlurmSession
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
                                                   describe_allocation, job_ended)
@@ -151,7 +152,7 @@ def _run(magics, args, explicit: dict, payload, presenter, num_nodes: int, slurm
 
 
 def _execute(agents, cfg, payload, presenter, control):
-    return execute(SlurmPlacement(agents), cfg, payload, on_event=presenter, heartbeat=0.25,
+    return execute(SlurmPlacement(agents), cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control)
 
 

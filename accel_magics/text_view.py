@@ -23,6 +23,7 @@ from collections import deque
 from typing import Optional, TextIO
 
 from accel_magics.kernel_ext.kernel import events as ev
+from accel_magics.kernel_ext.timing import TEXT_PROGRESS_EVERY, TEXT_REFRESH
 
 
 class StreamLive:
@@ -56,7 +57,7 @@ class DisplayLive:
 
     keeps_record = True
 
-    def __init__(self, max_lines: int = 40, interval: float = 0.2, extra: Optional[dict] = None) -> None:
+    def __init__(self, max_lines: int = 40, interval: float = TEXT_REFRESH, extra: Optional[dict] = None) -> None:
         self.max_lines = max_lines
         self.extra = dict(extra or {})   # more of the display's bundle, beside its text
         self.tail: deque = deque(maxlen=max_lines)
@@ -104,7 +105,7 @@ class DisplayLive:
 
 
 class TextView:
-    def __init__(self, live=None, progress_interval: float = 1.0) -> None:
+    def __init__(self, live=None, progress_interval: float = TEXT_PROGRESS_EVERY) -> None:
         self.live = live or StreamLive()
         self.progress_interval = progress_interval
         self._progress_at: dict[int, float] = {}

@@ -38,15 +38,16 @@ from typing import Optional
 import ipywidgets as w
 
 from accel_magics.kernel_ext.kernel.behind import Behind
+from accel_magics.kernel_ext.timing import PANE_INTERVAL, VIEW_REFRESH
 from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
 
-from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, PANE_INTERVAL, STATE_COLORS, STATE_ORDER,
+from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, STATE_COLORS, STATE_ORDER,
                    STYLE, BarState, RankState, bar_html, el, parse_progress, plural, pre, row_html)
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
 
-    def __init__(self, max_lines: int = 100, interval: float = 0.2, pane_interval: float = PANE_INTERVAL,
+    def __init__(self, max_lines: int = 100, interval: float = VIEW_REFRESH, pane_interval: float = PANE_INTERVAL,
                  log_dir: str = "", started: Optional[float] = None, clock=time.monotonic) -> None:
         self.max_lines = max_lines
         self.interval = interval

@@ -47,7 +47,6 @@ STYLE = {
 STYLE["aggregate"] = STYLE["row"]
 ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
 STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
-PANE_INTERVAL = 0.4   # the panes re-render at most this often (at 1 s they lagged the rows visibly)
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
 

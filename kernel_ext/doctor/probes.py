@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from ..timing import GPU_QUERY_WAIT, LOOPBACK_WAIT, PTRACE_PROBE_WAIT
+
 CAP_SYS_PTRACE = 19
 
 
@@ -112,7 +114,7 @@ class PtraceProbe:
         except OSError as exc:
             self.proc, self.error = None, f"the probe did not run ({exc})"
 
-    def refused(self, timeout: float = 5.0) -> Optional[str]:
+    def refused(self, timeout: float = PTRACE_PROBE_WAIT) -> Optional[str]:
         """None when the attach worked; else its error (``EPERM Operation not permitted``)."""
         if self.proc is None:
             return self.error
@@ -207,7 +209,7 @@ class Gpus:
     error: str = ""
 
 
-def gpus(timeout: float = 5.0) -> Gpus:
+def gpus(timeout: float = GPU_QUERY_WAIT) -> Gpus:
     """NVIDIA GPUs and their driver through NVML (no CUDA context), else nvidia-smi."""
     try:
         import pynvml
@@ -255,7 +257,7 @@ def loopback(port: int) -> tuple[Optional[str], bool]:
         with socket.socket() as server:
             server.bind(("127.0.0.1", 0))
             server.listen(1)
-            with socket.create_connection(server.getsockname(), timeout=2):
+            with socket.create_connection(server.getsockname(), timeout=LOOPBACK_WAIT):
                 pass
     except OSError as exc:
         problem = f"a connection to 127.0.0.1 failed: {exc}"

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..environment import ConfigError
+from ..timing import ACCELERATE_CONFIG_WAIT
 
 #: Variables the launcher sets per rank itself (torchrun's contract): never from the file.
 _OURS = frozenset({
@@ -39,7 +40,7 @@ _OURS = frozenset({
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
     "PYTHONUNBUFFERED",
 })
-TIMEOUT = 120.0   # seconds for the subprocess (imports torch and accelerate)
+TIMEOUT = ACCELERATE_CONFIG_WAIT   # seconds for the subprocess (imports torch and accelerate)
 
 
 @dataclass

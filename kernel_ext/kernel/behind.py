@@ -20,7 +20,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..timing import BEHIND_LAG, BEHIND_SHARE
+from ..timing import BEHIND_LAG, BEHIND_SHARE, VIEW_REFRESH
 
 HISTORY = 4096   # places kept per rank; beyond it every other one is dropped (the lag is then a little short)
 
@@ -123,7 +123,7 @@ class Behind:
         return {rank for rank, r in self.ranks.items() if r.flagged}
 
 
-def flips(trace: list, every: float = 0.2, **kw) -> tuple[dict, set]:
+def flips(trace: list, every: float = VIEW_REFRESH, **kw) -> tuple[dict, set]:
     """Replay a recorded trace of bar updates ``(t, rank, key, pos, n, total,
     closed)``, judging every ``every`` seconds as the view refreshes: how many
     times each rank's verdict changed, and who was behind at the end."""

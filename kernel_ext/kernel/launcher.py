@@ -38,7 +38,8 @@ from ..wire.payload import Payload
 from .run_handle import RunHandle
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import DISPATCH_WAIT, ESCAPED_KILL_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
+from ..timing import (DISPATCH_WAIT, ESCAPED_KILL_POLL, ESCAPED_KILL_WAIT, LAUNCHER_CLOSE_WAIT, LAUNCHER_READY_WAIT,
+                      PRELOAD_WAIT, RANK_GRACE, WAIT_TICK)
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -280,7 +281,7 @@ class Launcher:
                     break
                 process_tree.kill_marked(token)
                 killed.update(found)
-                time.sleep(0.01)
+                time.sleep(ESCAPED_KILL_POLL)
             escaped[2][0] = len(killed)
             done.set()
 
@@ -294,7 +295,7 @@ class Launcher:
         self._end_escaped(token, done)
         return count[0]
 
-    def wait_ready(self, timeout: float = 120.0) -> dict:
+    def wait_ready(self, timeout: float = LAUNCHER_READY_WAIT) -> dict:
         """Block until the launcher has loaded torch; its ready message."""
         if self.proc is None:
             self.start()
@@ -327,7 +328,7 @@ class Launcher:
         shutil.rmtree(self.dir, ignore_errors=True)
         self._release_owner_lock()
         try:
-            proc.wait(0 if kill else 5)
+            proc.wait(0 if kill else LAUNCHER_CLOSE_WAIT)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -31,7 +31,7 @@ from .errors import LauncherError
 from .placement import Attempt
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN
+from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN, FORCED_GONE_DRAIN, SUPERVISOR_LOOK
 
 log = logging.getLogger("accel_magics.kernel.run_handle")
 
@@ -124,7 +124,7 @@ class RunHandle(Attempt):
             while not self.finished:
                 deadlines = [d for d in (self.timeout_at, self.rendezvous_at, self.term_at, self.kill_at,
                                          gone_deadline) if d is not None]
-                timeout_ms = None if self._pidfd is not None else 500
+                timeout_ms = None if self._pidfd is not None else int(SUPERVISOR_LOOK * 1000)
                 if heartbeat is not None:
                     beat = int(heartbeat * 1000)
                     timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
@@ -148,7 +148,7 @@ class RunHandle(Attempt):
                 if gone_deadline is None and self._supervisor_gone():
                     # Its last messages may still be in flight: drain briefly
                     # (not when the kernel killed it: nothing more is coming).
-                    gone_deadline = now + (0.2 if self.forced else GONE_DRAIN)
+                    gone_deadline = now + (FORCED_GONE_DRAIN if self.forced else GONE_DRAIN)
                     if self._pidfd is not None:
                         poller.unregister(self._pidfd)
                 elif gone_deadline is not None and now >= gone_deadline:

@@ -41,6 +41,7 @@ from .run_handle import RunHandle
 from ..timing import (
     SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
     SESSION_SEND_WAIT as SEND_WAIT, SESSION_SEND_SLICE as SEND_SLICE, GONE_DRAIN, FORCE_AFTER,
+    SESSION_GONE_WAIT, SESSION_GONE_POLL,
 )
 
 
@@ -230,9 +231,9 @@ class DistributedSession:
 
     def _wait_gone(self, handle: RunHandle) -> None:
         """The supervisor exits after its ranks: wait for that (bounded), else kill."""
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + SESSION_GONE_WAIT
         while time.monotonic() < deadline and running(self.supervisor_pid):
-            time.sleep(0.02)
+            time.sleep(SESSION_GONE_POLL)
         if running(self.supervisor_pid):
             handle.finished = False
             handle.force_kill()

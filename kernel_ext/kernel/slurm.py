@@ -56,7 +56,8 @@ from ..wire.messages import Kind, RankEvent, StopReason
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
     SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE, SLURM_AGENT_LOOK as AGENT_LOOK,
-    SLURM_AGENT_SETTLE as AGENT_SETTLE,
+    SLURM_AGENT_SETTLE as AGENT_SETTLE, SLURM_AGENT_SETTLE_POLL, SLURM_BEAT, SLURM_COMMAND_WAIT, SLURM_JOB_POLL,
+    SLURM_PORT_WAIT, SLURM_RECEIVE_SLICE, SLURM_START_SLICE,
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
@@ -109,7 +110,7 @@ def _expand_nodelist(nodelist: str) -> tuple[str, ...]:
         return ()
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=10)
+                             timeout=SLURM_COMMAND_WAIT)
         if out.returncode == 0 and out.stdout.split():
             return tuple(out.stdout.split())
     except (OSError, subprocess.SubprocessError):
@@ -145,13 +146,13 @@ def job_ended(job: str, settle: float = SLURM_JOB_SETTLE) -> Optional[str]:
         how = _job_state(job)
         if how != "COMPLETING" or time.monotonic() >= deadline:
             return "ended" if how == "COMPLETING" else how
-        time.sleep(0.1)
+        time.sleep(SLURM_JOB_POLL)
 
 
 def _job_state(job: str) -> Optional[str]:
     try:
         out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], capture_output=True,
-                             text=True, timeout=10)
+                             text=True, timeout=SLURM_COMMAND_WAIT)
     except (OSError, subprocess.SubprocessError):
         return None
     state = out.stdout.strip().split("\n")[0].strip()
@@ -267,7 +268,7 @@ class SlurmAgents:
             if time.monotonic() > deadline:
                 raise SlurmError(f"only {len(self.nodes)} of {self.num_nodes} node agents started within "
                                  f"{START_WAIT:g}s:\n" + self.log_tail())
-            msg = self.receive(500)
+            msg = self.receive(int(SLURM_START_SLICE * 1000))
             if msg is not None and msg.get("kind") == "hello":
                 self.nodes[msg["node"]] = msg
 
@@ -333,9 +334,9 @@ class SlurmAgents:
         """A free port on node 0 (its supervisor hosts the rendezvous there)."""
         request = uuid.uuid4().hex[:8]
         self.send(0, {"op": "port", "request": request})
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + SLURM_PORT_WAIT
         while time.monotonic() < deadline:
-            msg = self.receive(200)
+            msg = self.receive(int(SLURM_RECEIVE_SLICE * 1000))
             if msg and msg.get("kind") == "port" and msg.get("request") == request:
                 return msg["port"]
         raise LauncherError("node 0's agent did not answer")
@@ -374,11 +375,11 @@ class SlurmAgents:
         """The last resort: scancel any step of ours still in squeue."""
         try:
             out = subprocess.run(["squeue", "-h", "-s", "-j", self.alloc["job"], "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=10).stdout
+                                 capture_output=True, text=True, timeout=SLURM_COMMAND_WAIT).stdout
             for line in out.splitlines():
                 step, _, name = line.partition(" ")
                 if name.strip() == "accel_magics-agents":
-                    subprocess.run(["scancel", step], capture_output=True, timeout=10)
+                    subprocess.run(["scancel", step], capture_output=True, timeout=SLURM_COMMAND_WAIT)
         except (OSError, subprocess.SubprocessError):
             pass
 
@@ -464,7 +465,7 @@ class SlurmRun(Attempt):
             raise AgentGone(f"the agent on node {node} is gone ({exc})")
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
-        beat = int((heartbeat or 0.5) * 1000)
+        beat = int((heartbeat or SLURM_BEAT) * 1000)
         poller = zmq.Poller()
         poller.register(self.agents.events, zmq.POLLIN)
         poller.register(self.agents.sock, zmq.POLLIN)
@@ -636,7 +637,7 @@ class SlurmRun(Attempt):
         while self.agents.connected(node):
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.02)   # nothing to wait on: the socket learns of the close by itself
+            time.sleep(SLURM_AGENT_SETTLE_POLL)   # nothing to wait on: the socket learns of the close by itself
         return True
 
     def _look_at_agents(self) -> None:

@@ -27,7 +27,7 @@ from .errors import LauncherError
 from .run_handle import receive_verified
 from .session import DistributedSession, SessionGone
 from .slurm import SESSION_FIELDS, SlurmAgents, SlurmJobGone, SlurmRun
-from ..timing import SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT
+from ..timing import SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SLURM_RECEIVE_SLICE
 
 log = logging.getLogger("accel_magics.kernel.slurm_session")
 
@@ -97,7 +97,7 @@ class SlurmSession(DistributedSession):
                                       f"node(s) {sorted(set(nodes) - ready)}")
                 if not self.agents.alive:
                     raise SessionGone("the node agents ended while the session started")
-                for msg in self._messages(200):
+                for msg in self._messages(int(SLURM_RECEIVE_SLICE * 1000)):
                     kind, node = msg.get("kind"), msg.get("node")
                     if kind == "started":
                         started[node] = msg["pids"]

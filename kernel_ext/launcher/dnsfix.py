@@ -23,6 +23,8 @@ import sys
 from datetime import timedelta
 from typing import Optional
 
+from ..timing import STORE_TRY_WAIT
+
 # glibc's struct __res_state on 64-bit Linux: int retrans; int retry;
 # unsigned long options; int nscount; struct sockaddr_in nsaddr_list[3]; ...
 _NSCOUNT, _NSADDR = 16, 20
@@ -73,9 +75,9 @@ def disable_reverse_dns() -> str:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False,
+        server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=STORE_TRY_WAIT), wait_for_workers=False,
                           use_libuv=False)
-        client = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
+        client = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=STORE_TRY_WAIT))
         del client, server
     finally:
         libc.__res_init()

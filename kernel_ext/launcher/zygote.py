@@ -51,7 +51,8 @@ from ..wire import payload, transport  # noqa: E402,F401
 from ..process_tree import children, kill_orphans, running  # noqa: E402
 from ..supervisor.run_state import RunState  # noqa: E402
 # The ladders' order: see timing.py.
-from ..timing import COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT  # noqa: E402
+from ..timing import (COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT, SHUTDOWN_ORPHAN_POLL, SHUTDOWN_ORPHAN_WAIT,  # noqa: E402
+                      SHUTDOWN_STOP_WAIT, STORE_THREADS_POLL, STORE_THREADS_WAIT)
 from .hugepages import Collapser  # noqa: E402
 
 log = logging.getLogger("accel_magics.launcher")
@@ -268,9 +269,9 @@ class Zygote:
             gc.freeze()   # the few objects the fix made (preload already collected)
             # The throwaway store's threads end as it is destroyed: wait for
             # that, forks must not copy a thread of ours in the middle of work.
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + STORE_THREADS_WAIT
             while os_threads() > threads_before and time.monotonic() < deadline:
-                time.sleep(0.005)
+                time.sleep(STORE_THREADS_POLL)
         self.baseline_threads = os_threads()
         self.collapser.run_for(COLLAPSE_AT_START)   # the first spare's fork is cheaper already
         try:
@@ -560,19 +561,19 @@ class Zygote:
     def shutdown(self) -> None:
         """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""
         self.drop_spare()
-        self.stop_supervisors(3.0)
+        self.stop_supervisors(SHUTDOWN_STOP_WAIT)
         for pid in list(self.supervisors):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.supervisors.clear()
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + SHUTDOWN_ORPHAN_WAIT
         while True:   # orphans arrive here one generation at a time: until none is left
             self.reap()
             if not children() or time.monotonic() > deadline:
                 break
-            time.sleep(0.01)
+            time.sleep(SHUTDOWN_ORPHAN_POLL)
         # The kernel owns the private directory (its log tells why this
         # process ended); only when the kernel is gone is nobody left to remove
         # it.  A pipe it closed says so too: the kernel closes them only once

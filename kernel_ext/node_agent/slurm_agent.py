@@ -43,10 +43,11 @@ from ..wire import transport
 from ..environment import LaunchConfig, free_port, host_address
 from ..kernel.launcher import Launcher
 # The ladders' order: see timing.py.
-from ..timing import (AGENT_HEARTBEAT, AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER, AGENT_SEND_WAIT,
+from ..timing import (AGENT_HEARTBEAT, AGENT_HEARTBEAT_TIMEOUT, AGENT_LINGER,
+                      AGENT_IDLE_POLL, AGENT_LOST_AFTER as LOST_AFTER, AGENT_SEND_WAIT,
                       SESSION_STOP_WAIT)
 
-HEARTBEAT_MS = int(AGENT_HEARTBEAT * 1000)   # ZMTP heartbeat interval (and 5x that as its timeout)
+HEARTBEAT_MS = int(AGENT_HEARTBEAT * 1000)   # ZMTP heartbeat interval (AGENT_HEARTBEAT_TIMEOUT: its timeout)
 IDLE_POLL_MS = int(AGENT_IDLE_POLL * 1000)
 log = logging.getLogger("accel_magics.node_agent")
 
@@ -59,11 +60,11 @@ class Agent:
         self.session = wire.signed_session(key)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.LINGER, int(AGENT_LINGER * 1000))
         self.sock.setsockopt(zmq.IDENTITY, f"{ident}-{self.node}".encode())
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TTL, 5 * HEARTBEAT_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(AGENT_HEARTBEAT_TIMEOUT * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(AGENT_HEARTBEAT_TIMEOUT * 1000))
         keys = transport.curve_keys(key)   # the kernel's ports take only peers with the allocation's key
         transport.dial(self.sock, keys)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)

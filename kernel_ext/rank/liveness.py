@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from ..timing import BEAT_INTERVAL
+from ..timing import BEAT_INTERVAL, MAIN_FRAME_POLL, STACK_LOCK_WAIT
 
 _FORMAT = "<Q"
 _BEATS, _DUMPS = 0, 8   # the page's two counts: beats, and stack dumps begun
@@ -104,7 +104,7 @@ _stack_lock = _thread.allocate_lock()
 def stop_dumps() -> None:
     """In the rank, before it closes its stack pipe: no dump after this."""
     global _stack_fd
-    if _stack_lock.acquire(timeout=1.0):   # a dump in progress ends first
+    if _stack_lock.acquire(timeout=STACK_LOCK_WAIT):   # a dump in progress ends first
         _stack_fd = None
         _stack_lock.release()
     else:   # pragma: no cover - a fork taken mid-dump holds a copy of the lock
@@ -181,7 +181,7 @@ def _interrupt_main_outside(codes: set, wanted: Optional[Callable[[], bool]], tr
             frame = frame.f_back
         if frame is None:
             break
-        time.sleep(0.001)
+        time.sleep(MAIN_FRAME_POLL)
     try:
         if wanted is not None and not wanted():
             return

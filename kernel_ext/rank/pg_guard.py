@@ -45,7 +45,7 @@ import time
 from datetime import timedelta
 from typing import Callable, Optional
 
-from ..timing import GROUP_DROP_DELAY
+from ..timing import GROUP_DROP_DELAY, STORE_WAIT_FLOOR
 
 #: Process groups kept alive until the rank exits (see the module doc).
 _kept: list = []
@@ -385,7 +385,7 @@ def wait_for_peers_joined(timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     for store, keys in _joined:
         try:
-            store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            store.wait(keys, timedelta(seconds=max(STORE_WAIT_FLOOR, deadline - time.monotonic())))
         except Exception:   # a peer that failed there (the run is being stopped), or the store gone
             return False
     return True

@@ -27,8 +27,7 @@ import weakref
 from typing import Callable, Optional
 
 from .. import hooks
-
-INTERVAL = 0.1   # seconds between two events of one bar (its first and last state always go)
+from ..timing import BAR_INTERVAL as INTERVAL
 
 _emit: Optional[Callable[[dict], bool]] = None
 _owner = 0                 # the rank's pid: a process it forks (a DataLoader worker) draws as tqdm does

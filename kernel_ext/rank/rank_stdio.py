@@ -23,9 +23,9 @@ import os
 import threading
 import time
 
+from ..timing import RANK_BURST_WINDOW as BURST_WINDOW, RANK_FLUSH_INTERVAL as FLUSH_INTERVAL
+
 BURST_LINES = 200
-BURST_WINDOW = 0.1
-FLUSH_INTERVAL = 0.05
 BURST_BUFFER_BYTES = 1 << 20
 
 

@@ -25,6 +25,7 @@ from .. import PACKAGE_DIR, hooks
 from ..clip import clip
 from ..doctor import probes
 from ..process_tree import descendants, stat_fields
+from ..timing import NATIVE_WAIT
 
 PR_SET_PTRACER = 0x59616D61
 _PLAIN_ENV = {**{k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS")},
@@ -103,7 +104,7 @@ def _beside_python(name: str) -> Optional[str]:
     return path if os.access(path, os.X_OK) else None
 
 
-def dump(pids: list[int], timeout: float = 2.5) -> dict[int, str]:
+def dump(pids: list[int], timeout: float = NATIVE_WAIT) -> dict[int, str]:
     """{pid: native stack text} for each pid that could be dumped within ``timeout``."""
     command = tool() if on else None
     if not command or not pids:

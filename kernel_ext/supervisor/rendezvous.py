@@ -44,7 +44,8 @@ from . import node_notes
 from .. import hooks
 from ..environment import resolve_host
 # The ladders' order: see timing.py.
-from ..timing import HOST_RETRY
+from ..timing import (CONNECT_SLACK, CONNECT_WAIT, HOST_RETRY, HOST_RETRY_POLL, PORT_ASK_POLL, PORT_ASK_ROUND_WAIT,
+                      PORT_ASK_STORE_WAIT, PORT_ASK_WAIT, PROBE_WAIT, STORE_OP_WAIT, STORE_TRY_WAIT)
 
 log = logging.getLogger("accel_magics.rendezvous")
 
@@ -103,7 +104,7 @@ def _try_store(**backend) -> Optional[str]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
         port = sock.getsockname()[1]
-        store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False,
+        store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=STORE_TRY_WAIT), wait_for_workers=False,
                          master_listen_fd=sock.detach(), **backend)
     except Exception as exc:   # NotImplementedError from torch 2.4-2.7's libuv backend
         sock.close()
@@ -210,13 +211,13 @@ class NodeRendezvous:
         while True:
             try:
                 self.store = TCPStore("0.0.0.0" if self.num_nodes > 1 else self.host, self.port, None, True,
-                                      timedelta(seconds=max(self.timeout, 30)), wait_for_workers=False,
+                                      timedelta(seconds=max(self.timeout, STORE_OP_WAIT)), wait_for_workers=False,
                                       master_listen_fd=listen_fd, **backend)
                 break
             except Exception:   # a restart: this node's last round may still hold the port a moment
                 if time.monotonic() >= retry_until:
                     raise
-                time.sleep(0.05)
+                time.sleep(HOST_RETRY_POLL)
         if self.num_nodes > 1:
             self.store.set(ROUND, str(self.attempt))
 
@@ -251,7 +252,7 @@ class NodeRendezvous:
             self.listener.close()
             self.listener = None
 
-    def try_connect(self, attempt_timeout: float = 1.0) -> bool:
+    def try_connect(self, attempt_timeout: float = CONNECT_WAIT) -> bool:
         """Other nodes: one bounded attempt to reach node 0's store.
 
         Bounded for real: torch's client can block far past its timeout when
@@ -263,18 +264,18 @@ class NodeRendezvous:
 
         if time.monotonic() >= self.deadline:
             raise RendezvousTimeout(self.timeout_message(0))
-        if not self.probe(min(attempt_timeout, 0.5)):
+        if not self.probe(min(attempt_timeout, PROBE_WAIT)):
             return False
         try:
             self.store = _bounded(lambda: TCPStore(self.host, self.port, None, False,
                                                    timedelta(seconds=attempt_timeout)),
-                                  attempt_timeout + 1.0)
+                                  attempt_timeout + CONNECT_SLACK)
         except Exception:   # not listening yet, unreachable, refused, mute: try again until the deadline
             self.silent = True
             self.reach = "silent"
             return False
         self.reach = None
-        self.store.set_timeout(timedelta(seconds=30))
+        self.store.set_timeout(timedelta(seconds=STORE_OP_WAIT))
         try:
             hosted = int(self.store.get(ROUND)) if self.store.check([ROUND]) else None
         except Exception:
@@ -291,7 +292,7 @@ class NodeRendezvous:
                 "attempt ended without seeing the others' failure). Run the cell again on every node.")
         return True
 
-    def probe(self, timeout: float = 0.5) -> bool:
+    def probe(self, timeout: float = PROBE_WAIT) -> bool:
         """Is node 0 listening yet?  A plain TCP connect, closed at once.
 
         Not yet (node 0 is a moment behind): say so at once, where torch's
@@ -353,13 +354,13 @@ class NodeRendezvous:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
 
         def ask() -> dict:
-            store = TCPStore(host, self.port, None, False, timedelta(seconds=2))
-            store.set_timeout(timedelta(seconds=2))
-            until = time.monotonic() + 1.0   # a node 0 that started the same moment may not have said its round yet
+            store = TCPStore(host, self.port, None, False, timedelta(seconds=PORT_ASK_STORE_WAIT))
+            store.set_timeout(timedelta(seconds=PORT_ASK_STORE_WAIT))
+            until = time.monotonic() + PORT_ASK_ROUND_WAIT   # a node 0 that started the same moment may not have said its round yet
             while not store.check([ROUND]):
                 if time.monotonic() >= until:
                     return {"kind": "store"}
-                time.sleep(0.05)
+                time.sleep(PORT_ASK_POLL)
             joined = int(store.add(JOINED, 0))
             claim = node_notes.sign(key, self.attempt, self.bound,
                                     {"host": socket.gethostname(), "pid": os.getpid()})
@@ -369,7 +370,7 @@ class NodeRendezvous:
         try:
             # Whole, in a thread: a program that accepts and never answers holds torch 2.4's
             # client in recv past its timeout (its check() waits without one).
-            return _bounded(ask, 5.0)
+            return _bounded(ask, PORT_ASK_WAIT)
         except Exception as exc:
             return {"kind": "other", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     if not isinstance(exc, TimeoutError) else "it does not answer as a torch store"}

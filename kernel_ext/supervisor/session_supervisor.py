@@ -43,7 +43,7 @@ from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_
                          Supervisor)
 # The ladders' order: see timing.py.
 from ..timing import (FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT,
-                      RESOURCE_SAMPLE, STACK_ASK_WAIT)
+                      READY_POLL, RESOURCE_SAMPLE, STACK_ASK_WAIT)
 
 
 
@@ -108,7 +108,7 @@ class SessionSupervisor(Supervisor):
                 self.lost = f"the ranks did not set up within {READY_WAIT:g}s"
                 self.stopping = "failed"
                 return
-            self._poll(0.5)
+            self._poll(READY_POLL)
             self._on_time()
         for r in self.ranks:
             r.back = True

@@ -47,7 +47,8 @@ from .run_state import RunState, tell
 from ..timing import (
     REAP_WAIT, REMOTE_CHECK, FINISH_WAIT, REMOTE_WAIT, FLUSH_INTERVAL, STACK_WAIT, STACK_QUIET,
     DRAIN_WAIT, RELEASE_DELAY, STALL_CHECK, NATIVE_WAIT, RDZV_POLL, RESOURCE_SAMPLE, STARTED_NOTE,
-    NODE_STORE_WAIT,
+    NODE_STORE_WAIT, RANK_GRACE, RANKS_GONE_POLL, ORPHAN_SWEEP_WAIT, ORPHAN_SWEEP_POLL, RDZV_NOTE_EVERY,
+    RDZV_NOTE_QUIET,
 )
 
 log = logging.getLogger("accel_magics.supervisor")
@@ -199,21 +200,21 @@ class Supervisor:
         is left (and its children) and wait up to REAP_WAIT for that."""
         deadline = time.monotonic() + wait
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
-            self._poll(0.05)
+            self._poll(RANKS_GONE_POLL)
         for r in self.ranks:
             if r.status is None:
                 r.signal_group(signal.SIGKILL)
         deadline = time.monotonic() + REAP_WAIT
         while any(r.status is None for r in self.ranks) and time.monotonic() < deadline:
-            self._poll(0.05)
+            self._poll(RANKS_GONE_POLL)
 
-    def _sweep_orphans(self, wait: float = 2.0) -> None:
+    def _sweep_orphans(self, wait: float = ORPHAN_SWEEP_WAIT) -> None:
         """Kill what the ranks left behind until nothing is left: a chain of
         daemons reaches this subreaper one process at a time, as each parent dies."""
         deadline = time.monotonic() + wait
         ranks = {r.pid for r in self.ranks if r.status is None}
         while kill_orphans(ranks) and time.monotonic() < deadline:
-            self._poll(0.02)   # reaps them (SIGCHLD); the next generation is reparented here
+            self._poll(ORPHAN_SWEEP_POLL)   # reaps them (SIGCHLD); the next generation is reparented here
 
     def _release_all(self) -> None:
         for r in self.ranks:
@@ -236,7 +237,7 @@ class Supervisor:
             self.events_addr = spec["events_addr"]
             self.sock = transport.events_socket(self.ctx, self.events_addr, self.events_keys)
         self.started = time.time()
-        self.grace = spec.get("grace", 3.0)
+        self.grace = spec.get("grace", RANK_GRACE)
         if spec.get("timeout"):
             self.timeout_deadline = time.monotonic() + spec["timeout"]
         self.session.key = key
@@ -313,7 +314,7 @@ class Supervisor:
                 self.sel.register(fd, selectors.EVENT_READ, ("store", None))
                 return
             if spec.get("dispatched_together"):
-                self._wait_for_nodes(self._node0_listening, quiet_for=1.0)
+                self._wait_for_nodes(self._node0_listening, quiet_for=RDZV_NOTE_QUIET)
                 return
             if spec["node_rank"] == 0:
                 self.rdzv.host_store()
@@ -335,12 +336,12 @@ class Supervisor:
         bounded by the rendezvous timeout.  Progress goes to the kernel once a
         second, the first time after ``quiet_for`` seconds."""
         nodes = self.spec["num_nodes"]
-        last_note = time.monotonic() - 1.0 + quiet_for
+        last_note = time.monotonic() - RDZV_NOTE_EVERY + quiet_for
         while self.stopping is None:
             joined = joined_now()
             if joined >= nodes:
                 return
-            if time.monotonic() - last_note >= 1.0:
+            if time.monotonic() - last_note >= RDZV_NOTE_EVERY:
                 last_note = time.monotonic()
                 self._send({"kind": "waiting", "joined": joined, "expected": nodes, "address": self.rdzv.address,
                             "problem": self.rdzv.problem(self.spec.get("rendezvous_key"))})

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
-HANDSHAKE_MS = 5000             # a connection that has not authenticated within this is closed
+from ..timing import HANDSHAKE_WAIT
+
+HANDSHAKE_MS = int(HANDSHAKE_WAIT * 1000)   # a connection that has not authenticated within this is closed
 CONTROL_MAX_BYTES = 64 << 20    # an agent's message to the kernel (hello, port, exit): kilobytes
 
 
