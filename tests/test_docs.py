@@ -1,6 +1,6 @@
 """The documentation's code runs as written.
 
-Every fenced block of README.md and docs/**/*.md says what it is:
+Every fenced block of README.md, CONTRIBUTING.md and docs/**/*.md says what it is:
 
 * ```python: run, in order, in a real kernel of its own per page (after
   ``%load_ext accel_magics``), as a headless executor (nbconvert) runs a
@@ -31,7 +31,7 @@ import pytest
 from conftest import LoadedKernel
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARK = re.compile(r"^<!-- (not run|raises|expected output)(?::\s*(.*?))?\s*-->$")
 
