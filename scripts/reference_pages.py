@@ -68,7 +68,8 @@ def cell_flags_table() -> str:
         flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
         if action.nargs != 0:
             flags += f" `{action.metavar or action.dest.upper()}`"
-        rows.append(f"| {flags} | {_cell(action.help or '')} |")
+        help_text = (action.help or "").replace("%%", "%")   # argparse's escape of a literal %
+        rows.append(f"| {flags} | {_cell(help_text)} |")
     return "\n".join(rows)
 
 
