@@ -179,3 +179,28 @@ def test_the_site_builds_strict(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_the_defaults_the_pages_state_are_the_options():
+    from accel_magics.kernel_ext import options
+
+    stall = options.BY_NAME["stall_timeout"].default
+    rendezvous = options.BY_NAME["rendezvous_timeout"].default
+    assert f"`--stall_timeout` ({stall:g} s)" in (ROOT / "README.md").read_text(encoding="utf-8")
+    hang = (ROOT / "docs" / "how-to" / "debug-a-hang.md").read_text(encoding="utf-8")
+    assert f"`--stall_timeout` ({stall:g} s by default)" in hang
+    assert f"`--rendezvous_timeout` ({rendezvous:g} s)" in hang
+
+
+def test_the_markers_are_read_as_the_convention_says(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 1\n```\n\n<!-- expected output -->\n```text\n1\n```\n\n"
+                    "<!-- not run: needs two machines -->\n\n```bash\nsalloc -N 2\n```\n\n"
+                    "<!-- raises: ValueError -->\n```python\nraise ValueError\n```\n\n```bash\nls\n```\n"
+                    "  ```python\n  indented = True\n  ```\n", encoding="utf-8")
+    found = [(b.lang, b.mark, b.why, b.code) for b in blocks(page)]
+    assert found == [("python", "", "", "x = 1\n"), ("text", "expected output", "", "1\n"),
+                     ("bash", "not run", "needs two machines", "salloc -N 2\n"),
+                     ("python", "raises", "ValueError", "raise ValueError\n"), ("bash", "", "", "ls\n"),
+                     ("python", "", "", "indented = True\n")]
+    assert _shown("[rank 0] epoch 1: ...", "[rank 0] epoch 1: 92.97") and not _shown("epoch 2: ...", "epoch 1: 3")
