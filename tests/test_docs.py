@@ -175,7 +175,7 @@ def test_the_generated_reference_pages_are_up_to_date():
 @pytest.mark.timeout(120)
 def test_the_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e .[docs])")
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "site" / "index.html").exists()
