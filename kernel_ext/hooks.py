@@ -55,7 +55,7 @@ def _declare(*hooks: Hook) -> dict[str, Hook]:
     return {hook.name: hook for hook in hooks}
 
 
-#: The one table of hooks (the README's table is checked against it).
+#: The one table of hooks (docs/reference/hooks.md's table is checked against it).
 HOOKS: dict[str, Hook] = _declare(
     Hook("store", "supervisor",
          "node 0's supervisor hosts torch's TCPStore on a socket bound before the ranks start, as torchrun's "

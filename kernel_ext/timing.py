@@ -5,7 +5,8 @@ ladder: each rung gives the one below it time to finish by itself before it
 steps in, so the user gets the most complete story (every rank's stacks,
 native frames too) and never waits for ever.  The rungs only work if their
 times keep an order; :func:`check_order` states it, and tests/test_timing.py
-holds the package to it (the README's numbers come from here too).
+holds the package to it (the documentation's numbers come from here too:
+docs/design/timing.md is generated from this module).
 
 In a rank's supervisor (one per run and node):
   stacks ``STACK_WAIT`` (the signal after ``STACK_ASK_WAIT`` for a rank
@@ -143,7 +144,7 @@ SLURM_KILL_WAIT = 5.0     # after that, how long before the run ends as forced
 SLURM_GONE_WAIT = 5.0     # shutdown: how long srun gets to end by itself
 SLURM_GONE_DRAIN = 2.0    # a node's supervisor exited: how long its last messages may take
 SLURM_JOB_SETTLE = 4.5    # an ended job reads COMPLETING while Slurm kills its steps (our ranks get RANK_GRACE, more on a loaded machine): how long to ask again
-SLURM_CANCEL_NOTICE = 10.0   # a cancelled allocation ends its cell within this (the README's promise)
+SLURM_CANCEL_NOTICE = 10.0   # a cancelled allocation ends its cell within this (the documentation's promise)
 AGENT_HEARTBEAT = 1.0     # ZMTP heartbeat between an agent and the kernel (5x that: its timeout)
 AGENT_HEARTBEAT_TIMEOUT = 5 * AGENT_HEARTBEAT  # ... an agent's connection with no heartbeat back for this long is dead
 AGENT_LINGER = 2.0        # an agent closing its socket: how long its last messages get to leave

@@ -389,7 +389,7 @@ def multi_node_slurm():
             "%%distributed --num_processes 2 --output text\n"
             "import torch.distributed as dist\n"
             "dist.init_process_group(\"gloo\")\n"
-            "dist.barrier()   # every rank set up before one fails (see the README on set-up)\n"
+            "dist.barrier()   # every rank set up before one fails (see join_wait in docs/reference/hooks.md)\n"
             "if dist.get_rank() == 3:\n"
             "    raise ValueError(\"bad shard on rank 3\")\n"
             "dist.barrier()",

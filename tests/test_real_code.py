@@ -133,7 +133,7 @@ def test_ranks_get_an_environment_for_a_pipe_not_the_kernels_terminal(clean_kern
 
 
 def test_an_interrupt_is_the_runinterrupted_the_readme_promises(clean_kernel):
-    """Defect 6: the README and the error must agree: ``RunInterrupted``, a
+    """Defect 6: the documentation (failure modes) and the error must agree: ``RunInterrupted``, a
     ``KeyboardInterrupt``."""
     k = clean_kernel
 
@@ -146,22 +146,23 @@ def test_an_interrupt_is_the_runinterrupted_the_readme_promises(clean_kernel):
                 timeout=60, on_output=on_output)
     assert res.error["ename"] == "RunInterrupted"
     assert k.ok("import sys\nprint(isinstance(sys.last_value, KeyboardInterrupt))").stdout.strip() == "True"
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert "`RunInterrupted` (a `KeyboardInterrupt`)" in readme
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reference", "failure-modes.md")).read()
+    assert "`RunInterrupted` (a `KeyboardInterrupt`)" in page
 
 
 def test_partialstate_on_cpu_the_documented_one_line_fix(clean_kernel):
     """Defect 7: ``PartialState()`` alone stays single-process on CPU (as under
     torchrun: Accelerate reads ACCELERATE_USE_CPU only in Accelerator); the
-    README's one-line fix, ``PartialState(cpu=True)``, makes it distributed."""
+    documented one-line fix (docs/reference/how-a-cell-runs.md), ``PartialState(cpu=True)``,
+    makes it distributed."""
     k = clean_kernel
     res = k.run("%%distributed -n 2 --output text\nfrom accelerate import PartialState\n"
                 "s = PartialState(cpu=True)\nprint(s.num_processes, s.process_index, s.distributed_type)\n",
                 timeout=90)
     assert res.status == "ok", res.error_text
     assert "[rank 1] 2 1 DistributedType.MULTI_CPU" in res.stdout
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert "PartialState(cpu=True)" in readme
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reference", "how-a-cell-runs.md")).read()
+    assert "PartialState(cpu=True)" in page
 
 
 def test_enums_dataclasses_lru_cached_and_closures_from_the_notebook(clean_kernel):

@@ -11,7 +11,11 @@ from accel_magics.kernel_ext import timing
 
 pytestmark = pytest.mark.timeout(30)
 
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+
+
+def page(path: str) -> str:
+    return (DOCS / path).read_text(encoding="utf-8")
 
 
 def test_every_ladder_keeps_its_order():
@@ -58,16 +62,18 @@ def test_the_modules_take_their_times_from_the_one_module():
             assert not own.search(path.read_text()), path
 
 
-def test_the_readmes_numbers_are_the_modules():
+def test_the_documented_numbers_are_the_modules():
+    failures = page("reference/failure-modes.md")
     assert (f"after a stop, {timing.STOP_WAIT:g} s later it asks for the ranks to be killed, "
-            f"{timing.KILL_WAIT:g} s after that") in README
-    assert f"within {timing.AGENT_LOST_AFTER:g} s of a kernel killed with" in README
-    assert f"if they all come back within {timing.RECALL_WAIT:g} s" in README
-    assert f"optimizer step within {timing.FORCE_AFTER:g} s" in README
+            f"{timing.KILL_WAIT:g} s after that") in failures
+    assert f"within {timing.AGENT_LOST_AFTER:g} s of a kernel killed with" in page("how-to/slurm.md")
+    sessions = page("how-to/sessions.md")
+    assert f"if they all come back within {timing.RECALL_WAIT:g} s" in sessions
+    assert f"optimizer step within {timing.FORCE_AFTER:g} s" in sessions
     tenth = {0.1: "a tenth"}[timing.BEHIND_SHARE]
-    assert f"at least {timing.BEHIND_LAG:g} s and {tenth} of the run ago" in README
+    assert f"at least {timing.BEHIND_LAG:g} s and {tenth} of the run ago" in page("reference/views.md")
     assert f"runs its `atexit` handlers (a checkpoint writer finishes, wandb marks the run failed), at most " \
-           f"{timing.RANK_GRACE:g} s before it is killed" in README
+           f"{timing.RANK_GRACE:g} s before it is killed" in failures
 
 
 # -- no wait outside timing.py ---------------------------------------------------------

@@ -376,13 +376,13 @@ def test_other_node_lines():
         and "(this machine is a)" in here[-1]
 
 
-def test_the_readmes_numbers_are_the_packages():
+def test_the_documented_numbers_are_the_packages():
     import pathlib
 
     from accel_magics.kernel_ext import timing
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"itself in node 0's store for {timing.NODE_GONE_AFTER:g}s" in readme
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "how-to" / "two-machines.md").read_text()
+    assert f"itself in node 0's store for {timing.NODE_GONE_AFTER:g}s" in page
     assert node_notes.gone_summary(1, None, timing.NODE_GONE_AFTER, "a:1").startswith(
         f"node 1 went away: it has not counted itself in node 0's store for {timing.NODE_GONE_AFTER:g}s")
 

@@ -6,7 +6,7 @@ owns two sockets in the launcher's private directory: events (PULL, what the
 supervisor sends, verified per message) and cells (PUSH, each cell signed
 with the session's key).  It runs one cell at a time.
 
-Names (the rule the README states): a name a session cell bound (on any
+Names (the rule docs/how-to/sessions.md states): a name a session cell bound (on any
 rank) belongs to the session from then on: later session cells use the
 ranks' own value and the kernel's is never sent, not even inside a notebook
 function that uses it.  Every other name a cell uses comes from the kernel,

@@ -177,7 +177,7 @@ def sign(key: Optional[str], attempt: int, address: str, record: dict) -> dict:
 def verified(key: Optional[str], attempt: int, address: str, stored: dict) -> Optional[dict]:
     """The record without its signature, or None where a key is given and the
     record is not signed with it (without a key every record counts, as the
-    store takes anyone's writes: the README says so)."""
+    store takes anyone's writes: docs/design/security.md says so)."""
     record = {k: v for k, v in stored.items() if k != "sig"}
     if not key:
         return record
