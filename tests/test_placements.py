@@ -223,9 +223,13 @@ def test_an_unknown_launcher_is_refused_before_anything_launches(pk):
         assert "entry point of the group 'accel_magics.placements'" in text, text
         assert "Left out: 'broken' (ModuleNotFoundError" in text, text
         assert "ran" not in res.stdout and "[rank" not in res.stdout
-    assert "no session" in k.ok("%distributed_session status").stdout
-    defaults = k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].defaults)").stdout
-    assert "nosuch" not in defaults, defaults   # the defaults were not changed
+    # Slurm keeps its own cell mode: outside an allocation it still says so itself.
+    for line in ("%%distributed -n 2 --launcher slurm\npass", "%distributed_session start -n 2 --launcher slurm"):
+        res = k.run(line, timeout=60)
+        assert res.error["ename"] == "UsageError" and "needs a Slurm allocation" in res.error["evalue"], res.error_text
+    state = k.ok("m = get_ipython().magics_manager.registry['DistributedMagics']\n"
+                 "print(getattr(m.session, 'alive', False), m.defaults)").stdout
+    assert state.strip() == "False {}", state   # no session started, the defaults not changed
 
 
 def test_a_broken_plugin_warns_at_load_and_the_built_ins_still_run(pk):
