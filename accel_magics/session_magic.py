@@ -259,6 +259,8 @@ class SessionMagics(Magics):
         given = dict(session.options) if session is not None else {}
         given.update(self._given(args))
         _refuse_cell_options(given)   # before the running session is stopped: a refusal leaves it running
+        self.dist.placement_class(self.dist.placement_name(given.get("launcher")),
+                                  nothing="The session was left as it was.")
         self._stop(args, quiet=True)
         self._start(args, given)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import textwrap
 
 import pytest
 
@@ -223,6 +222,12 @@ def test_an_unknown_launcher_is_refused_before_anything_launches(pk):
         assert "entry point of the group 'accel_magics.placements'" in text, text
         assert "Left out: 'broken' (ModuleNotFoundError" in text, text
         assert "ran" not in res.stdout and "[rank" not in res.stdout
+    k.ok("%distributed_session start -n 2 --launcher mine", timeout=90)
+    res = k.run("%distributed_session restart --launcher nosuch", timeout=60)
+    assert res.error["ename"] == "UsageError" and "there is no placement 'nosuch'" in res.error["evalue"] \
+        and "The session was left as it was." in res.error["evalue"], res.error_text
+    assert "2 rank(s)" in k.ok("%distributed_session status").stdout   # still running
+    k.ok("%distributed_session stop", timeout=60)
     # Slurm keeps its own cell mode: outside an allocation it still says so itself.
     for line in ("%%distributed -n 2 --launcher slurm\npass", "%distributed_session start -n 2 --launcher slurm"):
         res = k.run(line, timeout=60)
