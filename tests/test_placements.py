@@ -262,7 +262,8 @@ def test_the_help_and_the_config_form_list_the_plugins(pk):
                "form.widget.close()")
     assert "local: ranks on this machine" in res.stdout and "slurm: on every node of the Slurm allocation" \
         in res.stdout, res.stdout
-    assert "mine: a plug-in (myplug:MinePlacement, from myplug 0.1)" in res.stdout, res.stdout
+    assert "Installed: local, slurm, mine (a plug-in: myplug:MinePlacement, from myplug 0.1), counted (a plug-in: " \
+        "myplug:CountedPlacement, from myplug 0.1). Default: local." in res.stdout, res.stdout
     assert "broken" not in res.stdout.split("\n")[0]
     assert "['local', 'slurm', 'mine', 'counted'] mine" in res.stdout, res.stdout
     res = k.ok("%distributed_config --launcher mine")

@@ -82,7 +82,7 @@ class Placement(abc.ABC):
 
     #: What ``--launcher`` takes: the name of its entry point (the same).
     name: ClassVar[str] = ""
-    #: What it is, for ``--launcher``'s help ("" : the help names its class).
+    #: A plug-in's one line for ``--launcher``'s help ("" : the help names its class).
     description: ClassVar[str] = ""
 
     @abc.abstractmethod
@@ -106,7 +106,6 @@ class LocalPlacement(Placement):
     kernel (kernel per node), the nodes meeting at node 0's store."""
 
     name = "local"
-    description = "ranks on this machine (one kernel per node for several)"
 
     def __init__(self, launcher) -> None:
         self.launcher = launcher
@@ -215,13 +214,13 @@ class PlacementRegistry:
             return cls
 
     def describe(self) -> dict:
-        """name -> what it is (its ``description``, else where it comes from), for the help."""
+        """name -> what a plug-in is (its ``description``, else where it comes from; ""
+        for a built-in, which ``--launcher``'s own help describes)."""
         described = {}
         for name in self.names():
-            cls = self._classes[name]
             value, where = self.declared()[name]
-            own = cls.__dict__.get("description", "")
-            described[name] = own or f"a plug-in ({value}, from {where})"
+            own = self._classes[name].__dict__.get("description", "")
+            described[name] = "" if name in self.built_in else own or f"a plug-in: {value}, from {where}"
         return described
 
     def unknown(self, name: str) -> str:

@@ -388,8 +388,6 @@ class SlurmPlacement(Placement):
     """Every node of the allocation, through its agents (one run per node)."""
 
     name = "slurm"
-    description = ("on every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): --num_processes "
-                   "per node, --num_nodes defaults to the allocation's node count")
 
     def __init__(self, agents: SlurmAgents) -> None:
         self.agents = agents
