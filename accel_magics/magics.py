@@ -25,6 +25,7 @@ from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext import hooks
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
+from accel_magics.kernel_ext.kernel.placement import LocalPlacement, PlacementNotFound, find_placement
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
@@ -94,7 +95,8 @@ def _launch_config(values: dict) -> LaunchConfig:
 
 
 #: The cells that are not a one-shot run on this machine, by mode: "session"
-#: (the running session's ranks) and "slurm" (every node of the allocation).
+#: (the running session's ranks) and, by its name, a placement that is not a
+#: LocalPlacement: "slurm" (every node of the allocation).
 #: The modules that run them (session_magic, slurm_magic) fill it in; they use
 #: this module's public API, and this module imports neither (no cycle).
 CELL_MODES: dict = {}
@@ -287,13 +289,16 @@ class DistributedMagics(Magics):
                 from None
 
     def _distributed(self, args, line: str, cell: str, started: float):
-        mode = ("session" if args.session   # on the running session, wherever it is placed
-                else "slurm" if (args.launcher or self.defaults.get("launcher")) == "slurm" else None)
-        if mode is not None:
-            return CELL_MODES[mode](self, args, line, cell, started)
+        if args.session:   # on the running session, wherever it is placed
+            return CELL_MODES["session"](self, args, line, cell, started)
+        name = self.placement_name(args.launcher)
+        cls = self.placement_class(name)
+        if not issubclass(cls, LocalPlacement):   # its ranks are elsewhere: its own cell mode (slurm)
+            return CELL_MODES[name](self, args, line, cell, started)
+        placement = cls(self.launcher)
         presenter = self.presenter(args, started, background=args.background)
         if args.background and not self.launcher.info:
-            return self._background_while_the_launcher_starts(args, line, cell, presenter)
+            return self._background_while_the_launcher_starts(args, line, cell, presenter, placement)
         try:
             with self.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
                 cfg = self.launch_config(args)
@@ -307,10 +312,11 @@ class DistributedMagics(Magics):
             raise
         if args.background:
             return self.start_background(presenter, lambda control: self._execute_background(
-                cfg, payload, presenter, control), label=f"In[{self.cell_number()}]", release=payload.release)
+                placement, cfg, payload, presenter, control), label=f"In[{self.cell_number()}]",
+                release=payload.release)
         try:
             try:
-                result = execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
+                result = execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt)
             finally:
                 presenter.finish()
@@ -318,7 +324,23 @@ class DistributedMagics(Magics):
             payload.release()   # also when interrupted before the run started
         return self.deliver(result)
 
-    def _background_while_the_launcher_starts(self, args, line: str, cell: str, presenter):
+    def placement_name(self, given) -> str:
+        """The placement a cell runs on: ``--launcher``, else the default set, else the built-in one."""
+        return given or self.defaults.get("launcher") or options.DEFAULTS["launcher"]
+
+    def placement_class(self, name: str, nothing: str = "Nothing was launched.") -> type:
+        """The placement class ``name`` (see kernel_ext/kernel/placement.py), or a
+        UsageError that lists the known ones and says how to add one."""
+        try:
+            cls = find_placement(name)
+        except PlacementNotFound as exc:
+            raise UsageError(f"--launcher {name}: {exc}\n{nothing}") from None
+        if not issubclass(cls, LocalPlacement) and name not in CELL_MODES:
+            raise UsageError(f"--launcher {name}: {cls.__module__}.{cls.__qualname__} is not a LocalPlacement, and "
+                             f"only LocalPlacement subclasses and slurm can run cells for now. {nothing}")
+        return cls
+
+    def _background_while_the_launcher_starts(self, args, line: str, cell: str, presenter, placement):
         """A ``--background`` cell before the launcher is up (the first cell of
         a kernel: it imports torch, seconds): the handle at once.  What can be
         checked without the launcher is checked now (a UsageError, nothing
@@ -348,7 +370,7 @@ class DistributedMagics(Magics):
                 payload.release()
                 presenter.not_started(exc)
                 raise
-            return self._execute_background(cfg, payload, presenter, control)
+            return self._execute_background(placement, cfg, payload, presenter, control)
         return self.start_background(presenter, target, label=f"In[{self.cell_number()}]", release=payload.release)
 
     def presenter(self, args, started: float, background: bool = False, note: str = "",
@@ -372,14 +394,14 @@ class DistributedMagics(Magics):
             raise RunInterrupted.before_start("the live view was still loading (ipywidgets, once per "
                                               "kernel)") from None
 
-    def _execute_background(self, cfg, payload, presenter, control):
+    def _execute_background(self, placement, cfg, payload, presenter, control):
         """In a background run's thread: the run, on a socket of its own."""
         import zmq
 
         events = None
         try:
             events = self.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
-            return execute(self.launcher, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
+            return execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                            log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events)
         finally:
             payload.release()
@@ -542,6 +564,10 @@ class DistributedMagics(Magics):
     def _check_defaults(self, values: dict) -> str:
         """'' if these defaults can launch, else what is wrong with them."""
         merged = {**self.effective_defaults(), **values}
+        try:
+            self.placement_class(self.placement_name(merged.get("launcher")), nothing="")
+        except UsageError as exc:
+            return str(exc).strip()
         if merged.get("launcher") == "slurm":
             from accel_magics.kernel_ext.kernel.slurm import SlurmError, allocation
 

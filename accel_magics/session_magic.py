@@ -20,6 +20,7 @@ from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, Report
 from accel_magics.kernel_ext.kernel.events import bytes_text
 from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT, WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
+from accel_magics.kernel_ext.kernel.placement import LocalPlacement
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
 from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
@@ -204,9 +205,12 @@ class SessionMagics(Magics):
         if given.get("launcher") is None and self.dist.defaults.get("launcher"):
             given["launcher"] = self.dist.defaults["launcher"]
         _refuse_cell_options(given)
+        placed = self.dist.placement_class(self.dist.placement_name(given.get("launcher")),
+                                           nothing="Nothing was started.")
+        on_slurm = not issubclass(placed, LocalPlacement)   # every node of the allocation
         started = time.monotonic()
         try:
-            if given.get("launcher") == "slurm":   # every node of the allocation
+            if on_slurm:
                 session = start_session(self.dist, given)
                 cfg = session.cfg
             else:
@@ -214,14 +218,15 @@ class SessionMagics(Magics):
                 cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
                 self.dist.preflight_check()
                 self.dist.warn_machine(cfg)
-                session = DistributedSession(self.dist.launcher, cfg, options=given)
+                session = DistributedSession(self.dist.launcher, cfg, options=given,
+                                             placement=placed(self.dist.launcher))
                 session.start()
         except KeyboardInterrupt:
             raise
         except SessionGone as exc:
             raise UsageError(f"{exc}. Nothing is left running.") from None
         self.dist.session = session
-        where = (f" on each of {cfg.num_nodes} node(s) of the allocation" if given.get("launcher") == "slurm" else
+        where = (f" on each of {cfg.num_nodes} node(s) of the allocation" if on_slurm else
                  f" on node {cfg.node_rank} of {cfg.num_nodes}" if cfg.num_nodes > 1 else "")
         print(f"accel_magics: session started: {cfg.num_processes} rank(s)" + where
               + f", world size {cfg.world_size}, in {time.monotonic() - started:.2f}s. "
@@ -254,6 +259,8 @@ class SessionMagics(Magics):
         given = dict(session.options) if session is not None else {}
         given.update(self._given(args))
         _refuse_cell_options(given)   # before the running session is stopped: a refusal leaves it running
+        self.dist.placement_class(self.dist.placement_name(given.get("launcher")),
+                                  nothing="The session was left as it was.")
         self._stop(args, quiet=True)
         self._start(args, given)
 

@@ -11,7 +11,7 @@ default down.  No IPython here: the engine and the views read it too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 #: A multi-node run's port when none is given (torchrun's).
@@ -31,6 +31,13 @@ class Option:
     label: str = ""                   # the config form's field ("" for none)
     session_fixed: bool = False       # a session's, fixed when it starts: refused on its cells
     not_on_slurm: str = ""            # why --launcher slurm refuses it ("" : allowed)
+    # Choices found when asked (the placements' registry): name -> what it is ("" : said in help), for the help;
+    # the parser takes any value, and the magics refuse an unknown one, saying which there are.
+    found: Optional[Callable[[], dict]] = None
+
+    def choice_names(self) -> Optional[tuple]:
+        """The values it takes (None: any): ``choices``, or those ``found`` now."""
+        return tuple(self.found()) if self.found is not None else self.choices
 
     @property
     def is_flag(self) -> bool:
@@ -43,12 +50,22 @@ class Option:
 
     def help_text(self) -> str:
         """The help, with the default said once, from this row."""
+        if self.found is not None:   # those there are now, each plug-in with what it is
+            listed = ", ".join(f"{name} ({what})" if what else name for name, what in self.found().items())
+            return f"{self.help} Installed: {listed}. Default: {self.default}."
         if self.default_text:
             return f"{self.help} Default: {self.default_text}."
         if self.default is None or self.is_flag:
             return self.help
         value = f"{self.default:g}" if isinstance(self.default, float) else self.default
         return f"{self.help} Default: {value}." if self.help.endswith(".") else f"{self.help} (default {value})."
+
+
+def _placements() -> dict:
+    """The placements ``--launcher`` takes: name -> what it is (kernel/placement.py's registry)."""
+    from .kernel.placement import placement_descriptions
+
+    return placement_descriptions()
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -85,9 +102,10 @@ OPTIONS: tuple[Option, ...] = (
            "Accelerate's default one: the ranks get the environment `accelerate launch --config_file` would give "
            "them (mixed precision, FSDP, DeepSpeed, dynamo...), and its processes/machines unless given here.",
            metavar="PATH", label="Accelerate config", session_fixed=True, not_on_slurm="give its options as flags"),
-    Option("launcher", str, "local", "local: ranks on this machine (one kernel per node for several). slurm: on "
-           "every node of the Slurm allocation this kernel runs in (its SLURM_JOB_ID): --num_processes per node, "
-           "--num_nodes defaults to the allocation's node count.", choices=("local", "slurm"), label="launcher"),
+    Option("launcher", str, "local", "Where the ranks run, a placement: local: ranks on this machine (one kernel "
+           "per node for several); slurm: on every node of the Slurm allocation this kernel runs in (its "
+           "SLURM_JOB_ID): --num_processes per node, --num_nodes defaults to the allocation's node count. More come "
+           "as plug-ins (see accel_magics.placements).", metavar="NAME", label="launcher", found=_placements),
     Option("slurm_args", str, None, "--launcher slurm: extra srun arguments for the node agents' step, quoted "
            "(e.g. \"--gres=gpu:4 --cpus-per-task=8\").", metavar="ARGS", session_fixed=True),
     Option("stall_timeout", float, 30.0, "When a rank, after another rank finished the cell, uses no CPU and "

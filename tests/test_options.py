@@ -42,6 +42,21 @@ def test_the_parser_has_every_option_of_the_table_with_its_flags_choices_and_def
             assert option.default_text in action.help
 
 
+def test_the_launchers_names_and_help_are_the_placements_registrys():
+    """--launcher takes a placement's name: checked by the magics against the
+    registry (an unknown one is their UsageError, test_placements.py)."""
+    from accel_magics.kernel_ext.kernel.placement import placement_descriptions, placement_names
+    from accel_magics.widgets.config_form import ConfigForm
+
+    option = options.BY_NAME["launcher"]
+    assert option.choice_names() == placement_names() and placement_names()[:2] == ("local", "slurm")
+    assert option.help_text() == f"{option.help} Installed: {', '.join(placement_names())}. Default: local."
+    assert placement_descriptions() == {"local": "", "slurm": ""}   # described in the option's own help
+    form = ConfigForm({"launcher": "slurm"}, check=lambda values: "", apply=lambda values: None, describe=str)
+    assert list(form.fields["launcher"].options) == list(placement_names())
+    assert form.fields["launcher"].value == "slurm"
+
+
 def test_launch_config_defaults_are_the_tables():
     fields = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
     for name, default in options.DEFAULTS.items():

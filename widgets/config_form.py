@@ -61,9 +61,9 @@ class ConfigForm:
         self.fields["mixed_precision"] = w.Dropdown(options=MIXED, description=LABELS["mixed_precision"], style=style)
         self.fields["output"] = w.Dropdown(options=list(BY_NAME["output"].choices), description=LABELS["output"],
                                            style=style)
-        # local: this machine (one kernel per node); slurm: every node of this kernel's allocation.
-        self.fields["launcher"] = w.Dropdown(options=list(BY_NAME["launcher"].choices), description=LABELS["launcher"],
-                                             style=style)
+        # The placements: local, slurm and the installed plug-ins (kernel_ext/kernel/placement.py).
+        self.fields["launcher"] = w.Dropdown(options=list(BY_NAME["launcher"].choice_names()),
+                                             description=LABELS["launcher"], style=style)
         for name in FLAG_FIELDS:   # given or not: a box (its help in the tooltip)
             self.fields[name] = w.Checkbox(description=LABELS[name], indent=True, style=style,
                                            tooltip=BY_NAME[name].help_text())

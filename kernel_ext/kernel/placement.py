@@ -18,12 +18,23 @@ a failure on any node ends the attempt on every node (each placement's job),
 and the next attempt starts everywhere on a fresh rendezvous.
 
 A new placement (SSH hosts, Kubernetes pods) is one subclass of each, with a
-``name``: ``Placement.registry[name]`` finds it.
+``name``, declared as an entry point of the group ``accel_magics.placements``
+(the built-ins are declared there too): :func:`find_placement` finds it by
+name, :func:`placement_names` lists them (what ``--launcher`` takes), as
+ipyparallel's ``find_launcher_class`` and jupyter_client's provisioner
+factory find theirs.  A plug-in is imported when its name is looked up or
+the names are listed, never before; one that cannot be imported is left
+out, with a one-line warning that names it, and the others still work.
+The public face of this is :mod:`accel_magics.placements`.
 """
 from __future__ import annotations
 
 import abc
+import importlib
 import logging
+import sys
+import threading
+from importlib.metadata import entry_points
 from typing import ClassVar, Iterator, Optional
 
 log = logging.getLogger("accel_magics.kernel.placement")
@@ -69,13 +80,10 @@ class Attempt(abc.ABC):
 class Placement(abc.ABC):
     """Where ranks run: starts attempts (see the module doc)."""
 
+    #: What ``--launcher`` takes: the name of its entry point (the same).
     name: ClassVar[str] = ""
-    registry: ClassVar[dict] = {}
-
-    def __init_subclass__(cls, **kw) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            Placement.registry[cls.name] = cls
+    #: A plug-in's one line for ``--launcher``'s help ("" : the help names its class).
+    description: ClassVar[str] = ""
 
     @abc.abstractmethod
     def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None,
@@ -102,9 +110,13 @@ class LocalPlacement(Placement):
     def __init__(self, launcher) -> None:
         self.launcher = launcher
 
-    def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None, events=None) -> Attempt:
+    def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None, events=None,
+               **launcher_options) -> Attempt:
+        """``launcher_options``: more of ``Launcher.launch``'s (a session's
+        start gives ``extra`` and ``stop_wait``)."""
+        launcher_options.setdefault("persistent", events is not None)
         handle = self.launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt,
-                                      events=events, persistent=events is not None)
+                                      events=events, **launcher_options)
         log.info("run %s attempt %d: %d rank(s) on node %d of %d (supervisor pid %d, port %d)", handle.run_id,
                  attempt, cfg.num_processes, cfg.node_rank, cfg.num_nodes, handle.supervisor_pid,
                  handle.master_port)
@@ -115,3 +127,158 @@ class LocalPlacement(Placement):
 
     def learn_modules(self, modules: list) -> None:
         self.launcher.learn_modules(modules)
+
+
+#: The entry point group placements are declared in (pyproject.toml's
+#: ``[project.entry-points."accel_magics.placements"]``).
+GROUP = "accel_magics.placements"
+#: The built-in placements, found also where this package's metadata is not
+#: installed (a source checkout on sys.path); their entry points say the same.
+BUILT_IN = {"local": "accel_magics.kernel_ext.kernel.placement:LocalPlacement",
+            "slurm": "accel_magics.kernel_ext.kernel.slurm:SlurmPlacement"}
+
+
+def how_to_add(group: str = GROUP) -> str:
+    return ("A new one is a subclass of accel_magics.placements.LocalPlacement (or Placement) with a `name`, "
+            f"declared as an entry point of the group {group!r} of an installed package "
+            "(see help(accel_magics.placements)).")
+
+
+class PlacementNotFound(LookupError):
+    """No placement of that name could be had; the message lists the known
+    names (and the plug-ins left out, with why) and says how to add one."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class PlacementRegistry:
+    """The placements of one entry point group, by name (the built-ins
+    first).  Nothing is imported before a name is looked up or the names are
+    listed; each plug-in is imported once, and one that fails stays left out
+    (with one warning) for the life of the process."""
+
+    def __init__(self, group: str = GROUP, built_in: Optional[dict] = None) -> None:
+        self.group = group
+        self.built_in = dict(BUILT_IN if built_in is None else built_in)
+        self._declared: Optional[dict] = None   # name -> (entry point value "module:attr", where it comes from)
+        self._classes: dict = {}                 # name -> class, once imported
+        self.broken: dict = {}                   # name -> why it was left out
+        self._lock = threading.RLock()
+
+    def declared(self) -> dict:
+        """name -> (``module:attr``, the package that declares it): read once."""
+        with self._lock:
+            if self._declared is None:
+                self._declared = self._read()
+            return self._declared
+
+    def _read(self) -> dict:
+        found = {name: (value, "accel_magics") for name, value in self.built_in.items()}
+        try:
+            points = list(entry_points(group=self.group))
+        except Exception as exc:   # unreadable metadata of some package: the built-ins still work
+            self._warn(f"the entry points of {self.group!r} could not be read ({_one_line(exc)}); "
+                       "only the built-in placements are available")
+            return found
+        for point in points:
+            dist = getattr(point, "dist", None)
+            where = f"{dist.name} {dist.version}" if dist is not None else "an installed package"
+            if point.name in found:
+                if found[point.name][0] != point.value:   # the built-ins' own entry points say the same
+                    self._warn(f"placement plug-in {point.name!r} ({point.value}, from {where}) ignored: the name "
+                               f"is taken by {found[point.name][0]} (from {found[point.name][1]})")
+                continue
+            found[point.name] = (point.value, where)
+        return found
+
+    def names(self) -> tuple:
+        """Every placement that can be had, the built-ins first: each plug-in
+        is imported (once); one that fails is left out, with a warning."""
+        with self._lock:
+            for name in self.declared():
+                self._load(name)
+            return tuple(name for name in self.declared() if name in self._classes)
+
+    def find(self, name: str) -> type:
+        """The placement class ``name``; :class:`PlacementNotFound` if none can be had."""
+        with self._lock:
+            if name not in self.declared():
+                raise PlacementNotFound(self.unknown(name))
+            cls = self._load(name)
+            if cls is None:
+                raise PlacementNotFound(f"the placement {name!r} could not be loaded: {self.broken[name]}. "
+                                        f"Known: {', '.join(self.names())}.")
+            return cls
+
+    def describe(self) -> dict:
+        """name -> what a plug-in is (its ``description``, else where it comes from; ""
+        for a built-in, which ``--launcher``'s own help describes)."""
+        described = {}
+        for name in self.names():
+            value, where = self.declared()[name]
+            own = self._classes[name].__dict__.get("description", "")
+            described[name] = "" if name in self.built_in else own or f"a plug-in: {value}, from {where}"
+        return described
+
+    def unknown(self, name: str) -> str:
+        known = ", ".join(self.names())
+        left_out = "".join(f" Left out: {n!r} ({why})." for n, why in self.broken.items())
+        return f"there is no placement {name!r}. Known: {known}.{left_out} {how_to_add(self.group)}"
+
+    def _load(self, name: str) -> Optional[type]:
+        if name in self._classes or name in self.broken:
+            return self._classes.get(name)
+        value, where = self.declared()[name]
+        try:
+            cls = _import(value)
+            if not (isinstance(cls, type) and issubclass(cls, Placement)):
+                raise TypeError(f"{value} is not a subclass of accel_magics.placements.Placement")
+            if cls.name != name:
+                raise ValueError(f"its class's name is {cls.name!r}, not {name!r} (they must be the same)")
+        except (Exception, SystemExit) as exc:
+            self.broken[name] = _one_line(exc)
+            if name in self.built_in:
+                raise   # a broken built-in is a broken install: never hidden
+            self._warn(f"placement plug-in {name!r} ({value}, from {where}) could not be loaded and is left "
+                       f"out: {self.broken[name]}")
+            return None
+        self._classes[name] = cls
+        return cls
+
+    @staticmethod
+    def _warn(text: str) -> None:
+        log.info("%s", text)   # said on stderr once: the log has it too
+        print(f"accel_magics: {text}", file=sys.stderr)
+
+
+def _import(value: str):
+    """The object an entry point's ``module:attr`` value names."""
+    module, _, attr = value.partition(":")
+    obj = importlib.import_module(module.strip())
+    for part in filter(None, attr.strip().split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+#: This process's placements: the entry points of :data:`GROUP`.
+REGISTRY = PlacementRegistry()
+
+
+def find_placement(name: str) -> type:
+    """The placement class ``--launcher name`` runs on (imported now if need
+    be); :class:`PlacementNotFound`, whose message lists the known names and
+    says how to add one, if there is none."""
+    return REGISTRY.find(name)
+
+
+def placement_names() -> tuple:
+    """The names ``--launcher`` takes, the built-ins first (every plug-in imported)."""
+    return REGISTRY.names()
+
+
+def placement_descriptions() -> dict:
+    """name -> one line on what it is, as ``--launcher``'s help words it."""
+    return REGISTRY.describe()

@@ -30,6 +30,7 @@ from ..environment import LaunchConfig
 from .errors import (CompletedBeforeTheStop, DistributedRunError, DistributedStallError, DistributedTimeoutError,
                      LauncherError, ReportedError, RunInterrupted, SessionLostError)
 from .launcher import Launcher
+from .placement import LocalPlacement
 from ..logs import RunLog
 from ..wire.payload import Payload
 from ..gpu_memory import GpuMemory
@@ -99,8 +100,11 @@ def limit_sends(sock) -> None:
 
 
 class DistributedSession:
-    def __init__(self, launcher: Launcher, cfg: LaunchConfig, options: Optional[dict] = None) -> None:
+    def __init__(self, launcher: Launcher, cfg: LaunchConfig, options: Optional[dict] = None,
+                 placement: Optional[LocalPlacement] = None) -> None:
         self.launcher = launcher
+        # What starts its ranks: the placement it was started on (this machine's, through ``launcher``).
+        self.placement = placement if placement is not None else LocalPlacement(launcher) if launcher else None
         self.cfg = cfg
         self.options = dict(options or {})   # the flags it was started with (restart reuses them)
         self.id = ""
@@ -138,11 +142,11 @@ class DistributedSession:
         self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
         limit_sends(self.cells[0])
         try:
-            handle = self.launcher.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
-                                          persistent=True,
-                                          extra={"session": True, "cells_addr": self.cells[1], "payload": None,
-                                                 "stall_timeout": self.cfg.stall_timeout
-                                                 if self.cfg.num_nodes == 1 else 0})
+            handle = self.placement.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
+                                           persistent=True,
+                                           extra={"session": True, "cells_addr": self.cells[1], "payload": None,
+                                                  "stall_timeout": self.cfg.stall_timeout
+                                                  if self.cfg.num_nodes == 1 else 0})
         except BaseException:
             self._close_sockets()
             raise
@@ -227,7 +231,7 @@ class DistributedSession:
                         raise LauncherError(f"the session's supervisor did not take the {op}: it is gone") from None
 
     def _learn(self, modules: list) -> None:
-        self.launcher.learn_modules(modules)
+        self.placement.learn_modules(modules)
 
     def _wait_gone(self, handle: RunHandle) -> None:
         """The supervisor exits after its ranks: wait for that (bounded), else kill."""
