@@ -2,6 +2,8 @@
 
     python bench/bench_launch.py           # every benchmark, table on stdout and in bench/RESULTS.md
     python bench/bench_launch.py --quick   # fewer repetitions
+    python bench/bench_launch.py --only ab --ab_base 8fb5e0d --out /tmp/ab.md
+                                           # the warm empty 2-rank cell, this tree vs a commit
 
 Real kernels over the Jupyter protocol: one runs ``%%distributed`` cells, the
 other the same work through ``notebook_launcher`` (given ACCELERATE_USE_CPU=1
@@ -9,6 +11,11 @@ so that it, too, really trains distributed on CPU).  Where both sides run, the
 cells alternate A/B so drift hits both.  Times are per cell as a frontend sees
 them (execute request to idle) unless a row says it is measured inside the
 ranks.  Medians; ratio < 1 means accel_magics is faster.
+
+The ab section compares the package at another commit (--ab_base) with the
+working tree's: both installed (not editable) into directories of their own,
+one kernel each in this venv, cells alternating; ratio < 1 means this tree
+is faster.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import functools
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -285,9 +293,10 @@ def oversubscribe(nproc: int) -> str:
     return " --oversubscribe" if 0 < cuda_devices() < nproc else ""
 
 
-SECTIONS = ("first", "runall", "empty", "session", "slurm", "training", "globals", "scale", "output", "ddp",
+SECTIONS = ("first", "runall", "ab", "empty", "session", "slurm", "training", "globals", "scale", "output", "ddp",
             "ddp_gpu")
 PAUSE = 0.5   # seconds between paced cells: a person's pace is slower still
+AB_BASE = "8fb5e0d"   # the commit whose empty 2-rank cell issue 46 measures against
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,6 +388,139 @@ def ddp_row(ours: KernelSession, row, label: str, template: str, nproc: int, ste
         and ratio("cell", "fork_setsid") >= 0.99)
 
 
+def repo_root() -> str:
+    return subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=HERE,
+                          check=True).stdout.strip()
+
+
+def install_into(src: str, target: str) -> None:
+    """A real install of the package in ``src`` into ``target`` (what pip puts
+    in site-packages, with kernel_ext/ and widgets/ mapped into
+    accel_magics/ by pyproject's package-dir): never editable, no
+    dependencies (the venv's torch etc. serve both versions)."""
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", target, src], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"pip install of {src} failed ({res.returncode}):\n"
+                           f"{res.stdout[-3000:]}{res.stderr[-3000:]}")
+
+
+def build_ab(base: str, tmp: str) -> tuple[str, str, str]:
+    """The package at commit ``base`` and the working tree's (tracked and
+    untracked files git does not ignore, uncommitted changes included), each
+    installed into a directory of its own under ``tmp``: (base's directory,
+    the tree's, the tree's name).  Both sources are copies under ``tmp``, so
+    the build leaves nothing in the repository."""
+    root = repo_root()
+    src_a, src_b = os.path.join(tmp, "src-base"), os.path.join(tmp, "src-tree")
+    os.mkdir(src_a)
+    archive = subprocess.Popen(["git", "-C", root, "archive", base], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", src_a], stdin=archive.stdout, check=True)
+    archive.stdout.close()
+    if archive.wait() != 0:
+        raise RuntimeError(f"git archive {base} failed")
+    files = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        path = os.path.join(root, rel)
+        if os.path.isfile(path):   # a tracked file deleted in the tree is not part of it
+            os.makedirs(os.path.join(src_b, os.path.dirname(rel)), exist_ok=True)
+            shutil.copy2(path, os.path.join(src_b, rel))
+    site_a, site_b = os.path.join(tmp, "site-base"), os.path.join(tmp, "site-tree")
+    install_into(src_a, site_a)
+    install_into(src_b, site_b)
+    tree = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=7"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return site_a, site_b, tree
+
+
+def resolve_commit(name: str) -> str | None:
+    """The full hash of commit ``name`` in this repository, or None."""
+    res = subprocess.run(["git", "-C", repo_root(), "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"],
+                         capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def stat_cpu(pid: int) -> float:
+    """utime + stime of a process (every thread), from /proc/<pid>/stat, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = (int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def ab_kernel(site: str, cwd: str, nproc: int) -> KernelSession:
+    """A kernel that imports the package from ``site`` only, checked: in the
+    kernel and in the ranks its launcher starts.  Its cwd is ``cwd``, not the
+    repository (the kernel puts its cwd first on sys.path, and the
+    repository's accel_magics/ has no kernel_ext)."""
+    k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": site}, cwd=cwd)
+    try:
+        k.ok("%load_ext accel_magics")
+        where = k.ok("import accel_magics, accel_magics.kernel_ext as _ke\n"
+                     "print(accel_magics.__file__); print(_ke.__file__)").stdout.split()
+        print(f"  kernel {k.pid} imported {where}", flush=True)
+        assert where and all(w.startswith(site + os.sep) for w in where), (site, where)
+        res = k.ok(dist(nproc) + "import accel_magics.kernel_ext as _ke\nprint('WHERE', _ke.__file__)\n",
+                   timeout=300)
+        ranks = [line.split("WHERE", 1)[1].strip() for line in res.stdout.splitlines() if "WHERE" in line]
+        assert len(ranks) == nproc and all(r.startswith(site + os.sep) for r in ranks), (site, res.stdout)
+    except BaseException:
+        k.shutdown()
+        raise
+    return k
+
+
+def ab_row(row, base: str, cells: int) -> None:
+    """The warm empty 2-rank cell of the package at ``base`` (A) against the
+    working tree's (B): both installed (not editable) into directories of
+    their own, one kernel each in the same venv, cells alternating A B A B.
+    Per cell: the round trip (execute_request to execute_reply, as the
+    "empty cell, 2 ranks, warm" row) and the kernel process's own CPU
+    (utime + stime, before and after the cell; a clock tick is 10 ms, so the
+    CPU is a mean over the cells, not a median)."""
+    full = resolve_commit(base)
+    short = full[:7]
+    with tempfile.TemporaryDirectory(prefix="ab-", dir=os.environ.get("TMPDIR")) as tmp:
+        t0 = time.perf_counter()
+        site_a, site_b, tree = build_ab(full, tmp)
+        print(f"ab: built {short} and the working tree ({tree}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        cwd = os.path.join(tmp, "cwd")
+        os.mkdir(cwd)
+        kernels: list[KernelSession] = []
+        try:
+            kernels.append(ab_kernel(site_a, cwd, 2))
+            kernels.append(ab_kernel(site_b, cwd, 2))
+            code = dist(2) + "pass\n"
+            for _ in range(3):
+                for k in kernels:
+                    timed(k, code)
+            settle(8)
+            times = {k.pid: [] for k in kernels}
+            cpu = {k.pid: [] for k in kernels}
+            whole = {k.pid: stat_cpu(k.pid) for k in kernels}
+            for _ in range(cells):
+                for k in kernels:
+                    before = stat_cpu(k.pid)
+                    times[k.pid].append(timed(k, code))
+                    cpu[k.pid].append(stat_cpu(k.pid) - before)
+            whole = {k.pid: (stat_cpu(k.pid) - whole[k.pid]) / cells for k in kernels}
+        finally:
+            for k in kernels:
+                k.shutdown()
+    a, b = (k.pid for k in kernels)
+    ma, mb = statistics.median(times[a]), statistics.median(times[b])
+
+    def cpu_ms(pid: int) -> str:
+        return (f"kernel CPU {statistics.mean(cpu[pid]) * 1000:.1f} ms a cell "
+                f"({whole[pid] * 1000:.1f} ms counting between cells)")
+
+    row(f"empty cell, 2 ranks, warm: A/B against {short}", f"this tree ({tree}) {median_ms(times[b])}, {cpu_ms(b)}",
+        f"{short} {median_ms(times[a])}, {cpu_ms(a)}",
+        f"{mb / ma:.2f}x; {cells} cells each, alternating (spread: this tree {min(times[b]) * 1000:.1f}-"
+        f"{max(times[b]) * 1000:.1f} ms, {short} {min(times[a]) * 1000:.1f}-{max(times[a]) * 1000:.1f} ms); "
+        "both installed, same venv", f"<= 1.0x {short}", mb <= ma)
+
+
 def autogroup_setting() -> str:
     """The kernel's autogroup switch: 1 groups processes by session for
     scheduling, which is why a rank's session matters for its speed."""
@@ -408,11 +550,19 @@ def _main() -> None:
                                                     "or nowhere with --only)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of the DDP rows (default 14, 4 with --quick)")
     parser.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(SECTIONS))
+    parser.add_argument("--ab_base", default=AB_BASE, help=f"the commit the ab section measures the working "
+                                                           f"tree against (default {AB_BASE})")
+    parser.add_argument("--ab_cells", type=int, default=0, help="cells per side in the ab section "
+                                                                "(default 60, 10 with --quick)")
     args = parser.parse_args()
     reps = 5 if args.quick else 15
     chosen = set(filter(None, args.only.split(",")))
     if chosen - set(SECTIONS):
         parser.error(f"--only: unknown {sorted(chosen - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+
+    ab_missing = not resolve_commit(args.ab_base)
+    if "ab" in chosen and ab_missing:
+        parser.error(f"--ab_base: {args.ab_base!r} is not a commit of this repository")
 
     out_path = args.out or (None if chosen else os.path.join(HERE, "RESULTS.md"))
 
@@ -463,6 +613,16 @@ def _main() -> None:
             "faster than notebook_launcher, median cell <= 0.5x",
             ta < tb and statistics.median(ca) <= 0.5 * statistics.median(cb))
 
+    if want("ab"):
+        # The empty 2-rank cell of the package at --ab_base against the working tree's, A/B.
+        if ab_missing:
+            print(f"ab: skipped ({args.ab_base} is not a commit of this checkout: a shallow clone?)", flush=True)
+        else:
+            ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60))
+
+    if not any(want(s) for s in SECTIONS[SECTIONS.index("empty"):]):
+        write_table(rows, args, out_path)
+        return
     ours = loaded_kernel()
     theirs = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "1"})
     try:
@@ -751,14 +911,18 @@ def _main() -> None:
     finally:
         ours.shutdown()
         theirs.shutdown()
+    write_table(rows, args, out_path)
 
+
+def write_table(rows: list, args, out_path) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     out = [
         "# Benchmarks: accel_magics vs accelerate.notebook_launcher and torchrun",
         "",
         f"Machine: {machine()}. Commit {commit}. Command: `python bench/bench_launch.py"
-        f"{' --quick' if args.quick else ''}`.",
+        f"{' --quick' if args.quick else ''}{f' --only {args.only}' if args.only else ''}"
+        f"{f' --ab_base {args.ab_base}' if args.ab_base != AB_BASE else ''}`.",
         "Real kernels over the Jupyter protocol; A/B rows alternate cell by cell; medians.",
         "Ratio < 1: accel_magics is faster (for throughput, > 1 is better).",
         "",
