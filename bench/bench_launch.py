@@ -470,14 +470,21 @@ def ab_kernel(site: str, cwd: str, nproc: int) -> KernelSession:
     return k
 
 
-def ab_row(row, base: str, cells: int) -> None:
+#: The A/B rows' person's pause between cells (each kernel idle before its cell).
+AB_PAUSE = 0.5
+
+
+def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0)) -> None:
     """The warm empty 2-rank cell of the package at ``base`` (A) against the
     working tree's (B): both installed (not editable) into directories of
     their own, one kernel each in the same venv, cells alternating A B A B.
     Per cell: the round trip (execute_request to execute_reply, as the
     "empty cell, 2 ranks, warm" row) and the kernel process's own CPU
     (utime + stime, before and after the cell; a clock tick is 10 ms, so the
-    CPU is a mean over the cells, not a median)."""
+    CPU is a mean over the cells, not a median).  One row per pause in
+    ``pauses``: cells a person's pause apart (each kernel idle before its cell),
+    and back to back (each cell sent as the other kernel's ended, so one
+    version's work after a run overlaps the other's cell)."""
     full = resolve_commit(base)
     short = full[:7]
     with tempfile.TemporaryDirectory(prefix="ab-", dir=os.environ.get("TMPDIR")) as tmp:
@@ -495,30 +502,43 @@ def ab_row(row, base: str, cells: int) -> None:
                 for k in kernels:
                     timed(k, code)
             settle(8)
-            times = {k.pid: [] for k in kernels}
-            cpu = {k.pid: [] for k in kernels}
-            whole = {k.pid: stat_cpu(k.pid) for k in kernels}
-            for _ in range(cells):
-                for k in kernels:
-                    before = stat_cpu(k.pid)
-                    times[k.pid].append(timed(k, code))
-                    cpu[k.pid].append(stat_cpu(k.pid) - before)
-            whole = {k.pid: (stat_cpu(k.pid) - whole[k.pid]) / cells for k in kernels}
+            results = [(pause, *ab_cells(kernels, code, cells, pause)) for pause in pauses]
         finally:
             for k in kernels:
                 k.shutdown()
     a, b = (k.pid for k in kernels)
-    ma, mb = statistics.median(times[a]), statistics.median(times[b])
+    for pause, times, cpu, whole in results:
+        ma, mb = statistics.median(times[a]), statistics.median(times[b])
 
-    def cpu_ms(pid: int) -> str:
-        return (f"kernel CPU {statistics.mean(cpu[pid]) * 1000:.1f} ms a cell "
-                f"({whole[pid] * 1000:.1f} ms counting between cells)")
+        def cpu_ms(pid: int) -> str:
+            return (f"kernel CPU {statistics.mean(cpu[pid]) * 1000:.1f} ms a cell "
+                    f"({whole[pid] * 1000:.1f} ms counting between cells)")
 
-    row(f"empty cell, 2 ranks, warm: A/B against {short}", f"this tree ({tree}) {median_ms(times[b])}, {cpu_ms(b)}",
-        f"{short} {median_ms(times[a])}, {cpu_ms(a)}",
-        f"{mb / ma:.2f}x; {cells} cells each, alternating (spread: this tree {min(times[b]) * 1000:.1f}-"
-        f"{max(times[b]) * 1000:.1f} ms, {short} {min(times[a]) * 1000:.1f}-{max(times[a]) * 1000:.1f} ms); "
-        "both installed, same venv", f"<= 1.0x {short}", mb <= ma)
+        how = f"each {pause:g} s after the last" if pause else "back to back"
+        row(f"empty cell, 2 ranks, warm, {how}: A/B against {short}",
+            f"this tree ({tree}) {median_ms(times[b])}, {cpu_ms(b)}",
+            f"{short} {median_ms(times[a])}, {cpu_ms(a)}",
+            f"{mb / ma:.2f}x; {cells} cells each, alternating (spread: this tree {min(times[b]) * 1000:.1f}-"
+            f"{max(times[b]) * 1000:.1f} ms, {short} {min(times[a]) * 1000:.1f}-{max(times[a]) * 1000:.1f} ms); "
+            "both installed, same venv", f"<= 1.0x {short}", mb <= ma)
+
+
+def ab_cells(kernels, code: str, cells: int, pause: float):
+    """``cells`` alternating cells per kernel, each ``pause`` seconds after the
+    one before: per kernel pid, the round trips, the CPU of each cell, and the
+    CPU per cell over the whole loop."""
+    times = {k.pid: [] for k in kernels}
+    cpu = {k.pid: [] for k in kernels}
+    whole = {k.pid: stat_cpu(k.pid) for k in kernels}
+    for _ in range(cells):
+        for k in kernels:
+            if pause:
+                time.sleep(pause)
+            before = stat_cpu(k.pid)
+            times[k.pid].append(timed(k, code))
+            cpu[k.pid].append(stat_cpu(k.pid) - before)
+    whole = {k.pid: (stat_cpu(k.pid) - whole[k.pid]) / cells for k in kernels}
+    return times, cpu, whole
 
 
 def autogroup_setting() -> str:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
+
+from .timing import CPU_QUOTA_FRESH
 
 
 @dataclass(frozen=True)
@@ -129,9 +132,22 @@ def affinity_count() -> int:
 _READ = object()
 
 
+_last_read: tuple = (-float("inf"), 0)   # (when, the count): this process's last read
+
+
 def effective_cpus(quota=_READ, affinity: Optional[int] = None) -> int:
     """The CPUs this process may use: its affinity, capped by the quota
-    (read here unless given; None: no quota)."""
+    (read here unless given; None: no quota).  A count read from this
+    process's files is reused for ``CPU_QUOTA_FRESH`` seconds (a cell asks
+    several times; a quota changed by ``docker update`` is seen by the next
+    cell)."""
+    global _last_read
+    read_here = quota is _READ and affinity is None
+    if read_here and time.monotonic() - _last_read[0] < CPU_QUOTA_FRESH:
+        return _last_read[1]
     affinity = affinity_count() if affinity is None else affinity
     quota = cpu_quota() if quota is _READ else quota
-    return max(1, min(affinity, quota.whole) if quota is not None else affinity)
+    count = max(1, min(affinity, quota.whole) if quota is not None else affinity)
+    if read_here:
+        _last_read = (time.monotonic(), count)
+    return count

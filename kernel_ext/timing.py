@@ -166,6 +166,8 @@ HANDSHAKE_WAIT = 5.0      # a connection to the kernel's cluster-network ports n
 PTRACE_PROBE_WAIT = 5.0   # the ptrace probe (can native stacks be read?)
 GPU_QUERY_WAIT = 5.0      # nvidia-smi, where NVML is missing
 LOOPBACK_WAIT = 2.0       # a TCP connection over loopback
+CPU_QUOTA_FRESH = 1.0     # a read of the CPU quota (cpu_quota.effective_cpus) is reused this long: one cell's checks,
+                          # defaults and every rank's thread split read the cgroup files once, not five times
 
 # -- the views (accel_magics/text_view.py, widgets/progress_view.py) ------------------------
 TEXT_REFRESH = 0.2        # a plain-text view redraws at most this often

@@ -275,3 +275,23 @@ def test_pre_run_warnings_come_once_and_take_the_launchers_ptrace_verdict():
         assert not [c for c in quiet.checked if c.check.startswith("ptrace")]
     allowed = LaunchRisks()
     assert not [line for line in allowed.once(2, 0, ["installed", "py-spy"], 2) if "ptrace" in line]
+
+
+def test_a_cells_reads_of_the_cpu_count_read_the_cgroup_files_once(monkeypatch):
+    """A cell asked for the CPU count five times (its checks, its defaults,
+    each rank's thread split, the payload's compare threads), each a walk of
+    /proc/self/mountinfo and the cgroup files: about 1 ms of the kernel's CPU
+    per cell.  One read serves CPU_QUOTA_FRESH seconds; given values are never
+    cached."""
+    from accel_magics.kernel_ext import timing
+
+    reads = []
+    real = cpu_quota.cpu_quota
+    monkeypatch.setattr(cpu_quota, "cpu_quota", lambda: reads.append(1) or real())
+    monkeypatch.setattr(cpu_quota, "_last_read", (-float("inf"), 0))
+    first = cpu_quota.effective_cpus()
+    assert [cpu_quota.effective_cpus() for _ in range(4)] == [first] * 4
+    assert len(reads) == 1
+    assert cpu_quota.effective_cpus(None, affinity=3) == 3   # given values: computed, not the cached count
+    monkeypatch.setattr(cpu_quota, "_last_read", (cpu_quota._last_read[0] - timing.CPU_QUOTA_FRESH, first))
+    assert cpu_quota.effective_cpus() == first and len(reads) == 2   # stale: read again
