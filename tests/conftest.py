@@ -73,6 +73,18 @@ class LoadedKernel(KernelSession):
         self.base_ports = listening_ports({self.pid} | descendants(self.pid))
         self.base_temp = temp_entries(self.tmpdir)
 
+    def ports_by_process(self) -> str:
+        """What listens, per process of the kernel's tree (for a leak's message)."""
+        lines = [f"ports at the kernel's start: {sorted(self.base_ports)}"]
+        for pid in sorted({self.pid} | descendants(self.pid)):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+            except OSError:
+                command = "(gone)"
+            lines.append(f"pid {pid}: ports {sorted(listening_ports({pid}))}: {command}")
+        return "\n".join(lines)
+
     def launcher_pid(self) -> int:
         kids = children(self.pid)
         assert len(kids) == 1, f"the kernel should have one child, the launcher: {kids}"
@@ -111,8 +123,11 @@ class LoadedKernel(KernelSession):
         self.wait_quiet()
         assert self.launcher_pid() == self.zygote, "the launcher was restarted"
         # A run's store stops listening right after the run reports "finished".
-        wait_until(lambda: listening_ports({self.pid} | descendants(self.pid)) == self.base_ports, 10,
-                   "every port of finished runs to close")
+        try:
+            wait_until(lambda: listening_ports({self.pid} | descendants(self.pid)) == self.base_ports, 10,
+                       "every port of finished runs to close")
+        except AssertionError as exc:   # which process listens where: the leak's story
+            raise AssertionError(f"{exc}\n{self.ports_by_process()}") from None
         assert temp_entries(self.tmpdir) == self.base_temp, "a temp file was left behind"
 
     def shutdown(self) -> None:

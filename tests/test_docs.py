@@ -118,21 +118,6 @@ def _page_id(page: pathlib.Path) -> str:
 RUNNABLE = [page for page in PAGES if any(b.lang == "python" and b.mark != "not run" for b in blocks(page))]
 
 
-def _ports_by_process(kernel) -> str:
-    """What listens, per process of the kernel's tree (for a leak's message)."""
-    from kernel_harness import descendants, listening_ports
-
-    lines = [f"ports before the page: {sorted(kernel.base_ports)}"]
-    for pid in sorted({kernel.pid} | descendants(kernel.pid)):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
-        except OSError:
-            command = "(gone)"
-        lines.append(f"pid {pid}: ports {sorted(listening_ports({pid}))}: {command}")
-    return "\n".join(lines)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("page", RUNNABLE, ids=_page_id)
 def test_the_pages_python_runs_as_written(page):
@@ -159,7 +144,7 @@ def test_the_pages_python_runs_as_written(page):
         try:
             kernel.assert_no_leaks()
         except AssertionError as exc:
-            raise AssertionError(f"{page.relative_to(ROOT)} left something behind: {exc}\n{_ports_by_process(kernel)}")
+            raise AssertionError(f"{page.relative_to(ROOT)} left something behind: {exc}") from None
     finally:
         kernel.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
