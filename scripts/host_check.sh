@@ -39,12 +39,9 @@ pip() {   # the venv's pip, without the notes of a machine's local index that la
 #    uv's cache makes a second run take seconds, not minutes of unpacking CUDA wheels), else
 #    pip. PIP_CONSTRAINT replaces a constraint of pip's own configuration (a machine's
 #    torch cap) with the pins themselves; uv reads no pip configuration.
-tools=${HOST_TOOLS:-.venv-tools}   # shared with scripts/setup.sh (uv and its cache)
-if [ ! -x "$tools/bin/uv" ] && ! command -v uv >/dev/null; then
-    { python3 -m venv "$tools" && "$tools/bin/python" -m pip install -q uv; } 2>/dev/null \
-        || echo "host_check: no uv (pip installs the host's packages: slower)"
-fi
-uv=$(command -v uv || { [ -x "$tools/bin/uv" ] && echo "$tools/bin/uv"; } || true)
+. scripts/find_uv.sh
+uv=$(find_uv "${HOST_TOOLS:-.venv-tools}")   # the tools venv is shared with scripts/setup.sh (uv and its cache)
+[ -n "$uv" ] || echo "host_check: no uv (pip installs the host's packages: slower)"
 if [ -n "$uv" ]; then
     "$uv" pip install -q --python "$py" -r "$pins"
 else

@@ -37,12 +37,9 @@ if ! python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH
     # no pip configuration, so the constraints are given to it; without uv, pip does it.
     uv=""
     if [ -n "${TORCH_PINS:-}" ]; then
-        tools=${UV_TOOLS:-.venv-tools}
-        if ! command -v uv >/dev/null && [ ! -x "$tools/bin/uv" ]; then
-            { python3 -m venv "$tools" && "$tools/bin/python" -m pip install -q uv; } >/dev/null 2>&1 \
-                || echo "setup: no uv; pip installs torch ${TORCH_VERSION} (slower)"
-        fi
-        uv=$(command -v uv || { [ -x "$tools/bin/uv" ] && echo "$tools/bin/uv"; } || true)
+        . scripts/find_uv.sh
+        uv=$(find_uv "${UV_TOOLS:-.venv-tools}")
+        [ -n "$uv" ] || echo "setup: no uv; pip installs torch ${TORCH_VERSION} (slower)"
     fi
     if [ -n "$uv" ]; then
         "$uv" pip install -q --python "$VENV/bin/python" -c "$PIP_CONSTRAINT" "torch==${TORCH_VERSION}"
