@@ -477,3 +477,61 @@ def test_no_message_says_rank_s_dash():
 def test_resource_samples_reach_the_views_as_events():
     events, _ = replay([{"kind": "resources", "ranks": {"0": [50.0, 1024, None], "1": [0.0, 2048, 4096]}}])
     assert of_type(events, ev.Resources) == [ev.Resources({0: (50.0, 1024, None, None), 1: (0.0, 2048, 4096, None)})]
+
+
+# -- the outcome's parts, as plain functions ----------------------------------------------
+
+def test_a_session_cell_is_completed_only_when_every_rank_reported_and_nothing_failed():
+    from accel_magics.kernel_ext.kernel.fold import completed_cell
+
+    args = dict(session_cell=True, ranks=[0, 1], results={0, 1}, failures={}, unfinished=[], forced=None,
+                session="alive", reason=StopReason.TIMEOUT)
+    assert completed_cell(**args) is True
+    assert not completed_cell(**{**args, "session_cell": False})
+    assert not completed_cell(**{**args, "results": {0}})
+    assert not completed_cell(**{**args, "session": "lost"})
+    assert not completed_cell(**{**args, "forced": "SIGKILL"})
+    assert not completed_cell(**{**args, "reason": StopReason.FAILED})
+
+
+def test_unfinished_ranks_count_those_with_stacks_and_after_a_forced_end_every_rank_not_exited():
+    from accel_magics.kernel_ext.kernel.fold import unfinished_ranks
+
+    assert unfinished_ranks([2], {0: "s", 1: "s"}, {1: ("returned", 0.0)}, None, [0, 1, 2, 3], {0, 1, 2}) == [0, 2]
+    assert unfinished_ranks([2], {}, {}, "SIGKILL", [0, 1, 2, 3], {0, 1}) == [2, 3]
+
+
+def test_a_mid_cell_exit_is_blamed_only_when_every_failure_is_a_consequence():
+    from accel_magics.kernel_ext.kernel.fold import blame_mid_cell_exits
+
+    lost = {1: ev.RankFailure(1, "exception", "gloo: connection closed", secondary=True)}
+    blamed = blame_mid_cell_exits(lost, {0: 5.0})
+    assert blamed[0].kind == "exit" and blamed[0].timestamp == 5.0 and blamed[1] is lost[1]
+    assert 0 not in lost   # the recorded failures are not changed
+    real = {1: ev.RankFailure(1, "exception", "ValueError: boom")}
+    assert blame_mid_cell_exits(real, {0: 5.0}) == real
+
+
+def test_failures_say_their_node_once_and_another_nodes_word_weighs_as_verified():
+    from accel_magics.kernel_ext.kernel.fold import placed, weigh_remote
+
+    here = placed({1: ev.RankFailure(1, "exception", "ValueError: boom", timestamp=2.0),
+                   0: ev.RankFailure(0, "exception", "lost (on node b)", secondary=True)}, {0: "b", 1: "a"})
+    assert [(f.rank, f.summary) for f in here] == [(0, "lost (on node b)"), (1, "ValueError: boom (on node a)")]
+    remote = ev.RankFailure(3, "remote", "KeyError: x (on node c)")
+    listed, cause = weigh_remote(list(here), remote, verified=False)
+    assert cause.rank == 1 and [f.rank for f in listed] == [0, 1, 3]
+    listed, cause = weigh_remote(list(here), remote, verified=True)
+    assert cause is remote and [f.rank for f in listed] == [3, 0, 1] and all(f.secondary for f in listed[1:])
+    assert weigh_remote([], None, True) == ([], None)
+
+
+def test_a_session_cell_without_the_sessions_word_lost_it_and_stopped_ranks_say_where():
+    from accel_magics.kernel_ext.kernel.fold import session_after, stopped_others
+
+    assert session_after(None, None, True, "SIGKILL") == (
+        "lost", "its supervisor did not respond (SIGKILL), so the kernel killed it")
+    assert session_after("alive", None, True, None) == ("alive", None)
+    assert session_after(None, None, False, None) == (None, None)
+    assert stopped_others({0: ("SIGTERM", False), 1: ("KeyboardInterrupt", True)}, {1: "barrier"}) == {
+        0: "stopped (SIGTERM)", 1: "stopped (KeyboardInterrupt) in barrier, back at its prompt"}

@@ -355,51 +355,15 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
-        # A session cell that every rank completed is a completed cell, whatever
-        # stop came as it ended (the kernel's press, the supervisor's stop or
-        # --timeout): reported otherwise, running it again applied it twice.
-        completed = (self.session_cell and bool(self.ranks) and set(self.ranks) <= self.results
-                     and not self.failures and not self.unfinished and not self.forced
-                     and self.session != "lost" and self.reason in (None, StopReason.INTERRUPT,
-                                                                    StopReason.TIMEOUT, StopReason.STALLED))
+        completed = completed_cell(self.session_cell, self.ranks, self.results, self.failures, self.unfinished,
+                                   self.forced, self.session, self.reason)
         reason = (None if completed else StopReason.INTERRUPT if self.interrupted else
                   StopReason.STALLED if self.stranded is not None else self.reason)
-        # A rank whose stacks were taken was still in the cell, also when its
-        # exit is not here (a session rank that did not come back is killed
-        # after the verdict).
-        unfinished = sorted(set(self.unfinished) | (set(self.stacks) - set(self.departed)))
-        if self.forced:
-            unfinished = sorted(set(unfinished) | (set(self.ranks) - self.exited))
-        failures = dict(self.failures)
-        if failures and all(f.secondary for f in failures.values()):
-            # Only consequences (lost connections): a rank that left mid-cell with
-            # code 0 is why.  (Its exit is stamped when its supervisor reaped it,
-            # which can be after the errors it caused, so it is not compared.)
-            for rank, when in self.mid_cell.items():
-                failures[rank] = ev.RankFailure(
-                    rank, "exit", "exited with code 0 before the cell ended (os._exit(0), or an exit from "
-                    "native code), while the other ranks still needed it", timestamp=when)
-        failure_list = sorted(failures.values(), key=lambda f: f.rank)
-        for failure in failure_list:   # several nodes: each failure says where
-            node = self.node_of.get(failure.rank)
-            if node and "(on node" not in failure.summary:
-                failure.summary += f" (on node {node})"
-        remote = self.remote
-        if remote is not None and not self.remote_verified and any(not f.secondary for f in failure_list):
-            # An unverified word from the store never outweighs a failure seen here: listed, not the cause.
-            cause = root_cause(failure_list)
-            failure_list = sorted(failure_list + [remote], key=lambda f: f.rank)
-        elif remote is not None:   # another node failed first: its cause is the root cause
-            failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
-            for f in failure_list[1:]:
-                f.secondary = True
-            cause = remote
-        else:
-            cause = root_cause(failure_list)
-        session, lost = self.session, self.lost
-        if session is None and self.session_cell:   # the kernel had to end it: its ranks went with it
-            session = "lost"
-            lost = lost or (self.forced and f"its supervisor did not respond ({self.forced}), so the kernel killed it")
+        unfinished = unfinished_ranks(self.unfinished, self.stacks, self.departed, self.forced, self.ranks,
+                                      self.exited)
+        failure_list = placed(blame_mid_cell_exits(self.failures, self.mid_cell), self.node_of)
+        failure_list, cause = weigh_remote(failure_list, self.remote, self.remote_verified)
+        session, lost = session_after(self.session, self.lost, self.session_cell, self.forced)
         status = Status.of(reason, cause is not None)
         if status is Status.OK and session == "lost":   # no rank failed in it, but the cell did not run
             status = Status.FAILED
@@ -408,12 +372,91 @@ class RunFold:
         self.emit(finished)
         log.info("run %s attempt %d: %s%s", self.run_id, self.attempt, status,
                  f" (root cause: rank {cause.rank}: {cause.summary})" if cause is not None else "")
-        others = {}   # rank -> what happened to it: stopped, by what, where
-        for rank, (how, prompt) in self.stopped_how.items():
-            where = f" in {self.where[rank]}" if rank in self.where else ""
-            others[rank] = f"stopped ({how}){where}" + (", back at its prompt" if prompt else "")
-        return Outcome(finished, self.result, others, sorted(unfinished), self.rendezvous_error,
-                       self.departed, self.forced, self.stalled or self.stranded, session, lost, self.assigned - self.deleted,
-                       self.deleted, self.terminated_on, self.master_port, self.kinds,
-                       bool(self.in_world or any(self.rounds.values())), set(self.agreed),
+        return Outcome(finished, self.result, stopped_others(self.stopped_how, self.where), sorted(unfinished),
+                       self.rendezvous_error, self.departed, self.forced, self.stalled or self.stranded, session,
+                       lost, self.assigned - self.deleted, self.deleted, self.terminated_on, self.master_port,
+                       self.kinds, bool(self.in_world or any(self.rounds.values())), set(self.agreed),
                        set(self.failed_joining), completed=completed, pressed=self.interrupted)
+
+
+# -- the outcome's parts: plain functions of what the fold recorded -------------------------
+
+def completed_cell(session_cell: bool, ranks: list, results: set, failures: dict, unfinished: list,
+                   forced: Optional[str], session: Optional[str], reason: Optional[str]) -> bool:
+    """A session cell that every rank completed is a completed cell, whatever
+    stop came as it ended (the kernel's press, the supervisor's stop or
+    --timeout): reported otherwise, running it again applied it twice."""
+    return (session_cell and bool(ranks) and set(ranks) <= results
+            and not failures and not unfinished and not forced
+            and session != "lost" and reason in (None, StopReason.INTERRUPT, StopReason.TIMEOUT, StopReason.STALLED))
+
+
+def unfinished_ranks(unfinished: list, stacks: dict, departed: dict, forced: Optional[str], ranks: list,
+                     exited: set) -> list:
+    """The ranks still in the cell when it ended.  A rank whose stacks were
+    taken was still in it, also when its exit is not here (a session rank
+    that did not come back is killed after the verdict); after a forced end,
+    every rank that did not exit."""
+    found = sorted(set(unfinished) | (set(stacks) - set(departed)))
+    if forced:
+        found = sorted(set(found) | (set(ranks) - exited))
+    return found
+
+
+def blame_mid_cell_exits(failures: dict, mid_cell: dict) -> dict:
+    """The failures, and where they are only consequences (lost connections),
+    a rank that left mid-cell with code 0 as why.  (Its exit is stamped when
+    its supervisor reaped it, which can be after the errors it caused, so it
+    is not compared.)"""
+    failures = dict(failures)
+    if failures and all(f.secondary for f in failures.values()):
+        for rank, when in mid_cell.items():
+            failures[rank] = ev.RankFailure(
+                rank, "exit", "exited with code 0 before the cell ended (os._exit(0), or an exit from "
+                "native code), while the other ranks still needed it", timestamp=when)
+    return failures
+
+
+def placed(failures: dict, node_of: dict) -> list:
+    """The failures by rank; on several nodes each says where (in place)."""
+    failure_list = sorted(failures.values(), key=lambda f: f.rank)
+    for failure in failure_list:
+        node = node_of.get(failure.rank)
+        if node and "(on node" not in failure.summary:
+            failure.summary += f" (on node {node})"
+    return failure_list
+
+
+def weigh_remote(failure_list: list, remote: Optional[ev.RankFailure],
+                 verified: bool) -> tuple[list, Optional[ev.RankFailure]]:
+    """The failures with another node's word among them, and the root cause.
+    Another node that failed first holds the root cause (the others become
+    secondary, in place); an unverified word from the store never outweighs
+    a failure seen here: it is listed, not the cause."""
+    if remote is not None and not verified and any(not f.secondary for f in failure_list):
+        return sorted(failure_list + [remote], key=lambda f: f.rank), root_cause(failure_list)
+    if remote is not None:
+        failure_list = [remote] + [f for f in failure_list if f.rank != remote.rank]
+        for f in failure_list[1:]:
+            f.secondary = True
+        return failure_list, remote
+    return failure_list, root_cause(failure_list)
+
+
+def session_after(session: Optional[str], lost: Optional[str], session_cell: bool,
+                  forced: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """A session cell's session after it, and why it was lost: a cell the
+    kernel had to end took its ranks with it."""
+    if session is None and session_cell:
+        session = "lost"
+        lost = lost or (forced and f"its supervisor did not respond ({forced}), so the kernel killed it")
+    return session, lost
+
+
+def stopped_others(stopped_how: dict, where: dict) -> dict:
+    """Rank -> what happened to it: stopped, by what, where."""
+    others = {}
+    for rank, (how, prompt) in stopped_how.items():
+        at = f" in {where[rank]}" if rank in where else ""
+        others[rank] = f"stopped ({how}){at}" + (", back at its prompt" if prompt else "")
+    return others
