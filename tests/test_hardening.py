@@ -448,7 +448,7 @@ def test_an_upgraded_installed_module_is_not_served_stale(tmp_path):
         cell = "%%distributed -n 2 --output text\nimport installed_mod_item5\nprint('value', installed_mod_item5.VALUE)\n"
         assert "[rank 1] value 1" in k.ok(cell).stdout
         assert "[rank 1] value 1" in k.ok(cell).stdout
-        assert k.ok("print(any(p.endswith('installed_mod_item5.py') for p in launcher._preload_files))"
+        assert k.ok("print(any(p.endswith('installed_mod_item5.py') for p in launcher.preloads.files))"
                     ).stdout == "True\n"   # the launcher keeps it imported
         first = k.launcher_pid()
         (site / "installed_mod_item5.py").write_text("VALUE = 22  # upgraded\n")

@@ -14,7 +14,6 @@ import fcntl
 import logging
 import os
 import pickle
-import select
 import shutil
 import signal
 import subprocess
@@ -31,15 +30,16 @@ import zmq
 
 from .. import child_environment, process_tree
 from .. import wire
-from ..environment import (LaunchConfig, error_dir, error_file, free_port, import_time_changes, rank_base_environment,
-                           rank_environment, visible_gpus)
+from ..environment import (LaunchConfig, error_dir, error_file, free_port, rank_base_environment, rank_environment,
+                           visible_gpus)
 from .errors import LauncherError
+from .escapes import EscapeWatch
+from .preloads import ImportEnvironment, Preloads
 from ..wire.payload import Payload
 from .run_handle import RunHandle
 from ..sigint import sigint_deferred
 # The ladders' order: see timing.py.
-from ..timing import (DISPATCH_WAIT, ESCAPED_KILL_POLL, ESCAPED_KILL_WAIT, LAUNCHER_CLOSE_WAIT, LAUNCHER_READY_WAIT,
-                      PRELOAD_WAIT, RANK_GRACE, WAIT_TICK)
+from ..timing import DISPATCH_WAIT, LAUNCHER_CLOSE_WAIT, LAUNCHER_READY_WAIT, PRELOAD_WAIT, RANK_GRACE, WAIT_TICK
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -132,6 +132,46 @@ def _prune_abandoned(base: str, keep: str) -> None:
             os.close(fd)
 
 
+def run_spec(cfg: LaunchConfig, payload: Optional[Payload], *, run_id: str, port: int, attempt: int, gpus: int,
+             private_dir: str, events_addr: str, grace: float, log_dir: str, excerpt: Optional[tuple[int, int]],
+             extra: dict) -> dict:
+    """What the launcher gets of a run (its supervisor's spec): ``gpus``, what
+    these ranks see of the GPUs; ``private_dir``, the launcher's directory
+    (where the ranks' error files go)."""
+    return {
+        "run_id": run_id,
+        "events_addr": events_addr,
+        "num_processes": cfg.num_processes,
+        "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
+        "env": rank_base_environment(os.environ),
+        # What sys.argv[0] is in the kernel (ipykernel's launcher), without
+        # the kernel's own flags: argparse in a rank sees no arguments.
+        "argv": [os.path.abspath(sys.argv[0])] if sys.argv and sys.argv[0] else [""],
+        "rank_env": [
+            rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus,
+                             error_file=error_file(private_dir, run_id, attempt, i))
+            for i in cfg.local_ranks
+        ],
+        "error_dir": error_dir(private_dir, run_id),
+        "payload": payload,
+        "gpu_count": gpus,
+        "timeout": cfg.timeout,
+        "master_addr": cfg.master_addr,
+        "master_port": port,
+        "num_nodes": cfg.num_nodes,
+        "node_rank": cfg.node_rank,
+        "rdzv_timeout": cfg.rendezvous_timeout,
+        "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
+        "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
+        "grace": grace,
+        "attempt": attempt,
+        "max_restarts": cfg.max_restarts,
+        "log_dir": log_dir,
+        "excerpt": excerpt,
+        **extra,
+    }
+
+
 class Launcher:
     """The kernel's handle on its launcher process."""
 
@@ -152,18 +192,10 @@ class Launcher:
         self.dropped = 0          # messages that failed verification (forged, stale)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.RLock()   # a background run's thread launches too
-        self._escape_lock = threading.Lock()   # see _end_escaped
+        self.escapes = EscapeWatch()
         self.live: dict[str, int] = {}    # run/session id -> supervisor pid: runs that outlive a cell
-        self._preloaded: set[str] = set()
-        self._denied: set[str] = set()
-        self._pending_preload: list[str] = []
-        self._preload_files: dict[str, tuple[int, int]] = {}   # what the launcher imported for runs
-        self._stale_warned = False
-        # The environment the launcher imported under (a rank's, from the
-        # kernel's at its start) and the names its imports looked up.
-        self.env_at_start: dict[str, str] = {}
-        self.env_reads: set[str] = set()
-        self._env_warned: Optional[tuple] = None
+        self.preloads = Preloads()
+        self.env = ImportEnvironment()
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -213,9 +245,9 @@ class Launcher:
         # What a rank gets of the kernel's environment, not the kernel's own
         # (a terminal's TERM and colours, the inline MPLBACKEND): the imports
         # here are a rank's, and see what a process torchrun started would.
-        self.env_at_start = rank_base_environment(os.environ)
-        self.env_reads = set()
-        env = child_environment(self.env_at_start)
+        self.env.at_start = rank_base_environment(os.environ)
+        self.env.reads = set()
+        env = child_environment(self.env.at_start)
         # Every process of this launcher carries the marker (ranks keep it too),
         # so whatever escapes the process tree is still found and killed (close).
         self.token = uuid.uuid4().hex
@@ -238,62 +270,13 @@ class Launcher:
         self._send(init)
         self.info = {}
         _live_launchers.add(self)
-        self._watch_exit(self.proc, self.token)
-
-    # -- a launcher that dies -------------------------------------------------
-    def _watch_exit(self, proc: subprocess.Popen, token: str) -> None:
-        """End what the launcher leaves when it dies however it dies (kill -9
-        included), at once and whether or not a cell is running: its
-        supervisors and ranks die with it (their parent-death signal), but
-        what they started in a session of their own or double-forked
-        (reparented to init, out of every subreaper's reach) carries only
-        the launcher's marker, and only this process is left to look for it."""
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):   # no pidfds: close() still ends them, at the next cell at the latest
-            return
-        done = threading.Event()
-        self._escaped = (token, done, [0])
-
-        def watch() -> None:
-            try:
-                select.select([pidfd], [], [])
-            finally:
-                os.close(pidfd)
-            self._end_escaped(token, done)
-
-        threading.Thread(target=watch, name="accel_magics launcher watch", daemon=True).start()
-
-    def _end_escaped(self, token: str, done: threading.Event) -> None:
-        """SIGKILL every process that carries ``token`` until none is left (a
-        process may fork as it is killed): once, from whichever thread comes first."""
-        escaped = getattr(self, "_escaped", None)
-        if escaped is None or escaped[0] != token:
-            return
-        with self._escape_lock:
-            if done.is_set():
-                return
-            deadline = time.monotonic() + ESCAPED_KILL_WAIT
-            killed: set[int] = set()
-            while time.monotonic() < deadline:
-                found = process_tree.marked_processes(token)
-                if not found:
-                    break
-                process_tree.kill_marked(token)
-                killed.update(found)
-                time.sleep(ESCAPED_KILL_POLL)
-            escaped[2][0] = len(killed)
-            done.set()
+        self.escapes.watch(self.proc, self.token)
 
     def escaped_ended(self) -> int:
         """For a launcher that died: wait until what its runs left outside its
-        tree is ended (see :meth:`_watch_exit`); how many processes that was."""
-        escaped = getattr(self, "_escaped", None)
-        if escaped is None or escaped[0] != getattr(self, "token", None):   # not watched: one look
-            return process_tree.kill_marked(self.token) if getattr(self, "token", None) else 0
-        token, done, count = escaped
-        self._end_escaped(token, done)
-        return count[0]
+        tree is ended (see :class:`.escapes.EscapeWatch`); how many processes that was."""
+        return self.escapes.ended(getattr(self, "token", None))
+
 
     def wait_ready(self, timeout: float = LAUNCHER_READY_WAIT) -> dict:
         """Block until the launcher has loaded torch; its ready message."""
@@ -301,7 +284,7 @@ class Launcher:
             self.start()
         if not self.info:
             self.info = self._reply("ready", timeout)
-            self.env_reads.update(self.info.get("env_reads", ()))
+            self.env.reads.update(self.info.get("env_reads", ()))
         return self.info
 
     @property
@@ -342,12 +325,8 @@ class Launcher:
         self.pull.close()
         self.info = {}
         self.live.clear()
-        self._pending_preload = []
-        self._preload_files = {}
-        self._stale_warned = False
-        self.env_reads = set()
-        self._env_warned = None
-        self._preloaded.clear()   # a new launcher preloads from scratch
+        self.preloads.reset()   # a new launcher preloads from scratch
+        self.env.reset()
         _live_launchers.discard(self)
 
     def ensure_running(self) -> dict:
@@ -355,9 +334,9 @@ class Launcher:
             return self._ensure_running()
 
     def _ensure_running(self) -> dict:
-        if self._pending_preload:
+        if self.preloads.pending:
             self._settle_preload()
-        if self.alive and self._stale_preload():
+        if self.alive and self.preloads.stale():
             # A module it keeps imported changed on disk (pip upgraded it): a
             # run must never see old code, so a fresh launcher imports it anew.
             # Not while a session or a background run lives on it: they would die.
@@ -365,13 +344,13 @@ class Launcher:
                 log.info("replacing the launcher process (pid %d): a module it imported changed on disk",
                          self.proc.pid)
                 self.close()
-            elif not self._stale_warned:
-                self._stale_warned = True
+            elif not self.preloads.stale_warned:
+                self.preloads.stale_warned = True
                 warnings.warn("accel_magics: a module the launcher keeps imported changed on disk, but a session "
                               "or a background run is alive, so this run still uses the version loaded before. "
                               "Stop them (%distributed_session stop) to get the new one.", RuntimeWarning,
                               stacklevel=3)
-        if self.alive and not self.info and not self.live and self._environment_outdated(reads=()):
+        if self.alive and not self.info and not self.live and self.env.outdated(self.live, self.proc.pid, reads=()):
             # Still importing (a cell right after %load_ext and an %env): what
             # native code reads has changed already; no need to wait for it.
             self.close(kill=True)
@@ -382,53 +361,11 @@ class Launcher:
         if self.proc is None:
             self.start()
         info = self.wait_ready()
-        if self._environment_outdated():   # known once it is ready: what its imports looked up
+        if self.env.outdated(self.live, self.proc.pid):   # known once it is ready: what its imports looked up
             self.close()
             self.start()
             info = self.wait_ready()
         return info
-
-    def _environment_outdated(self, reads: Optional[set] = None) -> bool:
-        """Has a variable the launcher's imports depend on changed in the
-        kernel since it started?  Then a rank forked from it would not be what
-        a new process is (torch read TORCH_DISTRIBUTED_DEBUG and
-        TORCH_CPP_LOG_LEVEL as it loaded, the OpenMP runtime sized its pool
-        from OMP_NUM_THREADS...), so a fresh launcher imports them anew: True,
-        after a log line naming them.  Not while a session or a background run
-        lives on it (they would die): a warning says that this run and they
-        keep the launcher's environment, and how to get the new one.
-        ``reads``: the names looked up, if not those the launcher said."""
-        changed = import_time_changes(self.env_at_start, rank_base_environment(os.environ),
-                                      self.env_reads if reads is None else reads)
-        if not changed:
-            self._env_warned = None
-            return False
-        names = ", ".join(changed)
-        if not self.live:
-            log.info("replacing the launcher process (pid %d): %s changed in the kernel since it started, "
-                     "and its imports depend on %s", self.proc.pid, names, "it" if len(changed) == 1 else "them")
-            return True
-        seen = tuple((name, os.environ.get(name)) for name in changed)
-        if seen != self._env_warned:   # once per change, not every cell
-            self._env_warned = seen
-            one = len(changed) == 1
-            warnings.warn(f"accel_magics: {names} changed in the kernel since the launcher process started, and "
-                          f"what it imported depends on {'it' if one else 'them'} (read as torch and "
-                          "the preloaded modules loaded). A session or a background run is alive on the launcher, "
-                          f"so this run and they keep the effect of the old {'value' if one else 'values'}. "
-                          "Stop them (%distributed_session stop, h.stop() or wait for the background run) and the "
-                          "next cell starts a fresh launcher with the new environment.", RuntimeWarning, stacklevel=4)
-        return False
-
-    def _stale_preload(self) -> bool:
-        for path, (mtime, size) in self._preload_files.items():
-            try:
-                st = os.stat(path)
-            except OSError:
-                return True
-            if st.st_mtime_ns != mtime or st.st_size != size:
-                return True
-        return False
 
     def launch_log_tail(self, n: int = 20) -> str:
         try:
@@ -515,33 +452,30 @@ class Launcher:
         unsafe (starts a thread, initialises CUDA) taints the launcher, which
         is then replaced by a fresh one that never preloads that module.
         """
-        new = [m for m in modules if m not in self._preloaded and m not in self._denied
-               and m not in ("__main__", "builtins")]
+        new = self.preloads.learn(modules)
         # The lock: a background run's thread learns here while the main thread
         # may be dispatching a run; their frames (and replies) must not interleave.
         with self._lock:
-            if not new or not self.alive or self._pending_preload:
+            if not new or not self.alive or self.preloads.pending:
                 return
-            self._preloaded.update(new)
+            self.preloads.preloaded.update(new)
             self._send({"op": "preload", "modules": new})
-            self._pending_preload = new
+            self.preloads.pending = new
 
     def _settle_preload(self) -> None:
-        pending, self._pending_preload = self._pending_preload, []
+        pending, self.preloads.pending = self.preloads.pending, []
         if not pending or not self.alive:
             return
         try:
             reply = self._reply("preloaded", PRELOAD_WAIT)
         except LauncherError:   # an import that hangs (or kills it): never preload these again
-            self._denied.update(pending)
-            self._preloaded.difference_update(pending)
+            self.preloads.deny(pending)
             self.close(kill=True)
             return
-        self._preload_files.update(reply.get("files", {}))
-        self.env_reads.update(reply.get("env_reads", ()))
+        self.preloads.files.update(reply.get("files", {}))
+        self.env.reads.update(reply.get("env_reads", ()))
         if reply.get("taint"):
-            self._denied.update(pending)
-            self._preloaded.difference_update(pending)
+            self.preloads.deny(pending)
             self.close()
 
     # -- runs -------------------------------------------------------------
@@ -609,38 +543,8 @@ class Launcher:
         run_id = run_id or uuid.uuid4().hex[:12]
         port = cfg.master_port or free_port(cfg.master_addr if cfg.num_nodes == 1 else "0.0.0.0")
         key = key or wire.new_key()
-        spec = {
-            "run_id": run_id,
-            "events_addr": self.events_addr,
-            "num_processes": cfg.num_processes,
-            "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
-            "env": rank_base_environment(os.environ),
-            # What sys.argv[0] is in the kernel (ipykernel's launcher), without
-            # the kernel's own flags: argparse in a rank sees no arguments.
-            "argv": [os.path.abspath(sys.argv[0])] if sys.argv and sys.argv[0] else [""],
-            "rank_env": [
-                rank_environment(cfg, i, port, run_id=run_id, attempt=attempt, gpu_count=gpus,
-                                 error_file=error_file(self.dir, run_id, attempt, i))
-                for i in cfg.local_ranks
-            ],
-            "error_dir": error_dir(self.dir, run_id),
-            "payload": payload,
-            "gpu_count": gpus,
-            "timeout": cfg.timeout,
-            "master_addr": cfg.master_addr,
-            "master_port": port,
-            "num_nodes": cfg.num_nodes,
-            "node_rank": cfg.node_rank,
-            "rdzv_timeout": cfg.rendezvous_timeout,
-            "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
-            "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
-            "grace": grace,
-            "attempt": attempt,
-            "max_restarts": cfg.max_restarts,
-            "log_dir": log_dir,
-            "excerpt": excerpt,
-            **extra,
-        }
+        spec = run_spec(cfg, payload, run_id=run_id, port=port, attempt=attempt, gpus=gpus, private_dir=self.dir,
+                        events_addr=self.events_addr, grace=grace, log_dir=log_dir, excerpt=excerpt, extra=extra)
         if events is not None:
             spec["events_addr"] = events[1]
         rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
