@@ -13,23 +13,20 @@ it, when stdin reaches EOF or the kernel process exits (kill -9 included).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
-import importlib
 import logging
 import os
 import selectors
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from typing import Optional
 
-from ..environment import EnvironmentReads, error_dir, make_dirs_below
+from ..environment import EnvironmentReads, error_dir
 
 # What the imports look up in the environment, from here to the ready reply and
 # during each preload: the kernel replaces this process when one of those
@@ -46,7 +43,6 @@ from ..rank import pg_guard, rank_stdio, worker  # noqa: E402,F401
 from ..supervisor import session_supervisor, supervisor  # noqa: E402,F401
 from .. import hooks  # noqa: E402
 from ..supervisor import native_stacks, rendezvous  # noqa: E402
-from ..supervisor import spare as spare_supervisor  # noqa: E402
 from ..wire import payload, transport  # noqa: E402,F401
 from ..process_tree import children, kill_orphans, running  # noqa: E402
 from ..supervisor.run_state import RunState  # noqa: E402
@@ -54,6 +50,8 @@ from ..supervisor.run_state import RunState  # noqa: E402
 from ..timing import (COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT, SHUTDOWN_ORPHAN_POLL, SHUTDOWN_ORPHAN_WAIT,  # noqa: E402
                       SHUTDOWN_STOP_WAIT, STORE_THREADS_POLL, STORE_THREADS_WAIT)
 from .hugepages import Collapser  # noqa: E402
+from .imports import Imports  # noqa: E402
+from .replies import Replies  # noqa: E402
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -123,12 +121,6 @@ class Zygote:
     def __init__(self, control_fd: int, reply_fd: int) -> None:
         self.control_fd = control_fd
         self.reply_fd = reply_fd
-        # Replies wait here while the kernel's pipe is full: the kernel reads a
-        # preload's reply (every file it imported: 676 modules after an FSDP
-        # cell, over a pipe's 64 KB) only at its next cell, and a launcher
-        # blocked in that write reaped nothing, so every ended run's process
-        # stayed a zombie until then.
-        self.outbox = bytearray()
         self.supervisors: dict[int, str] = {}   # pid -> run_id, runs in progress
         self.keep: set[int] = set()              # supervisors of live sessions and background runs
         # Each supervisor's status pipe (see run_state): a one-shot run's
@@ -139,100 +131,40 @@ class Zygote:
         self.spare: Optional[tuple[int, int, int]] = None  # (pid, control fd, ranks) forked ahead
         self.expected_ranks = 2
         self.sel = selectors.DefaultSelector()
-        self.preloaded: list[str] = []
+        self.replies = Replies(reply_fd, self.sel)
         self.extra_fds: list[int] = []           # fds a forked child must close
-        self.failed_preload: dict[str, str] = {}
         self.terminating = False
         self.kernel_gone = False   # the kernel died or closed a pipe to this process: done with it
         self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
+        self.imports = Imports(ENV_READS, self.collapser, self.replies.say_phase)
         self.quiet_since = time.monotonic()        # the last control message, signal or status
-
-    def preload(self, modules, phases: bool = False) -> dict:
-        """Import ``modules``; returns {file: (mtime_ns, size)} of every module
-        this imported, so the kernel can tell when one changed on disk.
-        ``phases``: say each import to the kernel first (the first cell's view
-        shows what it waits for)."""
-        ENV_READS.start()   # on already for the first preload: until ready (see env_reads)
-        before = set(sys.modules)
-        with self.own_temp_dir():
-            for name in modules:
-                if name in sys.modules or name in self.failed_preload:
-                    continue
-                if phases:
-                    self.say_phase(f"importing {name}")
-                try:
-                    importlib.import_module(name)
-                    self.preloaded.append(name)
-                except BaseException as exc:  # a module that fails here may work in a rank
-                    self.failed_preload[name] = f"{type(exc).__name__}: {exc}"
-        pg_guard.install()   # inherited by every rank (see pg_guard)
-        self.preview_rank_hooks()
-        worker.note_launcher_modules()
-        spare_supervisor.make_session_ahead()
-        gc.collect()
-        gc.freeze()
-        self.collapser.plan()   # the heap changed: its pages move to huge pages while idle
-        files = {}
-        for name in set(sys.modules) - before:
-            path = getattr(sys.modules.get(name), "__file__", None)
-            if path:
-                try:
-                    st = os.stat(path)
-                    files[path] = (st.st_mtime_ns, st.st_size)
-                except OSError:
-                    pass
-        return files
-
-    def env_reads(self) -> list[str]:
-        """Stop recording (forks get the plain ``os.environ``): the names
-        looked up since the last call, for the kernel."""
-        ENV_READS.stop()
-        names, scans = ENV_READS.take()
-        if scans:   # not lookups of each variable (see EnvironmentReads): for the log
-            log.info("the environment was scanned whole at import by %s", ", ".join(sorted(scans)))
-        return sorted(names)
-
-    @contextlib.contextmanager
-    def own_temp_dir(self):
-        """While modules import here, the temp directory is one inside the
-        launcher's private directory: what a module makes there at import
-        (torch 2.4's ``torch.distributed.nn.jit`` a TemporaryDirectory) is this
-        process's for its life, and goes with the private directory, never
-        left in the user's temp directory.  Afterwards ``tempfile`` forgets
-        it, so a rank finds its temp directory in its own environment (the
-        kernel's TMPDIR), as a new process does."""
-        root = getattr(self, "private_dir", None) or tempfile.gettempdir()
-        path = os.path.join(root, "tmp")
-        if not make_dirs_below(root, path):   # the kernel removed the directory: it is closing us
-            yield
-            return
-        saved = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = path
-        tempfile.tempdir = None
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved
-            tempfile.tempdir = None
-
-    @staticmethod
-    def preview_rank_hooks() -> None:
-        """The hooks every rank installs, decided and logged once here."""
-        from ..rank import liveness, script_end
-
-        hooks.preview("tqdm", detail="in each rank: bars become progress events")
-        hooks.preview("script_end", script_end.unsupported, "in each rank: a cell ends as a script ends")
-        hooks.preview("heartbeat", liveness.unsupported, "in each rank: a thread beats, dumps stacks when asked")
-        hooks.preview("step_stop", worker.step_hook_unsupported, "in each session rank")
 
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
         self.events_addr = init["events_addr"]
         curve = init.get("events_curve")   # a Slurm node: the kernel's events socket is a CURVE server
         self.events_keys = transport.CurveKeys.from_client_half(curve) if curve else None
+        self.imports.private_dir = self.private_dir
+        self.listen(init["kernel_pid"])
+        self.set_up(init.get("preload", DEFAULT_PRELOAD))
+        try:
+            try:
+                self.replies.send({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
+                                   "preloaded": self.imports.preloaded, "taint": taint(self.baseline_threads),
+                                   "env_reads": self.imports.env_reads(),
+                                   "native_stacks": _hook_state("native_stacks"),
+                                   "python": sys.version})
+            except OSError:
+                # The kernel went away while torch was importing (shut down right
+                # after %load_ext): the same clean-up as any other end.
+                self.kernel_gone = True
+                return
+            self.loop()
+        finally:
+            self.shutdown()
+
+    def listen(self, kernel_pid: int) -> None:
+        """Signals, the control pipe and the kernel's end, each a source of the selector."""
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)
@@ -250,16 +182,19 @@ class Zygote:
             pass
         self.sel.register(self.control_fd, selectors.EVENT_READ, "control")
         self.sel.register(r, selectors.EVENT_READ, "signal")
-        self.kernel_pid = init["kernel_pid"]
+        self.kernel_pid = kernel_pid
         try:
-            kernel = os.pidfd_open(init["kernel_pid"])
+            kernel = os.pidfd_open(kernel_pid)
             self.sel.register(kernel, selectors.EVENT_READ, "kernel")
             self.extra_fds.append(kernel)
         except (AttributeError, OSError):
-            kernel = None
+            pass
+
+    def set_up(self, modules) -> None:
+        """Import what runs need (each phase said to the kernel) and make this the forks' base."""
         native_stacks.start_probe()   # ptrace, for native_stacks' guard: while torch imports
-        self.preload(init.get("preload", DEFAULT_PRELOAD), phases=True)   # recording goes on until ready
-        self.say_phase("setting up torch.distributed")
+        self.imports.preload(modules, phases=True)   # recording goes on until ready
+        self.replies.say_phase("setting up torch.distributed")
         native_stacks.install()
         if "torch.distributed" in sys.modules:
             from . import dnsfix
@@ -274,87 +209,54 @@ class Zygote:
                 time.sleep(STORE_THREADS_POLL)
         self.baseline_threads = os_threads()
         self.collapser.run_for(COLLAPSE_AT_START)   # the first spare's fork is cheaper already
-        try:
+
+    def loop(self) -> None:
+        """Serve the kernel until it goes, closes the control pipe or SIGTERM comes."""
+        while not self.terminating:
+            idle = not set(self.supervisors) - self.keep - self.finished
+            if self.spare is None and idle:
+                # Idle time (or the last run just finished, its ranks ending): the
+                # next run's fork is done now, not in its cell.
+                self.fork_spare()
+            timeout = None
+            if idle and self.collapser.pending:
+                timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
+            ready = self.sel.select(timeout)
+            if not ready:
+                self.collapser.step()   # idle and quiet: one huge page, then look again
+                continue
+            self.quiet_since = time.monotonic()
+            for key, _ in ready:
+                if not self.on_ready(key.data):
+                    return
+
+    def on_ready(self, source) -> bool:
+        """Serve one source the selector found ready; False: this process is done."""
+        if isinstance(source, tuple):   # ("status", pid): a supervisor's status pipe
+            self.on_status(source[1])
+            return True
+        if source == "kernel":
+            self.kernel_gone = True
+            return False
+        if source == "reply":
             try:
-                self.reply({"kind": "ready", "pid": os.getpid(), "gpu_count": gpu_count(),
-                            "preloaded": self.preloaded, "taint": taint(self.baseline_threads),
-                            "env_reads": self.env_reads(),
-                            "native_stacks": _hook_state("native_stacks"),
-                            "python": sys.version})
-            except OSError:
-                # The kernel went away while torch was importing (shut down right
-                # after %load_ext): the same clean-up as any other end.
+                self.replies.flush()
+            except OSError:   # the kernel closed its end
                 self.kernel_gone = True
-                return
-            while not self.terminating:
-                idle = not set(self.supervisors) - self.keep - self.finished
-                if self.spare is None and idle:
-                    # Idle time (or the last run just finished, its ranks ending): the
-                    # next run's fork is done now, not in its cell.
-                    self.fork_spare()
-                timeout = None
-                if idle and self.collapser.pending:
-                    timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
-                ready = self.sel.select(timeout)
-                if not ready:
-                    self.collapser.step()   # idle and quiet: one huge page, then look again
-                    continue
-                self.quiet_since = time.monotonic()
-                for key, _ in ready:
-                    if isinstance(key.data, tuple):   # ("status", pid): a supervisor's status pipe
-                        self.on_status(key.data[1])
-                        continue
-                    if key.data == "kernel":
-                        self.kernel_gone = True
-                        return
-                    if key.data == "reply":
-                        try:
-                            self.flush_replies()
-                        except OSError:   # the kernel closed its end
-                            self.kernel_gone = True
-                            return
-                        continue
-                    if key.data == "signal":
-                        try:
-                            data = os.read(r, 512)
-                        except BlockingIOError:   # read meanwhile by wait_previous_runs
-                            data = b""
-                        if signal.SIGTERM in data:
-                            return
-                        self.reap()
-                    elif not self.on_control():
-                        self.kernel_gone = True   # EOF: it closed the pipe (see shutdown)
-                        return
-        finally:
-            self.shutdown()
-
-    def say_phase(self, text: str) -> None:
-        """Before ready: what this process does now, for the first cell's view.
-        A kernel gone meanwhile is found at the ready reply, not here."""
-        try:
-            self.reply({"kind": "phase", "text": text})
-        except OSError:
-            self.outbox = bytearray()   # nothing more goes to a kernel that is gone
-
-    def reply(self, obj) -> None:
-        """Send ``obj`` to the kernel, in order, never blocking (see outbox)."""
-        self.outbox += wire.frame(obj)
-        self.flush_replies()
-
-    def flush_replies(self) -> None:
-        """Write what the pipe takes now; the rest when it is writable again
-        (the main loop watches it).  OSError: the kernel is gone."""
-        while self.outbox:
+                return False
+            return True
+        if source == "signal":
             try:
-                written = os.write(self.reply_fd, self.outbox)
-            except BlockingIOError:
-                break
-            del self.outbox[:written]
-        watching = self.reply_fd in self.sel.get_map()
-        if self.outbox and not watching:
-            self.sel.register(self.reply_fd, selectors.EVENT_WRITE, "reply")
-        elif not self.outbox and watching:
-            self.sel.unregister(self.reply_fd)
+                data = os.read(self.wakeup_r, 512)
+            except BlockingIOError:   # read meanwhile by wait_previous_runs
+                data = b""
+            if signal.SIGTERM in data:
+                return False
+            self.reap()
+        elif not self.on_control():
+            self.kernel_gone = True   # EOF: it closed the pipe (see shutdown)
+            return False
+        return True
 
     def on_control(self) -> bool:
         msg = wire.read_frame(self.control_fd)
@@ -367,17 +269,17 @@ class Zygote:
             except EOFError:
                 return False
             except Exception as exc:
-                self.reply({"kind": "run_started", "run_id": msg["run_id"], "error": f"{type(exc).__name__}: {exc}"})
+                self.replies.send({"kind": "run_started", "run_id": msg["run_id"], "error": f"{type(exc).__name__}: {exc}"})
                 return True
-            self.reply({"kind": "run_started", "run_id": msg["run_id"], "pid": pid})
+            self.replies.send({"kind": "run_started", "run_id": msg["run_id"], "pid": pid})
         elif op == "preload":
             self.drop_spare()   # it lacks the new modules
-            files = self.preload(msg["modules"])
-            self.reply({"kind": "preloaded", "preloaded": self.preloaded, "files": files,
-                        "env_reads": self.env_reads(),
-                        "failed": self.failed_preload, "taint": taint(self.baseline_threads)})
+            files = self.imports.preload(msg["modules"])
+            self.replies.send({"kind": "preloaded", "preloaded": self.imports.preloaded, "files": files,
+                        "env_reads": self.imports.env_reads(),
+                        "failed": self.imports.failed_preload, "taint": taint(self.baseline_threads)})
         elif op == "ping":
-            self.reply({"kind": "pong"})
+            self.replies.send({"kind": "pong"})
         return True
 
     def dispatch(self, msg: dict) -> int:
