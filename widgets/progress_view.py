@@ -39,10 +39,11 @@ import ipywidgets as w
 
 from accel_magics.kernel_ext.kernel.behind import Behind
 from accel_magics.kernel_ext.timing import PANE_INTERVAL, VIEW_REFRESH
-from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS, bytes_text, rank_runs, ranks_label, without_times
+from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS
 
-from .rows import (ATTENTION_ROWS, HEAD_LINES, MONO, OPEN_RECORD_LINES, STATE_COLORS, STATE_ORDER,
-                   STYLE, BarState, RankState, bar_html, el, parse_progress, plural, pre, row_html)
+from .aggregate import aggregate_html, attention
+from .output import merged_lines, output_html, same_key
+from .rows import HEAD_LINES, STATE_COLORS, STYLE, BarState, RankState, parse_progress, plural, pre, row_html
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
@@ -276,80 +277,11 @@ class RunView:
         behind = set() if final else self.stragglers()
         if not self.compact:
             return self._every_html(final, behind)
-        return self._aggregate_html(final, behind) + "".join(
-            row_html(self.ranks[rank], final, rank in behind) for rank in self.attention(behind))
+        return aggregate_html(self.ranks, final, behind) + "".join(
+            row_html(self.ranks[rank], final, rank in behind) for rank in attention(self.ranks, behind))
 
     def _every_html(self, final: bool, behind: set) -> str:
         return "".join(row_html(self.ranks[rank], final, rank in behind) for rank in sorted(self.ranks))
-
-    def attention(self, behind: set) -> list[int]:
-        """The ranks the compact form shows on their own: failed (the root
-        cause among them), then behind; at most ``ATTENTION_ROWS``."""
-        failed = sorted(r for r, s in self.ranks.items() if s.state == "failed")
-        return (failed + sorted(behind - set(failed)))[:ATTENTION_ROWS]
-
-    def groups(self, behind: set) -> dict[str, list[int]]:
-        """The ranks by state, in ``STATE_ORDER`` (a straggler counts as behind)."""
-        by_state: dict[str, list[int]] = {}
-        for rank, s in sorted(self.ranks.items()):
-            by_state.setdefault("behind" if rank in behind else s.state, []).append(rank)
-        return {state: by_state[state] for state in sorted(by_state, key=lambda st: (
-            STATE_ORDER.index(st) if st in STATE_ORDER else len(STATE_ORDER), st))}
-
-    def _aggregate_html(self, final: bool, behind: set) -> str:
-        """One row for every rank: how many, grouped by state, the slowest and
-        the fastest rank's outer bar, and memory (all ranks now; the largest
-        peak in the record)."""
-        groups = " &middot; ".join(f"<b style='color:{STATE_COLORS.get(state, '#ff7f0e')}'>{state}</b> "
-                                   f"{rank_runs(ranks)}" for state, ranks in self.groups(behind).items())
-        if not final:   # what quiet ranks are busy with: "importing accelerate 0-7"
-            busy: dict[str, list[int]] = {}
-            for rank, s in sorted(self.ranks.items()):
-                if s.phase and not s.latest and s.state in ("running", "starting"):
-                    busy.setdefault(s.phase, []).append(rank)
-            groups += "".join(f" &middot; <i>{html.escape(phase)}</i> {rank_runs(ranks)}" for phase, ranks in busy.items())
-        usage = self._peak_text() if final else self._usage_now_text()
-        bars = self._extreme_bars_html(STATE_COLORS["done" if final else "running"], final)
-        return el("div", "aggregate",
-                   el("span", "label", f"<b>{plural(len(self.ranks), 'rank')}</b>")
-                   + el("span", "groups", groups)
-                   + (el("span", "usage", usage) if usage else "")
-                   + (el("div", "bars", bars) if bars else ""))
-
-    def _extreme_bars_html(self, color: str, final: bool = False) -> str:
-        """The slowest and the fastest rank's outer bar (one bar when all are
-        level; live, the second one's place is kept: ranks level one moment
-        and apart the next must not make the view jump)."""
-        outer = {}
-        for rank, s in self.ranks.items():
-            bars = [b for b in s.shown_bars() if b.fraction is not None]
-            if bars:
-                outer[rank] = bars[0]
-        if not outer:
-            return ""
-        slow = min(outer, key=lambda r: (outer[r].fraction, r))
-        fast = max(outer, key=lambda r: (outer[r].fraction, -r))
-        if outer[slow].fraction < outer[fast].fraction:
-            picks = [(slow, f"slowest: rank {slow}: "), (fast, f"fastest: rank {fast}: ")]
-            return "".join(bar_html(BarState(0, outer[r].fraction, what + outer[r].text), color) for r, what in picks)
-        # All level: no one rank's times and rate stand for the others'
-        level = BarState(0, outer[slow].fraction, f"{ranks_label(outer)}: {without_times(outer[slow].text)}")
-        return bar_html(level, color) + ("" if final or len(self.ranks) < 2 else bar_html(level, color, hidden=True))
-
-    def _usage_now_text(self) -> str:
-        now = [s.usage for s in self.ranks.values() if s.usage is not None and s.state == "running"]
-        if not now:
-            return ""
-        gpu = [u[2] for u in now if u[2] is not None]
-        return (f"cpu {sum(u[0] for u in now):.0f}% &middot; {bytes_text(sum(u[1] or 0 for u in now))} in all"
-                + (f" &middot; GPU {bytes_text(sum(gpu))}" if gpu else ""))
-
-    def _peak_text(self) -> str:
-        peaks = {r: s.peak_rss for r, s in self.ranks.items() if s.peak_rss}
-        if not peaks:
-            return ""
-        top = max(peaks, key=peaks.get)
-        return f"largest peak: rank {top} {bytes_text(peaks[top])}"
 
     def stragglers(self) -> set:
         """Ranks still running that most ranks are well ahead of, in time (a
@@ -417,34 +349,8 @@ class RunView:
                 pane.value = pre(state.lines)
 
     def merged_lines(self) -> list[str]:
-        """The "all ranks" pane: the newest lines, each rank with a fair share
-        of them, interleaved.  A rank printing a 1,000-line batch must not
-        push the others out of the pane (2 ranks x 20,000 lines showed only
-        rank 0's): every rank that printed keeps at least ``max_lines //
-        ranks`` of its newest lines (a share a quiet rank leaves unused goes to
-        the others); and lines that arrived between the same two refreshes
-        are interleaved rank by rank in proportion (each rank's in its own
-        order), so the newest lines on screen are every printing rank's, not
-        the last batch's rank.  Across refreshes, arrival order holds."""
-        printing = [s for s in self.ranks.values() if s.lines]
-        if not printing:
-            return []
-        budget, quota = self.max_lines, {}
-        for i, s in enumerate(sorted(printing, key=lambda s: len(s.lines))):   # the smallest first
-            quota[s.rank] = min(len(s.lines), budget // (len(printing) - i))
-            budget -= quota[s.rank]
-        picked = []
-        for s in printing:
-            n = quota[s.rank]
-            windows, lines = list(s.seqs)[-n:], list(s.lines)[-n:]
-            in_window: dict[int, int] = {}
-            for window in windows:
-                in_window[window] = in_window.get(window, 0) + 1
-            seen: dict[int, int] = {}
-            for window, line in zip(windows, lines):
-                seen[window] = seen.get(window, 0) + 1
-                picked.append(((window, seen[window] / in_window[window], s.rank), f"[rank {s.rank}] {line}"))
-        return [line for _, line in sorted(picked)]
+        """The "all ranks" pane's lines (see :func:`.output.merged_lines`)."""
+        return merged_lines(self.ranks, self.max_lines)
 
     def close(self) -> None:
         """Close every widget model of this view, their layout and style models
@@ -475,8 +381,8 @@ class RunView:
         for rank in sorted(self.ranks):
             s = self.ranks[rank]
             if s.count:
-                outputs.setdefault(self._same_key(s), []).append(rank)
-        details = [self._output_html(ranks, self.ranks[ranks[0]]) for ranks in outputs.values()]
+                outputs.setdefault(same_key(s), []).append(rank)
+        details = [output_html(self.ranks, ranks, self.ranks[ranks[0]], self.log_dir) for ranks in outputs.values()]
         every = ""
         if self.compact:
             every = (f"<details><summary>each of the {len(self.ranks)} ranks' rows</summary>"
@@ -488,35 +394,6 @@ class RunView:
         return (f"<div class='accel-magics-summary'>{self._header_html(final=True)}"
                 f"{self._rows_html(final=True)}{every}{where}{''.join(details)}</div>")
 
-    @staticmethod
-    def _same_key(s: RankState) -> tuple:
-        """What must match for ranks to share a block: their lines, a finished
-        bar's line compared without its times (ranks' rates always differ)."""
-        def key(lines):
-            return tuple(without_times(line) if line in s.bar_lines else line for line in lines)
-        return s.count, key(s.head), key(s.lines)
-
-    def _output_html(self, ranks: list[int], s: RankState) -> str:
-        """One block of the record: the output of ``ranks``, which printed the
-        same lines (``s`` is one of them)."""
-        head, tail = list(s.head), list(s.lines)
-        left_out = s.count - len(head) - len(tail)
-        if s.count <= len(tail):
-            head, left_out = [], 0
-        elif left_out < 0:   # they overlap: the tail from where the head ends
-            head, tail, left_out = head, tail[-left_out:], 0
-        shown = (f", the first {len(head)} and the last {len(tail)} shown" if left_out else "")
-        same = ""
-        if len(ranks) > 1:
-            exact = len({(tuple(self.ranks[r].head), tuple(self.ranks[r].lines)) for r in ranks}) == 1
-            same = ", the same on each" + ("" if exact else f" but for their bars' times; these are rank {ranks[0]}'s")
-        opened = " open" if s.count <= OPEN_RECORD_LINES else ""
-        where = f"; the full log is in {html.escape(self.log_dir)}" if self.log_dir else ""
-        gap = (f"<div style='{STYLE['muted']};{MONO}'>... {plural(left_out, 'line')} left out{where} ...</div>"
-               if left_out else "")
-        body = (pre(head) + gap + pre(tail)) if left_out else pre(head + tail)
-        return (f"<details{opened}><summary>{ranks_label(ranks)} output ({plural(s.count, 'line')}{shown}{same})"
-                f"</summary>{body}</details>")
 
 
 def _html_widget() -> w.HTML:
