@@ -477,3 +477,20 @@ def test_no_message_says_rank_s_dash():
 def test_resource_samples_reach_the_views_as_events():
     events, _ = replay([{"kind": "resources", "ranks": {"0": [50.0, 1024, None], "1": [0.0, 2048, 4096]}}])
     assert of_type(events, ev.Resources) == [ev.Resources({0: (50.0, 1024, None, None), 1: (0.0, 2048, 4096, None)})]
+
+
+def test_a_restarts_lines_that_come_before_its_started_are_shown_after_it():
+    """On several nodes one node's output can come before every node's
+    "started" (slurm merges those): a restart's views drop the last attempt's
+    lines at its RunStarted, so its own earlier lines must come after it."""
+    seq = [{"kind": "output", "rank": 0, "text": "early\n"},
+           {"kind": "started", "pids": {0: 10, 1: 11}},
+           {"kind": "output", "rank": 1, "text": "later\n"},
+           {"kind": "finished", "reason": None}]
+    events, _ = replay(seq, attempt=1, max_restarts=1)
+    kinds = [(type(e).__name__, getattr(e, "text", "")) for e in events if not isinstance(e, ev.Heartbeat)]
+    assert kinds[:3] == [("RunStarted", ""), ("Output", "early\n"), ("Output", "later\n")], kinds
+    first, _ = replay(seq)   # a first attempt: as they come
+    assert [type(e).__name__ for e in first][:2] == ["Output", "RunStarted"]
+    never, _ = replay([seq[0], seq[3]], attempt=1, max_restarts=1)   # never started: said all the same
+    assert [type(e).__name__ for e in never][:2] == ["Output", "RunFinished"]
