@@ -29,7 +29,7 @@ def load_ipython_extension(ip) -> None:
     global _magics
     from .kernel_ext import hooks
     from .magics import DistributedMagics
-    from . import slurm_magic  # noqa: F401  (its cells: magics.CELL_MODES["slurm"])
+    from . import slurm_magic  # noqa: F401  (its cells: magics.PLACEMENT_CELLS["slurm"])
     from .doctor_magic import DoctorMagics
     from .session_magic import SessionMagics
 

@@ -25,7 +25,8 @@ from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext import hooks
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, validate, visible_gpus
 from accel_magics.kernel_ext.kernel.launcher import Launcher
-from accel_magics.kernel_ext.kernel.placement import LocalPlacement, PlacementNotFound, find_placement
+from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
+from accel_magics.kernel_ext.kernel.placement import PlacementNotFound, find_placement
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
@@ -94,12 +95,14 @@ def _launch_config(values: dict) -> LaunchConfig:
     )
 
 
-#: The cells that are not a one-shot run on this machine, by mode: "session"
-#: (the running session's ranks) and, by its name, a placement that is not a
-#: LocalPlacement: "slurm" (every node of the allocation).
-#: The modules that run them (session_magic, slurm_magic) fill it in; they use
-#: this module's public API, and this module imports neither (no cycle).
+#: The cells of a mode other than a run of its own, by mode: "session" (the
+#: running session's ranks, wherever they are placed).
 CELL_MODES: dict = {}
+#: The cells of a placement that is not a LocalPlacement, by its name: "slurm"
+#: (every node of the allocation).
+#: The modules that run them (session_magic, slurm_magic) fill these in; they use
+#: this module's public API, and this module imports neither (no cycle).
+PLACEMENT_CELLS: dict = {}
 
 
 def parse_options(magic, line: str):
@@ -294,7 +297,7 @@ class DistributedMagics(Magics):
         name = self.placement_name(args.launcher)
         cls = self.placement_class(name)
         if not issubclass(cls, LocalPlacement):   # its ranks are elsewhere: its own cell mode (slurm)
-            return CELL_MODES[name](self, args, line, cell, started)
+            return PLACEMENT_CELLS[name](self, args, line, cell, started)
         placement = cls(self.launcher)
         presenter = self.presenter(args, started, background=args.background)
         if args.background and not self.launcher.info:
@@ -335,7 +338,7 @@ class DistributedMagics(Magics):
             cls = find_placement(name)
         except PlacementNotFound as exc:
             raise UsageError(f"--launcher {name}: {exc}\n{nothing}") from None
-        if not issubclass(cls, LocalPlacement) and name not in CELL_MODES:
+        if not issubclass(cls, LocalPlacement) and name not in PLACEMENT_CELLS:
             raise UsageError(f"--launcher {name}: {cls.__module__}.{cls.__qualname__} is not a LocalPlacement, and "
                              f"only LocalPlacement subclasses and slurm can run cells for now. {nothing}")
         return cls

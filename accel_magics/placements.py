@@ -29,16 +29,18 @@ subclass is constructed with the kernel's launcher (``self.launcher``); its
 :meth:`~LocalPlacement.launch` starts each attempt (a session's start too),
 so overriding it (``super().launch(...)`` with another ``cfg``) changes how
 every mode starts its ranks.  A placement of ranks elsewhere subclasses
-:class:`Placement` and :class:`Attempt` (see their docs; ``slurm`` is one);
+:class:`Placement` and :class:`Attempt`, and for sessions
+:class:`SessionAttempt` (see their docs; ``slurm`` is one);
 the magics run only ``LocalPlacement`` subclasses and ``slurm`` for now.
 
 Looking placements up: :func:`find_placement` (the class of a name, or
 :class:`PlacementNotFound`, whose message lists the known names and says how
 to add one) and :func:`placement_names` (what ``--launcher`` takes).
 """
-from accel_magics.kernel_ext.kernel.placement import (GROUP, Attempt, LocalPlacement, Placement, PlacementNotFound,
+from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
+from accel_magics.kernel_ext.kernel.placement import (GROUP, Attempt, Placement, PlacementNotFound, SessionAttempt,
                                                       PlacementRegistry, find_placement, placement_descriptions,
                                                       placement_names)
 
-__all__ = ["Placement", "Attempt", "LocalPlacement", "PlacementNotFound", "PlacementRegistry", "find_placement",
+__all__ = ["Placement", "Attempt", "SessionAttempt", "LocalPlacement", "PlacementNotFound", "PlacementRegistry", "find_placement",
            "placement_names", "placement_descriptions", "GROUP"]

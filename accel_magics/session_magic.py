@@ -20,7 +20,7 @@ from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, Report
 from accel_magics.kernel_ext.kernel.events import bytes_text
 from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT, WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
-from accel_magics.kernel_ext.kernel.placement import LocalPlacement
+from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
 from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGone
 
 from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
@@ -100,7 +100,8 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     def run(control=None):
         try:
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
-                                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control)
+                                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control,
+                                    on_restart=lambda line: print(f"accel_magics: {line}", flush=True))
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:
@@ -145,9 +146,7 @@ CELL_MODES["session"] = session_cell
 def _refuse_cell_options(given: dict) -> None:
     """UsageError for the options a session cannot take (each cell's own, or
     restarts), before anything is started or stopped."""
-    for name, why in (("max_restarts", "a session keeps state, so it is never restarted by itself: "
-                                       "`%distributed_session restart` starts a fresh one"),
-                      ("output", "a cell option: give it on the %%distributed --session cell"),
+    for name, why in (("output", "a cell option: give it on the %%distributed --session cell"),
                       ("timeout", "a cell option: give it on the %%distributed --session cell")):
         if given.get(name):
             raise UsageError(f"--{name} cannot be given to a session ({why}). Nothing was started.")
@@ -216,10 +215,10 @@ class SessionMagics(Magics):
             else:
                 args_like = _Args(given)
                 cfg = self.dist.launch_config(args_like)   # its --timeout (a default) is the cells' default
+                _restarts_here(cfg, given)
                 self.dist.preflight_check()
                 self.dist.warn_machine(cfg)
-                session = DistributedSession(self.dist.launcher, cfg, options=given,
-                                             placement=placed(self.dist.launcher))
+                session = DistributedSession(placed(self.dist.launcher), cfg, options=given)
                 session.start()
         except KeyboardInterrupt:
             raise
@@ -312,6 +311,18 @@ class SessionMagics(Magics):
         session.push_names(args.names)
         print(f"accel_magics: {', '.join(args.names)} now come(s) from the notebook: the next session cell that "
               "uses them gets the notebook's value.")
+
+
+def _restarts_here(cfg, given: dict) -> None:
+    """``--max_restarts`` of a session is the one given to it (a default of
+    one-shot cells is not a session's); refused where one kernel holds one
+    node's part only (each node's kernel would restart its own, alone)."""
+    cfg.max_restarts = given.get("max_restarts") or 0
+    if cfg.max_restarts and cfg.num_nodes > 1:
+        raise UsageError("--max_restarts cannot be given to a session of one kernel per node (--num_nodes "
+                         f"{cfg.num_nodes}): each node's kernel holds its own part, and one node's restart "
+                         "alone cannot form a fresh world. Use --launcher slurm (one kernel restarts every "
+                         "node), or `%distributed_session restart` on every node. Nothing was started.")
 
 
 class _Args:

@@ -13,12 +13,12 @@ from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
 from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
+from accel_magics.kernel_ext.kernel.session import DistributedSession
 from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
-from accel_magics.kernel_ext.kernel.slurm_session import SlurmSession
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
                                                   describe_allocation, job_ended)
 
-from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, return_names_of
+from .magics import LAUNCH_OPTION_NAMES, PLACEMENT_CELLS, return_names_of
 
 
 def slurm_cell(magics, args, line: str, cell: str, started: float):
@@ -81,14 +81,16 @@ def _keep_session(magics, reuse: bool) -> None:
     """A cell that needs other agents (another --num_nodes or --slurm_args) would
     end the session that runs on these: refused, saying how to go on."""
     session = magics.session
-    if not reuse and isinstance(session, SlurmSession) and session.alive and session.agents.alive:
-        raise UsageError(f"a session runs on the allocation's node agents ({session.agents.num_nodes} node(s)"
-                         f"{', --slurm_args ' + repr(session.agents.slurm_args) if session.agents.slurm_args else ''}"
+    placed = getattr(session, "placement", None)
+    if not reuse and isinstance(placed, SlurmPlacement) and session.alive and placed.agents.alive:
+        agents = placed.agents
+        raise UsageError(f"a session runs on the allocation's node agents ({agents.num_nodes} node(s)"
+                         f"{', --slurm_args ' + repr(agents.slurm_args) if agents.slurm_args else ''}"
                          "): this cell needs other ones, which would end it. Use the session's --num_nodes "
                          "and --slurm_args, or `%distributed_session stop` first. Nothing was launched.")
 
 
-def start_session(magics, given: dict) -> SlurmSession:
+def start_session(magics, given: dict) -> DistributedSession:
     """``%distributed_session start --launcher slurm``: the session's ranks on
     every node of the allocation, through its agents (started if need be)."""
     asked, given = given, {**magics.defaults, **given}   # restart reuses what was asked: the defaults apply anew
@@ -103,10 +105,10 @@ def start_session(magics, given: dict) -> SlurmSession:
         except SlurmError as exc:
             raise UsageError(f"{exc}\nNothing was started.") from None
     try:
-        cfg = _config(agents, given, num_nodes)
+        cfg = _config(agents, {**given, "max_restarts": asked.get("max_restarts")}, num_nodes)
     except ConfigError as exc:
         raise UsageError(f"{exc}\nNothing was started.") from None
-    session = SlurmSession(agents, cfg, options=asked)
+    session = DistributedSession(SlurmPlacement(agents), cfg, options=asked)
     try:
         session.start()
     except LauncherError:
@@ -191,7 +193,7 @@ def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
     return agents
 
 
-CELL_MODES["slurm"] = slurm_cell
+PLACEMENT_CELLS["slurm"] = slurm_cell
 
 
 __all__ = ["slurm_cell", "describe_allocation", "start_session", "check_agents_free"]

@@ -820,8 +820,9 @@ def test_a_press_as_a_session_cell_starts_or_as_its_stop_is_sent_is_taken_by_the
     # killed, the session with them).  Neither escapes the cell, which would
     # leave it running with nobody reading it.
     from accel_magics.kernel_ext.kernel.errors import RunInterrupted, SessionLostError
+    from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
     from accel_magics.kernel_ext.kernel.session import DistributedSession
-    session = DistributedSession(launcher, LaunchConfig(num_processes=2))
+    session = DistributedSession(LocalPlacement(launcher), LaunchConfig(num_processes=2))
     session.start()
     try:
         sleep = "import time\ntime.sleep(60)"

@@ -535,3 +535,19 @@ def test_a_session_cell_without_the_sessions_word_lost_it_and_stopped_ranks_say_
     assert session_after(None, None, False, None) == (None, None)
     assert stopped_others({0: ("SIGTERM", False), 1: ("KeyboardInterrupt", True)}, {1: "barrier"}) == {
         0: "stopped (SIGTERM)", 1: "stopped (KeyboardInterrupt) in barrier, back at its prompt"}
+
+def test_a_restarts_lines_that_come_before_its_started_are_shown_after_it():
+    """On several nodes one node's output can come before every node's
+    "started" (slurm merges those): a restart's views drop the last attempt's
+    lines at its RunStarted, so its own earlier lines must come after it."""
+    seq = [{"kind": "output", "rank": 0, "text": "early\n"},
+           {"kind": "started", "pids": {0: 10, 1: 11}},
+           {"kind": "output", "rank": 1, "text": "later\n"},
+           {"kind": "finished", "reason": None}]
+    events, _ = replay(seq, attempt=1, max_restarts=1)
+    kinds = [(type(e).__name__, getattr(e, "text", "")) for e in events if not isinstance(e, ev.Heartbeat)]
+    assert kinds[:3] == [("RunStarted", ""), ("Output", "early\n"), ("Output", "later\n")], kinds
+    first, _ = replay(seq)   # a first attempt: as they come
+    assert [type(e).__name__ for e in first][:2] == ["Output", "RunStarted"]
+    never, _ = replay([seq[0], seq[3]], attempt=1, max_restarts=1)   # never started: said all the same
+    assert [type(e).__name__ for e in never][:2] == ["Output", "RunFinished"]

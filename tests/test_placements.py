@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from accel_magics.kernel_ext.kernel.placement import (BUILT_IN, GROUP, LocalPlacement, PlacementNotFound,
+from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
+from accel_magics.kernel_ext.kernel.placement import (BUILT_IN, GROUP, PlacementNotFound,
                                                       PlacementRegistry)
 
 pytestmark = pytest.mark.timeout(240)
@@ -208,6 +209,42 @@ def test_a_plugin_runs_every_mode(pk, name):
         assert launches(k)[len(before):] == [0, 0, 0, 1, 0]
     else:
         assert launches(k) == before
+
+
+def test_a_plugin_session_with_max_restarts_restarts_a_lost_session_and_says_its_state_is_gone(pk):
+    """``--max_restarts 1`` on a session started through a plug-in that only
+    subclasses LocalPlacement: a rank that dies in a cell loses the session;
+    its ranks start afresh (through the plug-in again, on a fresh rendezvous),
+    the output says the state is gone, the cell runs again on the fresh
+    ranks, and the session lives on from there."""
+    k = pk
+    before = launches(k)
+    k.ok("%distributed_session start -n 2 --launcher counted --max_restarts 1", timeout=90)
+    k.ok("%%distributed --session --output text\nimport os\nkept = 10 + int(os.environ['RANK'])")
+    pids = k.ok("%distributed_session status").stdout
+    flaky = ("%%distributed --session --output text\nimport os\n"
+             "if 'kept' in globals() and os.environ['RANK'] == '1':\n    os._exit(3)\n"
+             "print('here', os.environ['MASTER_PORT'])\n'kept' in globals()")
+    res = k.ok(flaky, timeout=120)
+    assert res.result == "False", res.stdout + res.stderr   # ran again, on ranks that never had it
+    assert re.search(r"accel_magics: the session was lost in In\[\d+\] \(.*\); restarting it on a fresh rendezvous "
+                     r"\(restart 1 of 1\): its state is gone \((?:\w+, )*kept(?:, \w+)* with it\); In\[\d+\] runs again on the "
+                     r"fresh ranks\.", res.stdout), res.stdout
+    assert res.stdout.count("[accel_magics] attempt 2 of 2 (attempt 1: rank 1 failed: exited with code 3") == 1, \
+        res.stdout   # the record's note, as for a one-shot run's restart
+    assert "[rank 0] here" in res.stdout and "[rank 1] here" in res.stdout, res.stdout
+    assert launches(k)[len(before):] == [0, 0]   # the start, then the restart: both through the plug-in
+    res = k.ok("%%distributed --session --output text\nkept = 'new'\nkept")
+    assert res.result == "'new'", res.stdout
+    status = k.ok("%distributed_session status").stdout
+    assert "2 rank(s)" in status and "kept" in status, status
+    old = set(re.findall(r"^\s+\d+\s+(\d+)\s", pids, re.M))
+    assert old and not old & set(re.findall(r"^\s+\d+\s+(\d+)\s", status, re.M)), (pids, status)   # fresh ranks
+    # A cell that raises leaves every rank at its prompt with its state: no restart.
+    res = k.run("%%distributed --session --output text\nraise ValueError('no restart')", timeout=60)
+    assert res.error["ename"] == "DistributedRunError" and "restarting" not in res.stdout, res.stdout
+    assert k.ok("%%distributed --session --output text\nkept").result == "'new'"
+    assert launches(k)[len(before):] == [0, 0]
 
 
 def test_an_unknown_launcher_is_refused_before_anything_launches(pk):

@@ -449,7 +449,8 @@ def test_a_session_timeout_keeps_the_session_and_shows_each_ranks_stack(session)
 def test_bad_session_use_is_a_usage_error_and_changes_nothing(kernel):
     res = kernel.run("%%distributed --session\nprint(1)")
     assert res.error["ename"] == "UsageError" and "%distributed_session start" in res.error["evalue"]
-    for line, words in (("%distributed_session start -n 2 --max_restarts 2", "never restarted by itself"),
+    for line, words in (("%distributed_session start -n 2 --num_nodes 2 --master_addr 127.0.0.1 --max_restarts 1",
+                         "cannot be given to a session of one kernel per node"),
                         ("%distributed_session start -n 2 --timeout 5", "a cell option"),
                         ("%distributed_session stop x", "only `push` takes names"),
                         ("%distributed_session frobnicate", "invalid choice")):
@@ -1002,7 +1003,7 @@ def test_a_send_to_a_session_supervisor_that_is_gone_ends_when_it_is_seen_gone(t
 
     from accel_magics.kernel_ext import wire
     from accel_magics.kernel_ext.kernel.launcher import LauncherError
-    from accel_magics.kernel_ext.kernel.session import DistributedSession, limit_sends
+    from accel_magics.kernel_ext.kernel.local_placement import LocalSession, limit_sends
     from accel_magics.kernel_ext.timing import SESSION_SEND_WAIT
 
     gone = os.fork()
@@ -1014,13 +1015,13 @@ def test_a_send_to_a_session_supervisor_that_is_gone_ends_when_it_is_seen_gone(t
     limit_sends(push)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(f"ipc://{tmp_path}/cells")
-    session = DistributedSession.__new__(DistributedSession)
+    session = LocalSession.__new__(LocalSession)
     session.cells, session.signer, session.supervisor_pid = (push,), wire.signed_session(wire.new_key()), gone
     session._sending = threading.Lock()
     try:
         began = time.monotonic()
         with pytest.raises(LauncherError, match="did not take the stop: it is gone"):
-            session._send("stop", {"op": "stop", "run_id": "x"})
+            session.send("stop", {"op": "stop", "run_id": "x"})
         assert time.monotonic() - began < SESSION_SEND_WAIT / 2
     finally:
         push.close()

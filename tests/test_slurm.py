@@ -282,8 +282,8 @@ def test_a_slurm_session_restarts_with_the_configs_cell_defaults_set(kernel):
         after = _session_pids(kernel)
         assert len(after) == 2 and not set(after) & set(before), (before, after)   # fresh ranks
         # A refused restart leaves the running session alone.
-        res = kernel.run("%distributed_session restart --max_restarts 1")
-        assert res.error["ename"] == "UsageError", res.error_text
+        res = kernel.run("%distributed_session restart --timeout 5")
+        assert res.error["ename"] == "UsageError" and "a cell option" in res.error["evalue"], res.error_text
         assert _session_pids(kernel) == after
     finally:
         kernel.run("%distributed_session stop", timeout=120)
@@ -372,6 +372,27 @@ def test_a_slurm_session_lost_on_one_node_ends_on_every_node_and_says_so(kernel)
         assert "The session lives on" in res.error_text, res.error_text
         kernel.ok("%distributed_session stop", timeout=120)
     kernel.ok("%distributed_session stop", timeout=60)   # nothing running: says so, no error
+    assert kernel.run(WORLD, timeout=120).status == "ok"
+
+
+def test_a_slurm_session_with_max_restarts_is_restarted_on_every_node_and_the_cell_runs_again(kernel):
+    """`--max_restarts 1` on a Slurm session: rank 2 (n2) dies in a cell while
+    the session holds `kept`; the session is lost on every node, its ranks
+    start afresh on both nodes (a fresh rendezvous), the output says the state
+    is gone, the cell runs again on the fresh ranks, and the session lives on."""
+    kernel.ok("%distributed_session start --launcher slurm -n 2 --max_restarts 1", timeout=240)
+    try:
+        pids = _session_pids(kernel)
+        kernel.ok("%%distributed --session\nkept = 1", timeout=120)
+        res = kernel.ok("%%distributed --session --output text\nimport os\n"
+                        "if 'kept' in globals() and os.environ['RANK'] == '2':\n    os._exit(3)\n"
+                        "print('on', os.environ['SLURMD_NODENAME'], 'kept' in globals())", timeout=180)
+        assert "restarting it on a fresh rendezvous (restart 1 of 1): its state is gone" in res.stdout, res.stdout
+        assert "[rank 0] on n1 False" in res.stdout and "[rank 2] on n2 False" in res.stdout, res.stdout
+        wait_until(lambda: not any(alive(pid) for pid in pids), 20, "every first session rank to be gone")
+        assert kernel.ok("%%distributed --session\nkept = 2\nkept", timeout=120).result == "2"
+    finally:
+        kernel.ok("%distributed_session stop", timeout=120)
     assert kernel.run(WORLD, timeout=120).status == "ok"
 
 

@@ -42,13 +42,13 @@ def test_a_constant_out_of_order_is_caught(monkeypatch, name, value, broken):
 
 def test_the_modules_take_their_times_from_the_one_module():
     from accel_magics import background_handle
-    from accel_magics.kernel_ext.kernel import run_handle, session, slurm
+    from accel_magics.kernel_ext.kernel import local_placement, run_handle, slurm
     from accel_magics.kernel_ext.node_agent import slurm_agent
     from accel_magics.kernel_ext.supervisor import session_supervisor, supervisor
 
     assert (run_handle.STOP_WAIT, run_handle.KILL_WAIT) == (timing.STOP_WAIT, timing.KILL_WAIT)
     assert (slurm.STOP_WAIT, slurm.KILL_WAIT) == (timing.SLURM_STOP_WAIT, timing.SLURM_KILL_WAIT)
-    assert session.SESSION_STOP_WAIT == timing.SESSION_STOP_WAIT
+    assert local_placement.SESSION_STOP_WAIT == timing.SESSION_STOP_WAIT
     assert supervisor.STACK_WAIT == timing.STACK_WAIT and supervisor.NATIVE_WAIT == timing.NATIVE_WAIT
     assert session_supervisor.RECALL_WAIT == timing.RECALL_WAIT
     assert slurm_agent.LOST_AFTER == timing.AGENT_LOST_AFTER

@@ -243,6 +243,10 @@ class RendezvousError(ReportedError, RuntimeError):
     """The nodes did not all meet at the rendezvous; nothing ran."""
 
 
+class SessionGone(RuntimeError):
+    """The session is not there (never started, stopped, or lost)."""
+
+
 class SessionLostError(ReportedError, RuntimeError):
     """A session cell could not bring every rank back to its prompt (or a rank
     died): the session was stopped and its state is gone.  ``cause`` is the

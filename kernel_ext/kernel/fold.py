@@ -100,6 +100,13 @@ class RunFold:
         self.node_of = dict(node_of or {})
         self.session_cell = session_cell
         self.emit = emit or (lambda event: None)
+        # A restart's views start afresh at its RunStarted (they drop the last
+        # attempt's lines there): what it says before that waits for it.  On
+        # several nodes one node's output can come before every node's
+        # "started" does (slurm merges those into one).
+        self._early: Optional[list] = [] if attempt else None
+        if attempt:
+            self._sink, self.emit = self.emit, self._until_started
         self.clock = clock
         self.started = clock()
         self.failures: dict[int, ev.RankFailure] = {}
@@ -146,6 +153,21 @@ class RunFold:
             RankEvent.BAR: self._rank_bar, RankEvent.JOINING: self._rank_joining,
             RankEvent.JOINED: self._rank_joined, RankEvent.PHASE: self._rank_phase,
         }
+
+    def _until_started(self, event) -> None:
+        if isinstance(event, ev.Heartbeat):   # the view's clock moves on meanwhile
+            self._sink(event)
+        elif isinstance(event, ev.RunStarted):
+            self._sink(event)
+            self._flush_early()
+        else:
+            self._early.append(event)
+
+    def _flush_early(self) -> None:
+        if self._early is not None:
+            early, self._early, self.emit = self._early, None, self._sink
+            for event in early:
+                self.emit(event)
 
     @classmethod
     def replay(cls, messages, **kw) -> tuple[list, Outcome]:
@@ -355,6 +377,7 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
+        self._flush_early()   # a restart whose ranks never all started: what they said still counts
         completed = completed_cell(self.session_cell, self.ranks, self.results, self.failures, self.unfinished,
                                    self.forced, self.session, self.reason)
         reason = (None if completed else StopReason.INTERRUPT if self.interrupted else

@@ -12,13 +12,17 @@ Slurm, found through a registry):
 * :class:`Attempt` is the kernel's hold on that attempt: its verified
   messages in the one schema (:mod:`..wire.messages`), a stop routed to every
   node, where each rank runs, and its teardown.
+* :meth:`Placement.open_session` opens a session's ranks there, a
+  :class:`SessionAttempt`: started once, sent each cell, each cell read and
+  stopped through an :class:`Attempt` as a run's attempt is; the session
+  itself (:mod:`session`) is a mode like the others.
 
 Restarts are then the same loop on every placement (:func:`run.execute`):
 a failure on any node ends the attempt on every node (each placement's job),
 and the next attempt starts everywhere on a fresh rendezvous.
 
-A new placement (SSH hosts, Kubernetes pods) is one subclass of each, with a
-``name``, declared as an entry point of the group ``accel_magics.placements``
+A new placement (SSH hosts, Kubernetes pods) is one subclass of each (of
+:class:`SessionAttempt` too, for sessions), with a ``name``, declared as an entry point of the group ``accel_magics.placements``
 (the built-ins are declared there too): :func:`find_placement` finds it by
 name, :func:`placement_names` lists them (what ``--launcher`` takes), as
 ipyparallel's ``find_launcher_class`` and jupyter_client's provisioner
@@ -77,6 +81,80 @@ class Attempt(abc.ABC):
         """The attempt is over for the kernel: release what it holds."""
 
 
+class SessionAttempt(abc.ABC):
+    """A session's ranks on some placement, as the kernel sees them: started
+    once on one rendezvous, kept across cells, each cell read and stopped
+    through an :class:`Attempt` (:meth:`cell`).  What a session is (its
+    names, one cell at a time, lost or alive) is :class:`session.DistributedSession`'s;
+    this is only where its ranks are.
+
+    ``id``: the session's run id; ``pids``: global rank -> pid;
+    ``master_port``: its rendezvous port; ``node_of``: rank -> node name where
+    its ranks are on several nodes the kernel drives ({} otherwise).
+    """
+    id: str = ""
+    master_port: int = 0
+    node_of: dict = {}
+
+    @abc.abstractmethod
+    def open(self) -> None:
+        """Start the ranks; return once every one is set up (``id``, ``pids``,
+        ``master_port`` known), else raise ``errors.SessionGone`` (or
+        ``LauncherError``), having ended what had started."""
+
+    @abc.abstractmethod
+    def cell(self, run_id: str, timeout: Optional[float]) -> Attempt:
+        """The attempt one cell (or the session's stop) under ``run_id`` is
+        read and stopped through (the cell itself goes by :meth:`send`)."""
+
+    @abc.abstractmethod
+    def send(self, op: str, content: dict) -> None:
+        """A cell (``op`` "cell") or the session's stop ("stop") to every part
+        of the session; ``LauncherError`` if one is gone."""
+
+    @abc.abstractmethod
+    def lost_since(self) -> Optional[str]:
+        """Why the ranks ended by themselves since the last look, or None."""
+
+    def said_lost(self, wait: float) -> Optional[str]:
+        """The "session lost" already said (waited for up to ``wait`` seconds),
+        or None (by default: what :meth:`lost_since` finds)."""
+        return self.lost_since()
+
+    @abc.abstractmethod
+    def end(self, attempt: Optional[Attempt]) -> None:
+        """After the stop (or a loss): every part gone (a bounded wait), what is
+        left killed.  ``attempt``: the stop's or the last cell's, if any."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """The session is over for the kernel: what it holds is let go."""
+
+    def stop_id(self) -> str:
+        """The run id the session's stop is answered under (the session's own by default)."""
+        return self.id
+
+    def learn_modules(self, modules: list) -> None:
+        """Modules a cell imported that were not preloaded (nothing by default)."""
+
+    def ended_under(self, exc: BaseException) -> None:
+        """What held the ranks ended under a cell (``exc`` says what), after
+        the session is forgotten (nothing by default)."""
+
+    def locate(self, rows: list, current: Optional[str]) -> list:
+        """The status rows (one per rank, read on this machine) with where each
+        rank runs, as this placement can tell (as they are by default);
+        ``current``: the cell the session runs now."""
+        return rows
+
+
+def session_lost_why(msg: dict) -> Optional[str]:
+    """Why a session's supervisor says it lost the session, if ``msg`` says so."""
+    if msg.get("kind") == "session_lost" or (msg.get("kind") == "finished" and msg.get("lost")):
+        return msg.get("lost") or "its ranks ended"
+    return None
+
+
 class Placement(abc.ABC):
     """Where ranks run: starts attempts (see the module doc)."""
 
@@ -92,6 +170,11 @@ class Placement(abc.ABC):
         fresh rendezvous.  ``events``: a socket of its own to read it on (a run
         read outside the kernel's main thread), where the placement has one."""
 
+    def open_session(self, cfg) -> "SessionAttempt":
+        """A session's ranks here (not started yet: :meth:`SessionAttempt.open`
+        starts them).  A placement that cannot keep ranks across cells says so."""
+        raise NotImplementedError(f"the placement {self.name!r} cannot run sessions")
+
     def done(self, attempt: Attempt) -> None:
         """An attempt's messages are all read (bookkeeping; nothing by default)."""
 
@@ -100,41 +183,12 @@ class Placement(abc.ABC):
         preloads may preload them next time; nothing by default)."""
 
 
-class LocalPlacement(Placement):
-    """Ranks forked on this machine by the kernel's launcher process; with
-    ``--num_nodes`` > 1 it is one node of several, each driven by its own
-    kernel (kernel per node), the nodes meeting at node 0's store."""
-
-    name = "local"
-
-    def __init__(self, launcher) -> None:
-        self.launcher = launcher
-
-    def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None, events=None,
-               **launcher_options) -> Attempt:
-        """``launcher_options``: more of ``Launcher.launch``'s (a session's
-        start gives ``extra`` and ``stop_wait``)."""
-        launcher_options.setdefault("persistent", events is not None)
-        handle = self.launcher.launch(cfg, payload, attempt=attempt, log_dir=log_dir, excerpt=excerpt,
-                                      events=events, **launcher_options)
-        log.info("run %s attempt %d: %d rank(s) on node %d of %d (supervisor pid %d, port %d)", handle.run_id,
-                 attempt, cfg.num_processes, cfg.node_rank, cfg.num_nodes, handle.supervisor_pid,
-                 handle.master_port)
-        return handle
-
-    def done(self, attempt: Attempt) -> None:
-        self.launcher.live.pop(attempt.run_id, None)
-
-    def learn_modules(self, modules: list) -> None:
-        self.launcher.learn_modules(modules)
-
-
 #: The entry point group placements are declared in (pyproject.toml's
 #: ``[project.entry-points."accel_magics.placements"]``).
 GROUP = "accel_magics.placements"
 #: The built-in placements, found also where this package's metadata is not
 #: installed (a source checkout on sys.path); their entry points say the same.
-BUILT_IN = {"local": "accel_magics.kernel_ext.kernel.placement:LocalPlacement",
+BUILT_IN = {"local": "accel_magics.kernel_ext.kernel.local_placement:LocalPlacement",
             "slurm": "accel_magics.kernel_ext.kernel.slurm:SlurmPlacement"}
 
 

@@ -21,7 +21,8 @@ from .errors import (DistributedRunError, DistributedStallError, DistributedTime
                      RunInterrupted, RunTerminated, forced_note, ranks_text)
 from .fold import EventSink, Outcome, RunFold
 from .launcher import Launcher
-from .placement import Attempt, LocalPlacement, Placement
+from .local_placement import LocalPlacement
+from .placement import Attempt, Placement
 from ..logs import RunLog
 from ..sigint import Deferred, sigint_deferred
 from ..rank.worker import loads_value

@@ -1,10 +1,14 @@
 """Kernel side of a session: ranks that live across cells (``%distributed_session``).
 
-A :class:`DistributedSession` is one run of the launcher whose supervisor
-stays (:mod:`session_supervisor`) and whose ranks keep their namespaces.  It
-owns two sockets in the launcher's private directory: events (PULL, what the
-supervisor sends, verified per message) and cells (PUSH, each cell signed
-with the session's key).  It runs one cell at a time.
+A session is a mode on a placement, as a one-shot run or restarts are
+(:mod:`run`): the placement opens the session's ranks
+(``Placement.open_session``, a :class:`placement.SessionAttempt`: on this
+machine :class:`local_placement.LocalSession`, on every node of an
+allocation :class:`slurm_session.SlurmSessionRanks`) and reads and stops each
+cell through the same :class:`placement.Attempt` contract as a run's.  A
+:class:`DistributedSession` holds only what a session is: its ranks' names,
+one cell at a time, whether it lives on or was lost, its status.  It knows
+nothing of where its ranks run.
 
 Names (the rule docs/how-to/sessions.md states): a name a session cell bound (on any
 rank) belongs to the session from then on: later session cells use the
@@ -23,27 +27,18 @@ import time
 import uuid
 from typing import Optional
 
-import zmq
-
-from .. import wire
 from ..environment import LaunchConfig
 from .errors import (CompletedBeforeTheStop, DistributedRunError, DistributedStallError, DistributedTimeoutError,
-                     LauncherError, ReportedError, RunInterrupted, SessionLostError)
-from .launcher import Launcher
-from .placement import LocalPlacement
+                     LauncherError, ReportedError, RunInterrupted, SessionGone, SessionLostError)
+from .placement import Attempt, Placement, SessionAttempt, session_lost_why
 from ..logs import RunLog
 from ..wire.payload import Payload
 from ..gpu_memory import GpuMemory
-from ..process_tree import running, stat_fields
+from ..process_tree import stat_fields
 from ..sigint import sigint_deferred
 from .run import RunControl, RunResult, collect, conclude
-from .run_handle import RunHandle
 # The ladders' order: see timing.py.
-from ..timing import (
-    SESSION_START_WAIT as START_WAIT, SESSION_STOP_WAIT, SESSION_END_WAIT as STOP_WAIT, SESSION_TIMEOUT_SLACK,
-    SESSION_SEND_WAIT as SEND_WAIT, SESSION_SEND_SLICE as SEND_SLICE, GONE_DRAIN, FORCE_AFTER,
-    SESSION_GONE_WAIT, SESSION_GONE_POLL,
-)
+from ..timing import SESSION_END_WAIT as STOP_WAIT, GONE_DRAIN, FORCE_AFTER
 
 
 log = logging.getLogger("accel_magics.kernel.session")
@@ -69,18 +64,17 @@ def apart_note(outcome, ranks: int) -> str:
             f"{FORCE_AFTER:g} s of the stop)," + _APART)
 
 
-def _lost_why(msg: dict) -> Optional[str]:
-    """Why the supervisor says it lost the session, if ``msg`` says so."""
-    if msg.get("kind") == "session_lost" or (msg.get("kind") == "finished" and msg.get("lost")):
-        return msg.get("lost") or "its ranks ended"
-    return None
+def _restartable(lost: SessionLostError, control: Optional[RunControl]) -> bool:
+    """A loss ``--max_restarts`` restarts: a failure, not the user's stop or the cell's --timeout."""
+    stopped = control is not None and control.stop_requested
+    return not stopped and not isinstance(lost.cause, (RunInterrupted, DistributedTimeoutError, KeyboardInterrupt))
 
 
 def _ended_by_itself(msg: dict) -> Optional[str]:
     """What a message of the session's end says ended it before the stop did:
     its supervisor's "session lost", or a rank that died of a signal nobody
     of ours sent (the out-of-memory killer, a kill -9)."""
-    why = _lost_why(msg)
+    why = session_lost_why(msg)
     if why is not None:
         return why
     if msg.get("kind") == "exit" and msg.get("signal") and not msg.get("stopped"):
@@ -88,31 +82,21 @@ def _ended_by_itself(msg: dict) -> Optional[str]:
     return None
 
 
-class SessionGone(RuntimeError):
-    """The session is not there (never started, stopped, or lost)."""
-
-
-def limit_sends(sock) -> None:
-    """A PUSH with no peer blocks a send for ever: a supervisor that died
-    between the kernel's look and the send must not hang the kernel.  Each
-    try waits a slice; ``DistributedSession._send`` looks between them."""
-    sock.setsockopt(zmq.SNDTIMEO, int(SEND_SLICE * 1000))
-
-
 class DistributedSession:
-    def __init__(self, launcher: Launcher, cfg: LaunchConfig, options: Optional[dict] = None,
-                 placement: Optional[LocalPlacement] = None) -> None:
-        self.launcher = launcher
-        # What starts its ranks: the placement it was started on (this machine's, through ``launcher``).
-        self.placement = placement if placement is not None else LocalPlacement(launcher) if launcher else None
-        self.cfg = cfg
+    """A session on a placement: ``placement.open_session(cfg)`` holds its
+    ranks (wherever they run); this holds what a session is."""
+
+    def __init__(self, placement: Placement, cfg: LaunchConfig, options: Optional[dict] = None) -> None:
+        self.placement = placement
+        # ``--max_restarts``: the session's own (see run_cell), never its supervisors'.
+        self.max_restarts = cfg.max_restarts
+        self.cfg = dataclasses.replace(cfg, max_restarts=0)
         self.options = dict(options or {})   # the flags it was started with (restart reuses them)
-        self.id = ""
+        self.ranks: Optional[SessionAttempt] = None   # where its ranks are, once started
         self.alive = False
         self.lost: Optional[str] = None
-        self.pids: dict[int, int] = {}
-        self.supervisor_pid = 0
         self.owned: dict[str, str] = {}       # name -> label of the session cell that bound it
+        self.held: set[str] = set()           # the names it owned when it was last lost (a restart says them)
         self.kinds: dict[str, tuple] = {}     # name -> (type, bytes or None), as rank 0 last had it
         self.told: set[str] = set()           # names the "session's own ... used" notice named already
         self.current: Optional[str] = None    # label of the cell running now
@@ -120,67 +104,33 @@ class DistributedSession:
         self.cells_run = 0
         self.completed: Optional[str] = None   # the running cell's label once every rank completed it
         self._busy = threading.Lock()         # one cell at a time
-        self._sending = threading.Lock()      # the cells socket: a background cell's stop comes from another thread
         self._idle = threading.Event()        # no cell runs: what a waiting cell waits for (see wait_idle)
         self._idle.set()
-        self.events = self.cells = None
-        self.master_port = 0
+
+    @property
+    def id(self) -> str:
+        return self.ranks.id if self.ranks is not None else ""
+
+    @property
+    def pids(self) -> dict:
+        """Global rank -> pid of every rank of the session."""
+        return self.ranks.pids if self.ranks is not None else {}
+
+    @property
+    def master_port(self) -> int:
+        return self.ranks.master_port if self.ranks is not None else 0
 
     # -- life cycle ---------------------------------------------------------------
     def start(self) -> None:
         """Start the ranks; returns once every rank is set up (raises if one could not)."""
-        self._open()
-        log.info("session %s: %d rank(s) ready", self.id, len(self.pids))
-
-    # -- where the ranks are: these hooks are the placement's part (this machine,
-    # through the launcher; every node of an allocation: slurm_session) ------------
-    def _open(self) -> None:
-        """Start the ranks and wait until every one is set up (``pids``, ``id``,
-        ``verifier``, ``master_port`` known, ``alive``), or raise SessionGone."""
-        name = uuid.uuid4().hex[:12]
-        self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
-        self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
-        limit_sends(self.cells[0])
+        self.ranks = self.placement.open_session(self.cfg)
         try:
-            handle = self.placement.launch(self.cfg, None, events=self.events, stop_wait=SESSION_STOP_WAIT,
-                                           persistent=True,
-                                           extra={"session": True, "cells_addr": self.cells[1], "payload": None,
-                                                  "stall_timeout": self.cfg.stall_timeout
-                                                  if self.cfg.num_nodes == 1 else 0})
+            self.ranks.open()
         except BaseException:
-            self._close_sockets()
-            raise
-        self.id = handle.run_id
-        self.key = handle.session.key
-        self.verifier = handle.session
-        self.signer = wire.signed_session(self.key)
-        self.supervisor_pid = handle.supervisor_pid
-        self.master_port = handle.master_port
-        handle.timeout_at = time.monotonic() + START_WAIT
-        try:
-            for msg in handle.messages():
-                kind = msg["kind"]
-                if kind == "started":
-                    self.pids = dict(msg["pids"])
-                elif kind == "ready":
-                    self.alive = True
-                    handle.finished = True   # the start is over; the session's messages go on
-                    break
-                elif kind == "session_lost":
-                    raise SessionGone(f"the session could not start: {msg.get('lost')}")
-                elif kind == "rendezvous_failed":
-                    raise SessionGone(f"the session could not start: {msg['message']}")
-                elif kind == "supervisor_error":
-                    raise LauncherError("the session's supervisor failed:\n" + msg["traceback"])
-                elif kind == "finished":
-                    raise SessionGone("the session's ranks could not start"
-                                      + (f" ({msg['forced']})" if msg.get("forced") else ""))
-        except BaseException:
-            handle.force_kill()
             self._forget()
             raise
-        finally:
-            handle.close()
+        self.alive = True
+        log.info("session %s: %d rank(s) ready", self.id, len(self.pids))
 
     def stop(self) -> None:
         """Let every rank end (frees its memory, GPU memory included); returns
@@ -188,115 +138,44 @@ class DistributedSession:
         if not self.alive:
             self._forget()
             return
-        run_id = self._stop_id()
-        handle = self._handle(run_id, None)
+        run_id = self.ranks.stop_id()
+        handle = self.ranks.cell(run_id, None)
         handle.timeout_at = time.monotonic() + STOP_WAIT
         try:
-            why = self._lost_since()
+            why = self.ranks.lost_since()
             if why is not None:   # it ended by itself (a rank died at its prompt): nobody to ask
                 self.lost = why
                 return            # what is left of it is killed below
-            self._send("stop", {"op": "stop", "run_id": run_id})
+            self.ranks.send("stop", {"op": "stop", "run_id": run_id})
             for msg in handle.messages():
                 # It may have been ending by itself as the stop came: say what ended it.
                 self.lost = self.lost or _ended_by_itself(msg)
         except LauncherError:   # it is gone already: what matters is that nothing is left
-            self.lost = self.lost or self._lost_since() or "its supervisor was gone"
+            self.lost = self.lost or self.ranks.lost_since() or "its supervisor was gone"
         finally:
             handle.close()
-            self._wait_gone(handle)
+            self.ranks.end(handle)
             self._forget()
-
-    def _stop_id(self) -> str:
-        """The id the stop's messages carry: the session's own, so that its
-        "session lost" (a rank died as the stop came) is read, not dropped."""
-        return self.id
-
-    def _send(self, op: str, content: dict) -> None:
-        """A cell or the stop to the session's supervisor, signed with its key
-        (LauncherError: nobody took it, the supervisor is gone).  A live one
-        takes it at once; one that died as it was sent (a rank died at its
-        prompt, the stop came as it lost the session) is seen gone within a
-        slice, not after the whole wait (CI: a restart took 10 s)."""
-        with self._sending:
-            deadline = time.monotonic() + SEND_WAIT   # from now: not the time spent waiting for the lock
-            while True:
-                if self.cells is None:   # forgotten (lost, stopped) while this waited
-                    raise LauncherError(f"the session's supervisor did not take the {op}: it is gone")
-                try:
-                    self.signer.send(self.cells[0], op, content)
-                    return
-                except zmq.Again:   # nothing was queued: sending again sends it once
-                    if not running(self.supervisor_pid) or time.monotonic() >= deadline:
-                        raise LauncherError(f"the session's supervisor did not take the {op}: it is gone") from None
-
-    def _learn(self, modules: list) -> None:
-        self.placement.learn_modules(modules)
-
-    def _wait_gone(self, handle: RunHandle) -> None:
-        """The supervisor exits after its ranks: wait for that (bounded), else kill."""
-        deadline = time.monotonic() + SESSION_GONE_WAIT
-        while time.monotonic() < deadline and running(self.supervisor_pid):
-            time.sleep(SESSION_GONE_POLL)
-        if running(self.supervisor_pid):
-            handle.finished = False
-            handle.force_kill()
 
     def _forget(self) -> None:
         self.alive = False
-        self.launcher.live.pop(self.id, None)
+        if self.owned:
+            self.held = set(self.owned)
         self.owned.clear()
         self.kinds.clear()
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        # Under the send lock: a background cell's stop is sent from another
-        # thread (the events socket's reader is the cell's own, ended or ending).
-        with self._sending:
-            for pair in (self.events, self.cells):
-                if pair is not None:
-                    pair[0].close(linger=0)
-                    path = pair[1][len("ipc://"):]
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-            self.events = self.cells = None
+        if self.ranks is not None:
+            self.ranks.release()
 
     def check(self) -> None:
         """Raise SessionGone if the session ended by itself since the last cell
         (a rank died at its prompt, the launcher was replaced)."""
         if not self.alive:
             raise SessionGone(self.lost or "the session is not running")
-        why = self._lost_since()
+        why = self.ranks.lost_since()
         if why is not None:
             self.lost = why
             self._forget()
             raise SessionGone(f"the session was lost between cells: {why}")
-
-    def _lost_since(self) -> Optional[str]:
-        """Why the session ended by itself since the last cell, or None."""
-        why = self._said_lost(0)
-        if why is None and not running(self.supervisor_pid):
-            # A supervisor that lost its session says why, then exits: its word may still be on the way.
-            why = self._said_lost(GONE_DRAIN) or \
-                "its supervisor process ended (it was killed, or the launcher was stopped or replaced)"
-        return why
-
-    def _said_lost(self, wait: float) -> Optional[str]:
-        """The "session lost" among the messages waiting (for the first, up to ``wait`` seconds)."""
-        why = None
-        timeout = int(wait * 1000)
-        while self.events is not None and self.events[0].poll(timeout):
-            timeout = 0
-            frames = self.events[0].recv_multipart()
-            try:
-                content = wire.verified_content(self.verifier, frames)
-            except Exception:
-                continue
-            if content.get("kind") == "session_lost":
-                why = _lost_why(content)
-        return why
 
     # -- cells ------------------------------------------------------------------------
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
@@ -306,30 +185,30 @@ class DistributedSession:
         # session cell waited for it for ever (CI caught it).
         return self._idle.wait(timeout)
 
-    def _handle(self, run_id: str, timeout: Optional[float]) -> RunHandle:
-        handle = RunHandle(self.launcher, run_id, self.key, self.supervisor_pid, self.master_port, timeout,
-                           pull=self.events[0], stop_wait=SESSION_STOP_WAIT, session=self.verifier,
-                           timeout_slack=SESSION_TIMEOUT_SLACK,
-                           ranks=sorted(self.pids) or [self.cfg.global_rank(i) for i in self.cfg.local_ranks])
-        handle.rank_pids = set(self.pids.values())
-        handle.session_cell = True
-        handle.send_stop = lambda: self._send("interrupt", {"op": "interrupt", "run_id": run_id})
-        handle.also = (self.id,)   # the session's "session lost" (a rank died as the cell was sent) ends the cell
-        return handle
-
     def run_cell(self, payload: Payload, label: str, on_event=None, heartbeat: Optional[float] = None,
                  log_dir: str = "", excerpt=None, timeout: Optional[float] = None,
-                 control: Optional[RunControl] = None) -> RunResult:
+                 control: Optional[RunControl] = None, on_restart=None) -> RunResult:
         """Run one cell on the session's ranks; its result, or the error that
-        tells its story (with whether the session lives on)."""
+        tells its story (with whether the session lives on).  With
+        ``--max_restarts``, a session lost under the cell (a rank died, its
+        supervisor ended: not a stop, not a timeout) is restarted and the cell
+        run again; ``on_restart(line)`` says so, as it happens."""
         emit = on_event or (lambda event: None)
         with self._busy, RunLog(log_dir):
             self._idle.clear()
             log.info("session %s: cell %s", self.id, label)
-            self.completed = None
             try:
-                return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
-                                          excerpt=excerpt, timeout=timeout, control=control)
+                for attempt in range(self.max_restarts + 1):
+                    self.completed = None
+                    try:
+                        return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
+                                                  excerpt=excerpt, timeout=timeout, control=control,
+                                                  attempt=attempt)
+                    except SessionLostError as exc:
+                        if attempt >= self.max_restarts or not _restartable(exc, control):
+                            raise
+                        self._restart(exc, label, attempt, on_restart)
+                raise AssertionError("unreachable")  # pragma: no cover
             except KeyboardInterrupt as exc:
                 # Past the reading: a press while the cell's results are brought back.
                 if self.completed is None or isinstance(exc, ReportedError):
@@ -337,20 +216,42 @@ class DistributedSession:
                 raise CompletedBeforeTheStop(self.completed) from None
             finally:
                 self._idle.set()
+                payload.release()
 
-    def _run_cell_now(self, payload, label, emit, *, heartbeat, log_dir, excerpt, timeout, control) -> RunResult:
+    def _restart(self, lost: SessionLostError, label: str, attempt: int, on_restart) -> None:
+        """``--max_restarts``: the session was lost under cell ``label``; its
+        ranks start afresh on a fresh rendezvous (its state is gone, said so),
+        and the cell runs again on them (its "started" says which attempt: see collect)."""
+        held = sorted(self.held)
+        text = (f"the session was lost in {label} ({lost.why}); restarting it on a fresh rendezvous "
+                f"(restart {attempt + 1} of {self.max_restarts}): its state is gone"
+                + (f" ({', '.join(held)} with it)" if held else "") + f"; {label} runs again on the fresh ranks.")
+        log.info("session %s: %s", self.id, text)
+        if on_restart is not None:
+            on_restart(text)
+        try:
+            self.start()
+        except (SessionGone, LauncherError) as exc:
+            raise SessionLostError(f"{lost.why}; restarting it failed: {exc}", lost.cause) from None
+        self.lost = None
+        self.told.clear()
+        self.held.clear()
+
+    def _run_cell_now(self, payload, label, emit, *, heartbeat, log_dir, excerpt, timeout, control,
+                      attempt: int = 0) -> RunResult:
         """run_cell's work, with the session held for this cell."""
         self.check()
         started = time.time()
         run_id = uuid.uuid4().hex[:12]
-        cfg = dataclasses.replace(self.cfg, timeout=timeout)   # the cell's own --timeout (its error says it)
-        handle = self._handle(run_id, timeout)
+        # The cell's own --timeout (its error says it); its attempt of max_restarts + 1 (the views say it).
+        cfg = dataclasses.replace(self.cfg, timeout=timeout, max_restarts=self.max_restarts)
+        handle = self.ranks.cell(run_id, timeout)
         # Marked current only once there is a handle to close: ``finally`` unmarks it.
         self.current, self.current_control = label, control
         try:
             outcome = self._send_and_collect(handle, {"op": "cell", "run_id": run_id, "payload": payload,
                                                       "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt},
-                                             cfg, emit, heartbeat, control)
+                                             cfg, emit, heartbeat, control, attempt)
             if outcome.completed:   # from here a press is after the cell's end (see run_cell)
                 self.completed = label
             with sigint_deferred() as held:   # the session's books are kept whole
@@ -370,29 +271,28 @@ class DistributedSession:
             if outcome.session == "lost":
                 self.lost = outcome.lost or "its ranks could not go on"
                 try:
-                    conclude(outcome, cfg, 0, started)
+                    conclude(outcome, cfg, attempt, started)
                 except BaseException as exc:
                     cause = exc
                 else:
                     cause = None
-                self._wait_gone(handle)
+                self.ranks.end(handle)
                 self._forget()
                 raise SessionLostError(self.lost, cause) from None
             try:
-                result = conclude(outcome, cfg, 0, started)
+                result = conclude(outcome, cfg, attempt, started)
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
                 stopped = isinstance(exc, (RunInterrupted, DistributedTimeoutError))
                 exc.after = ALIVE_NOTE + (apart_note(outcome, len(self.pids)) if stopped else "")
                 raise
-            self._learn(result.new_modules)
+            self.ranks.learn_modules(result.new_modules)
             return result
         finally:
             handle.close()
-            payload.release()
             self.current = self.current_control = None
 
-    def _send_and_collect(self, handle: RunHandle, cell: dict, cfg: LaunchConfig, emit, heartbeat,
-                          control: Optional[RunControl]):
+    def _send_and_collect(self, handle: Attempt, cell: dict, cfg: LaunchConfig, emit, heartbeat,
+                          control: Optional[RunControl], attempt: int = 0):
         """Send the cell, then read it to its end (its :class:`Outcome`).
 
         A press from the moment the cell is on its way is held until the
@@ -401,9 +301,9 @@ class DistributedSession:
         """
         with sigint_deferred() as held:
             try:
-                self._send("cell", cell)
+                self.ranks.send("cell", cell)
             except LauncherError as exc:   # it ended since the check: its last word says why, if it said one
-                why = self._said_lost(GONE_DRAIN)
+                why = self.ranks.said_lost(GONE_DRAIN)
                 self.lost = why or str(exc)
                 self._forget()
                 raise SessionLostError(why or "its supervisor ended before the cell reached it",
@@ -411,17 +311,12 @@ class DistributedSession:
             if control is not None:
                 control.attach(handle)
             try:
-                return collect(handle, cfg, 0, emit, heartbeat, held=held)
+                return collect(handle, cfg, attempt, emit, heartbeat, held=held)
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()
-                self._ended_under(exc)
+                self.ranks.ended_under(exc)
                 raise SessionLostError("its supervisor ended during the cell", exc) from None
-
-    def _ended_under(self, exc: LauncherError) -> None:
-        """What held the session's ranks ended under a cell (``exc`` says
-        what): the placement's part, after the session is forgotten (nothing
-        here: the launcher serves the next run)."""
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""
@@ -441,7 +336,7 @@ class DistributedSession:
             state, rss = _proc_state(pid)
             rows.append({"rank": rank, "pid": pid, "state": state, "rss": rss, "gpu": gpu.get(pid),
                          "cell": self.current if state not in ("gone", "zombie") else None})
-        return rows
+        return self.ranks.locate(rows, self.current) if self.ranks is not None else rows
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

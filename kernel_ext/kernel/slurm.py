@@ -27,6 +27,7 @@ channel to each agent.  Agents end when the kernel's connection is gone
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import fcntl
 import functools
 import json
@@ -50,6 +51,7 @@ from ..wire import transport
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
 from .placement import Attempt, Placement
+from .slurm_session import SlurmSessionRanks
 from .run_handle import receive_verified
 from ..wire.messages import Kind, RankEvent, StopReason
 # The ladders' order: see timing.py.
@@ -57,7 +59,7 @@ from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
     SLURM_GONE_WAIT as GONE_WAIT, SLURM_GONE_DRAIN as GONE_DRAIN, SLURM_JOB_SETTLE, SLURM_AGENT_LOOK as AGENT_LOOK,
     SLURM_AGENT_SETTLE as AGENT_SETTLE, SLURM_AGENT_SETTLE_POLL, SLURM_BEAT, SLURM_COMMAND_WAIT, SLURM_JOB_POLL,
-    SLURM_PORT_WAIT, SLURM_RECEIVE_SLICE, SLURM_START_SLICE,
+    SLURM_PORT_WAIT, SLURM_RECEIVE_SLICE, SLURM_START_SLICE, SESSION_STOP_WAIT,
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
@@ -315,6 +317,14 @@ class SlurmAgents:
         except Exception:
             return {}   # not signed with the allocation's key: dropped unread
 
+    def ended_under(self, exc: BaseException) -> None:
+        """The allocation ended under a cell (scancel, its time limit), or srun
+        did: the agents are gone for good, so their two ports on the cluster
+        network, srun's log and its pipes are let go now, not at the next
+        cell (which says the allocation is gone) or the kernel's end."""
+        if isinstance(exc, SlurmJobGone) or self.proc is None or self.proc.poll() is not None:
+            self.close()
+
     # -- where a run's parts go -----------------------------------------------------------
     def node_part(self, cfg: LaunchConfig, node_rank: int, master_port: int, fields: tuple) -> dict:
         """What node ``node_rank``'s launcher gets of ``cfg`` (``fields`` of it, and
@@ -393,30 +403,67 @@ class SlurmPlacement(Placement):
         self.agents = agents
 
     def launch(self, cfg, payload, *, attempt: int = 0, log_dir: str = "", excerpt=None, events=None) -> Attempt:
-        run = SlurmRun(self.agents, cfg, payload, log_dir, excerpt, attempt=attempt)
+        run = SlurmRun(self.agents, cfg)
+        run.dispatch(payload, log_dir, excerpt, attempt)
         log.info("run %s attempt %d: %d rank(s) on each of %d node(s) of job %s (port %d)", run.run_id, attempt,
                  cfg.num_processes, cfg.num_nodes, self.agents.alloc["job"], run.master_port)
         return run
 
+    def open_session(self, cfg) -> SlurmSessionRanks:
+        return SlurmSessionRanks(self, cfg)
 
-#: What each node's launcher is given of a run's config (a session's: SESSION_FIELDS).
+    def session_cell(self, ranks: SlurmSessionRanks, run_id: str, timeout: Optional[float]) -> "SlurmRun":
+        """A session's cell (or its stop) on every node: an attempt over the
+        nodes' parts of the session, which the session sends it to."""
+        cfg = dataclasses.replace(ranks.cfg, timeout=timeout, master_port=ranks.master_port)
+        return SlurmRun(self.agents, cfg, run_id=run_id, part_of=ranks.id, policy=SESSION_CELL)
+
+
+#: What each node's launcher is given of a run's config (a session's: slurm_session.SESSION_FIELDS).
 RUN_FIELDS = ("num_processes", "max_restarts", "mixed_precision", "timeout", "rendezvous_timeout", "extra_env")
-SESSION_FIELDS = ("num_processes", "mixed_precision", "rendezvous_timeout", "extra_env")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartPolicy:
+    """How an attempt treats each node's part of it: a run's (dispatched by
+    the attempt, ended when it closes) or a session cell's (sent by the
+    session into parts that outlive the cell)."""
+    #: What the other nodes are told when a rank fails on one.
+    peers_failed: str = "peers_ended"
+    #: What ended when a node's supervisor exited without its answer.
+    part_gone: str = "the run's supervisor on node {node} ({name}) exited without finishing the run"
+    #: After a stop, how long the nodes get before they are told to kill (see timing).
+    stop_wait: float = STOP_WAIT
+    #: Whether the close lets node 0 end (its store up for the others until then).
+    ends_parts: bool = True
+
+
+RUN = PartPolicy()
+#: A session's cell: a failure recalls the other nodes' ranks to their prompt
+#: (as on one node), within each node's session ladder; the parts stay.
+SESSION_CELL = PartPolicy(
+    peers_failed="interrupt", stop_wait=SESSION_STOP_WAIT, ends_parts=False,
+    part_gone="the session's supervisor on node {node} ({name}) exited during the cell, without its answer")
 
 
 class SlurmRun(Attempt):
-    """One attempt on every node, over the agents' messages (see the module doc)."""
+    """One attempt on every node, over the agents' messages (see the module
+    doc); ``part_of``: the session whose parts a session cell runs in."""
 
-    def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, payload, log_dir: str, excerpt,
-                 attempt: int = 0, run_id: Optional[str] = None, key_of: Optional[str] = None) -> None:
+    def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, run_id: Optional[str] = None,
+                 part_of: Optional[str] = None, policy: PartPolicy = RUN) -> None:
         self.agents = agents
         self.run_id = run_id or uuid.uuid4().hex[:12]
         # Its supervisors sign with a key both ends derive from the allocation's
         # (for the run's id; a session cell's: the session's).
-        self.session = wire.signed_session(wire.derive_key(agents.key, key_of or self.run_id))
+        self.session = wire.signed_session(wire.derive_key(agents.key, part_of or self.run_id))
         self.cfg = cfg
+        self.policy = policy
         self.finished = False
-        self.session_cell = False
+        # A session cell's commands say which session; its parts may say they are gone under its id.
+        self.part_id = part_of
+        self.route = {"session": part_of} if part_of else {}
+        self.session_cell = part_of is not None
         self.forced: Optional[str] = None
         nodes = self.node_ids = sorted(agents.nodes)   # node_rank -> SLURM_NODEID
         self.master_addr = agents.nodes[nodes[0]]["address"]
@@ -431,24 +478,12 @@ class SlurmRun(Attempt):
         self.stop_at = self.kill_at = None
         self._presses = self._pressed = 0   # stops asked (any thread) / carried out (the reading thread)
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
-        self.rendezvous_at = time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
+        # A session's world formed when it started: a cell has no rendezvous to wait for.
+        self.rendezvous_at = None if part_of else time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
         self.look_at = time.monotonic() + AGENT_LOOK
         self.unreachable: set[int] = set()   # nodes whose agent the last look could not reach
-        self._dispatch(payload, log_dir, excerpt, attempt)
 
-    #: Added to every command for this attempt's nodes (a session cell's: which session).
-    route: dict = {}
-    #: The id a node's part of something longer-lived than this attempt says it
-    #: is gone under (a session cell's: the session's); none for a run.
-    part_id: Optional[str] = None
-    #: What the other nodes are told when a rank fails on one (a run: stop).
-    PEERS_FAILED = "peers_ended"
-    #: What ended when a node's supervisor exited without its answer.
-    PART_GONE = "the run's supervisor on node {node} ({name}) exited without finishing the run"
-    #: After a stop, how long the nodes get before they are told to kill (see timing).
-    stop_wait = STOP_WAIT
-
-    def _dispatch(self, payload, log_dir: str, excerpt, attempt: int) -> None:
+    def dispatch(self, payload, log_dir: str, excerpt, attempt: int) -> None:
         """Each node its part of the run (as one kernel per node would), in one
         message for all: every node's part keyed by its node id, the payload
         once (see ``SlurmAgents.send_all``)."""
@@ -602,7 +637,7 @@ class SlurmRun(Attempt):
             if self.pending.get(node) is None and now >= at:
                 self.finished = True
                 name = self.agents.nodes[node]["nodename"]
-                raise self._ended(self.PART_GONE.format(node=node, name=name))
+                raise self._ended(self.policy.part_gone.format(node=node, name=name))
         for deadline in ("timeout_at", "rendezvous_at"):
             at = getattr(self, deadline)
             if at is not None and now >= at and self.stop_at is None:
@@ -675,11 +710,14 @@ class SlurmRun(Attempt):
         for it); the root cause is that node's, which the kernel already has."""
         if not self.peers_told:
             self.peers_told = True
-            self._each({"op": self.PEERS_FAILED, "run_id": self.run_id}, skip=node)
+            self._each({"op": self.policy.peers_failed, "run_id": self.run_id}, skip=node)
 
     def close(self) -> None:
         """The run is over: node 0 (waiting after its "finished", its store up for
-        the others) may end, whatever the way out (done, error, interrupt)."""
+        the others) may end, whatever the way out (done, error, interrupt).  A
+        session cell's parts stay: nothing to release."""
+        if not self.policy.ends_parts:
+            return
         try:
             self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id})
         except Exception:
@@ -700,7 +738,7 @@ class SlurmRun(Attempt):
         """Every node's supervisor stops its ranks (stacks first); again: kill now."""
         if self.stop_at is None and self.kill_at is None:
             self._each({"op": "interrupt", "run_id": self.run_id})
-            self.stop_at = time.monotonic() + self.stop_wait
+            self.stop_at = time.monotonic() + self.policy.stop_wait
         else:   # pressed again: kill now
             self.stop_at = time.monotonic()
 

@@ -52,6 +52,64 @@ IDLE_POLL_MS = int(AGENT_IDLE_POLL * 1000)
 log = logging.getLogger("accel_magics.node_agent")
 
 
+class SessionPart:
+    """This node's part of a session (``%distributed_session start --launcher
+    slurm``): its supervisor's handle (it stays, see session_supervisor), the
+    socket its cells go in on and the signer of those cells (the session's
+    key, derived as for a run)."""
+
+    def __init__(self, launcher: Launcher, sid: str, key: bytes, cfg: LaunchConfig) -> None:
+        self.id = sid
+        self.launcher = launcher
+        self.cell_id = None         # the session cell running now
+        self.cells = launcher.channel(zmq.PUSH, f"s{sid}-in")
+        self.cells[0].setsockopt(zmq.SNDTIMEO, int(AGENT_SEND_WAIT * 1000))
+        self.signer = wire.signed_session(key)
+        try:
+            self.handle = launcher.launch(
+                cfg, None, run_id=sid, key=key, persistent=True, stop_wait=SESSION_STOP_WAIT,
+                extra={"session": True, "cells_addr": self.cells[1], "payload": None,
+                       "dispatched_together": True})
+        except BaseException:
+            self.close_channel()
+            raise
+
+    def forward(self, op: str, content: dict) -> bool:
+        """A cell or the stop to its supervisor; False: nobody reads it (it
+        exited, a rank died at its prompt, and we are not told yet: a send
+        with no peer would block the agent's loop, and the node, for ever)."""
+        if op == "cell":
+            self.cell_id = content["run_id"]
+        try:
+            self.signer.send(self.cells[0], op, content)
+            return True
+        except zmq.Again:
+            return False
+
+    def recall(self) -> None:
+        """The cell's ranks back to their prompt.  The kernel escalates (it
+        reads the cell); an escalation armed here would outlive the cell and
+        end the session cells later.  Sent after the cell on the same socket,
+        not as a signal: a signal overtook the cell, the supervisor had none
+        yet and dropped it, and the kernel's escalation then ended the session."""
+        if not self.forward("interrupt", {"op": "interrupt", "run_id": self.cell_id}):
+            self.handle.signal_stop()   # no supervisor reads it (gone, not told yet): the signal, as before
+
+    def end(self) -> None:
+        self.launcher.live.pop(self.id, None)
+        self.handle.close()
+        self.close_channel()
+
+    def close_channel(self) -> None:
+        if self.cells is not None:
+            self.cells[0].close(linger=0)
+            try:
+                os.unlink(self.cells[1][len("ipc://"):])
+            except OSError:
+                pass
+            self.cells = None
+
+
 class Agent:
     def __init__(self, address: str, events: str, key: bytes, ident: str) -> None:
         self.node = int(os.environ.get("SLURM_NODEID", "0"))
@@ -77,14 +135,7 @@ class Agent:
         self.launcher = Launcher(report_to=events, report_keys=keys)
         self.handle = None          # the run in progress on this node
         self.run_id = None
-        # This node's part of a session (``%distributed_session start --launcher
-        # slurm``): its supervisor's handle, the socket its cells go in on, and
-        # the signer of those cells (the session's key, derived as for a run).
-        self.part = None            # its supervisor's handle (the signed channel is self.session)
-        self.session_id = None
-        self.session_cells = None
-        self.session_signer = None
-        self.cell_id = None         # the session cell running now
+        self.part: Optional[SessionPart] = None   # this node's part of a session
         self.stopping = False
 
     # -- the channel ----------------------------------------------------------------
@@ -123,36 +174,47 @@ class Agent:
         poller.register(self.monitor, zmq.POLLIN)
         watched: set = set()
         while not self.stopping:
-            exit_fds = {h.pidfd for h in (self.handle, self.part) if h is not None and h.pidfd is not None}
-            for fd in watched - exit_fds:
-                poller.unregister(fd)
-            for fd in exit_fds - watched:
-                poller.register(fd, zmq.POLLIN)
-            watched = exit_fds
+            watched = self._watch_exits(poller, watched)
             ready = dict(poller.poll(IDLE_POLL_MS))
             if self.monitor in ready:
                 self._watch_connection()
             if self.sock in ready:
-                while True:
-                    msg = self.receive()
-                    if msg is None:
-                        break
-                    if msg:
-                        self._on_command(msg)
+                self._read_commands()
             if self.handle is not None and self.handle.watch():
                 self._end_run()
-            if self.part is not None and self.part.watch():
+            if self.part is not None and self.part.handle.watch():
                 self._end_session()
             if self.lost_since is not None and time.monotonic() - self.lost_since > LOST_AFTER:
                 log.warning("agent on %s: the kernel's connection is gone for %gs; ending", self.nodename,
                             LOST_AFTER)
                 break
 
+    def _handles(self) -> list:
+        """The supervisors this node runs now: a run's, a session part's."""
+        return [h for h in (self.handle, self.part and self.part.handle) if h is not None]
+
+    def _watch_exits(self, poller, watched: set) -> set:
+        """Each supervisor's exit (its pidfd) is polled with the commands."""
+        exit_fds = {h.pidfd for h in self._handles() if h.pidfd is not None}
+        for fd in watched - exit_fds:
+            poller.unregister(fd)
+        for fd in exit_fds - watched:
+            poller.register(fd, zmq.POLLIN)
+        return exit_fds
+
+    def _read_commands(self) -> None:
+        while True:
+            msg = self.receive()
+            if msg is None:
+                return
+            if msg:
+                self._on_command(msg)
+
     def close(self) -> None:
-        for handle in (self.handle, self.part):
-            if handle is not None:
-                handle.kill()
-        self._close_session_channel()
+        for handle in self._handles():
+            handle.kill()
+        if self.part is not None:
+            self.part.close_channel()
         self.launcher.close()
         self.sock.close(linger=500)
 
@@ -160,23 +222,35 @@ class Agent:
         op = msg.get("op")
         if op not in ("ping", "port"):
             log.info("node %d (%s): %s for run %s", self.node, self.nodename, op, msg.get("run_id"))
-        if msg.get("session") is not None:   # a session's: see _on_session_command
+        if msg.get("session") is not None:   # addressed to a session's part on this node
             self._on_session_command(op, msg)
             return
-        mine = self.handle is not None and msg.get("run_id") == self.run_id
-        if op == "run":
-            self._start_run(msg)
-        elif op == "port":
-            self.send({"kind": "port", "port": free_port("0.0.0.0"), "request": msg.get("request")})
-        elif op == "interrupt" and mine:
-            self.handle.interrupt()
-        elif op == "peers_ended" and mine:
-            self.handle.peers_ended()
-        elif op == "kill" and mine:
-            self.handle.rank_pids = set(msg.get("pids", ()))   # what SIGKILL takes if it comes to that
-            self.handle.kill()
-        elif op == "shutdown":
-            self.stopping = True
+        if op in self._RUN_OPS and (self.handle is None or msg.get("run_id") != self.run_id):
+            return   # a run that is not this node's now (ended, never got here)
+        getattr(self, self._OPS.get(op, "_ignore"))(msg)
+
+    _OPS = {"run": "_start_run", "port": "_port", "interrupt": "_interrupt", "peers_ended": "_peers_ended",
+            "kill": "_kill", "shutdown": "_shutdown"}
+    _RUN_OPS = ("interrupt", "peers_ended", "kill")   # the run in progress: to it, by its id
+
+    def _ignore(self, msg: dict) -> None:
+        """``ping`` (the kernel looks whether this agent is connected), an unknown op."""
+
+    def _port(self, msg: dict) -> None:
+        self.send({"kind": "port", "port": free_port("0.0.0.0"), "request": msg.get("request")})
+
+    def _interrupt(self, msg: dict) -> None:
+        self.handle.interrupt()
+
+    def _peers_ended(self, msg: dict) -> None:
+        self.handle.peers_ended()
+
+    def _kill(self, msg: dict) -> None:
+        self.handle.rank_pids = set(msg.get("pids", ()))   # what SIGKILL takes if it comes to that
+        self.handle.kill()
+
+    def _shutdown(self, msg: dict) -> None:
+        self.stopping = True
 
     def _start_run(self, msg: dict) -> None:
         if self.handle is not None:   # the kernel starts a run only after the last one finished
@@ -197,79 +271,45 @@ class Agent:
 
     # -- a session's part on this node --------------------------------------------------
     def _on_session_command(self, op: str, msg: dict) -> None:
-        """``session_start``: this node's ranks of the session (its supervisor
-        stays, see session_supervisor); ``cell`` and ``stop``: passed to that
-        supervisor, signed with the session's key; ``interrupt`` (recall the
-        cell's ranks to their prompt) and ``kill``: as for a run."""
-        sid = msg["session"]
+        """``session_start``: this node's part of the session; ``cell`` and
+        ``stop``: passed to its supervisor, signed with the session's key;
+        ``interrupt`` (recall the cell's ranks to their prompt) and ``kill``:
+        as for a run."""
         if op == "session_start":
             self._start_session(msg)
             return
-        if self.part is None or sid != self.session_id:
+        part = self.part
+        if part is None or msg["session"] != part.id:
             if op in ("cell", "stop"):   # its reader must not wait for a supervisor that is gone
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
             return   # an old session's (it is gone): nothing else to do
         if op in ("cell", "stop"):
-            if op == "cell":
-                self.cell_id = msg["content"]["run_id"]
-            try:
-                self.session_signer.send(self.session_cells[0], op, msg["content"])
-            except zmq.Again:   # no supervisor reads it: it exited (a rank died at its prompt), we are not
-                                # told yet.  A send with no peer would block this loop, and the node, for ever.
+            if not part.forward(op, msg["content"]):
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
-        elif op == "interrupt" and msg.get("run_id") == self.cell_id:
-            # The kernel escalates (it reads the cell); an escalation armed here
-            # would outlive the cell and end the session cells later.  Sent after
-            # the cell on the same socket, not as a signal: a signal overtook the
-            # cell, the supervisor had none yet and dropped it, and the kernel's
-            # escalation then ended the session.
-            try:
-                self.session_signer.send(self.session_cells[0], "interrupt",
-                                         {"op": "interrupt", "run_id": self.cell_id})
-            except zmq.Again:   # no supervisor reads it (gone, not told yet): the signal, as before
-                self.part.signal_stop()
+        elif op == "interrupt" and msg.get("run_id") == part.cell_id:
+            part.recall()
         elif op == "kill":
-            self.part.rank_pids = set(msg.get("pids", ()))
-            self.part.kill()
+            part.handle.rank_pids = set(msg.get("pids", ()))
+            part.handle.kill()
 
     def _start_session(self, msg: dict) -> None:
         if self.part is not None:   # the kernel starts one only after the last one ended
-            self.part.kill()
+            self.part.handle.kill()
             self._end_session(quiet=True)
-        sid = self.session_id = msg["session"]
-        key = wire.derive_key(self.key, sid)
-        cfg = LaunchConfig(**msg["cfg"])
+        sid = msg["session"]
         try:
-            self.session_cells = self.launcher.channel(zmq.PUSH, f"s{sid}-in")
-            self.session_cells[0].setsockopt(zmq.SNDTIMEO, int(AGENT_SEND_WAIT * 1000))
-            self.session_signer = wire.signed_session(key)
-            self.part = self.launcher.launch(
-                cfg, None, run_id=sid, key=key, persistent=True, stop_wait=SESSION_STOP_WAIT,
-                extra={"session": True, "cells_addr": self.session_cells[1], "payload": None,
-                       "dispatched_together": True})
+            self.part = SessionPart(self.launcher, sid, wire.derive_key(self.key, sid), LaunchConfig(**msg["cfg"]))
         except Exception as exc:
-            self._close_session_channel()
             self.send({"kind": "supervisor_error", "run_id": sid, "message": str(exc),
                        "traceback": f"the launcher on node {self.node} ({self.nodename}) could not start the "
                                     f"session: {type(exc).__name__}: {exc}"})
 
     def _end_session(self, quiet: bool = False) -> None:
         """The session's supervisor exited (stopped, lost): the kernel is told."""
+        part, self.part = self.part, None
         if not quiet:
-            self.send({"kind": "supervisor_exit", "run_id": self.session_id, "cell": self.cell_id})
-        self.launcher.live.pop(self.session_id, None)
-        self.part.close()
-        self.part = None
-        self._close_session_channel()
-
-    def _close_session_channel(self) -> None:
-        if self.session_cells is not None:
-            self.session_cells[0].close(linger=0)
-            try:
-                os.unlink(self.session_cells[1][len("ipc://"):])
-            except OSError:
-                pass
-            self.session_cells = None
+            self.send({"kind": "supervisor_exit", "run_id": part.id, "cell": part.cell_id})
+        part.end()
 
     def _end_run(self) -> None:
         """The run's supervisor exited: the kernel decides whether it had finished."""
