@@ -141,7 +141,7 @@ def test_an_exception_whose_str_raises_is_reported_as_the_cells_error(clean_kern
 
 def _runs_started(k) -> int:
     """How many runs the kernel's launcher has started so far."""
-    return int(k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started)"
+    return int(k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started)"
                     ).stdout)
 
 
@@ -444,7 +444,7 @@ def test_an_upgraded_installed_module_is_not_served_stale(tmp_path):
     (site / "installed_mod_item5.py").write_text("VALUE = 1\n")
     k = LoadedKernel(extra_env={"PYTHONUSERBASE": str(tmp_path), "PYTHONPATH": str(site)})
     try:
-        k.ok("launcher = get_ipython().magics_manager.registry['DistributedMagics'].launcher")
+        k.ok("launcher = get_ipython().magics_manager.registry['DistributedMagics'].state.launcher")
         cell = "%%distributed -n 2 --output text\nimport installed_mod_item5\nprint('value', installed_mod_item5.VALUE)\n"
         assert "[rank 1] value 1" in k.ok(cell).stdout
         assert "[rank 1] value 1" in k.ok(cell).stdout
