@@ -38,6 +38,12 @@ def flags_of(args) -> dict:
     return {name: getattr(args, name) for name in options.NAMES if getattr(args, name, None) is not None}
 
 
+def _given(values: dict, name: str, default):
+    """The value of ``name``, or ``default`` only where none was given (0 is a value)."""
+    value = values.get(name)
+    return default if value is None else value
+
+
 def launch_config_of(values: dict) -> LaunchConfig:
     """The engine's LaunchConfig from option values (the built-in ones where none is given)."""
     num_nodes = options.value(values, "num_nodes")
@@ -197,14 +203,14 @@ class LaunchDefaults:
             return str(exc)
         return ""
 
-    def form_values(self, values: dict) -> dict:
-        """The form's values as layer 3: only those that differ from the layers
-        under it (or were set before), so a value the user never chose does not
-        count as given (it would win over an Accelerate config file's)."""
+    def apply_form(self, values: dict) -> None:
+        """The config form's values as layer 3: only those that differ from the
+        layers under it (or were set before), so a value the user never chose
+        does not count as given (it would win over an Accelerate config file's)."""
         saved, baseline = self.state.defaults, self.effective(with_set=False)
         kept = {k: v for k, v in saved.items() if k not in values}   # options the form does not show
         chosen = {k: v for k, v in values.items() if v is not None and (v != baseline.get(k) or k in saved)}
-        return {**kept, **chosen}
+        self.state.defaults = {**kept, **chosen}
 
     def launch_config(self, args, wait: bool = True) -> LaunchConfig:
         """The run's configuration from the cell's flags and the defaults.
@@ -245,8 +251,7 @@ class LaunchDefaults:
             if per_node:
                 flags["num_processes"] = per_node * nodes
             if nodes > 1:
-                node_rank = explicit.get("node_rank")   # 0 is a value
-                flags["machine_rank"] = plain.machine_rank if node_rank is None else node_rank
+                flags["machine_rank"] = _given(explicit, "node_rank", plain.machine_rank)
             launch = accelerate_config.load(value, {k: v for k, v in flags.items() if v is not None})
         except ConfigError as exc:
             raise UsageError(f"{exc}\nNothing was launched.") from None

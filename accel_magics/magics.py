@@ -34,6 +34,7 @@ from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
 from .background_stop import BackgroundStops
 from .cell_modes import CELL_MODES, placement_class
 from .cell_names import CellNames
+from .config_display import ConfigFormDisplays
 from .defaults import LaunchDefaults, LaunchOptionTraits, flags_of
 from .node_lines import other_node_lines
 from .presenter import Presenter, expected_ranks
@@ -138,16 +139,15 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         except TraitError as exc:
             if shell is not None and self in getattr(shell, "configurables", []):
                 shell.configurables.remove(self)   # Magics put it there first: %config must not find it
-            raise UsageError(f"accel_magics: the IPython config (ipython_config.py, ipython_kernel_config.py or the "
-                             f"command line) sets {exc} The extension was not loaded: correct that value, then "
-                             "load it again.") from None
+            raise UsageError(f"accel_magics was not loaded: the IPython config (ipython_config.py, "
+                             f"ipython_kernel_config.py or the command line) gives a value it refuses: {exc} "
+                             "Correct it, then load the extension again.") from None
         self.names = CellNames(shell)
         self.launch_defaults = LaunchDefaults(self, self.state)
         self.tracker = preflight.InitSiteTracker(user_frame=self.names.is_cell_file)
         self.risks = preflight.LaunchRisks()   # the machine's, once per kernel (warn_machine)
         self.stops = BackgroundStops()   # the stop button during a --background cell (background_stop)
-        self._form = None               # the config form, one per kernel
-        self._form_displays: list = []  # where it is shown (their text follows the defaults)
+        self.form = ConfigFormDisplays(self.launch_defaults, config_summary, describe_nodes)   # one per kernel
 
     def update_config(self, config) -> None:
         """``%config DistributedMagics.NAME = VALUE``: a value its trait refuses
@@ -438,55 +438,23 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         if not given and not args.reset:
             kernel = getattr(self.shell, "kernel", None)
             if kernel is not None and getattr(kernel, "_allow_stdin", True):
-                self._show_form()
+                self.form.show()
                 return None   # headless executors (no input(), no person) get the text below
         candidate = {**self.state.defaults, **given}
         problem = self.launch_defaults.check(candidate)
         if problem:
             raise UsageError(f"{problem}\nThe defaults were not changed.")
         self.state.defaults = candidate
-        if self._form is not None:   # a form already shown follows defaults set by the line magic
-            self._form.sync(self.effective_defaults())
-            self._update_form_texts()
+        self.form.follow()
         print(config_summary(self.effective_defaults()))
         if describe_allocation():
             print(describe_allocation())
         return None
 
-    def _show_form(self) -> None:
-        """The one form of this kernel (every %distributed_config shows the same
-        models, so forms on a page stay in sync), with the applied defaults as
-        its text: what a saved or exported notebook shows."""
-        from IPython.display import display
-        from accel_magics.widgets.config_form import ConfigForm
-
-        self.launch_defaults.ensure_known()
-        if self._form is None:
-            self._form = ConfigForm(self.effective_defaults(), check=self.launch_defaults.check,
-                                    apply=self._apply_defaults, describe=describe_nodes, info=describe_allocation())
-            self._form.on_applied = self._update_form_texts
-        else:
-            self._form.sync(self.effective_defaults())
-        handle = display(self._form_bundle(), raw=True, display_id=True)
-        self._form_displays.append(handle)
-
-    def _form_bundle(self) -> dict:
-        return {"application/vnd.jupyter.widget-view+json": {
-                    "version_major": 2, "version_minor": 0, "model_id": self._form.widget.model_id},
-                "text/plain": config_summary(self.effective_defaults())}
-
-    def _update_form_texts(self) -> None:
-        for handle in self._form_displays:
-            handle.update(self._form_bundle(), raw=True)
-
     # -- defaults (defaults.py) ------------------------------------------
     def effective_defaults(self) -> dict:
         """Every default as a cell gets it: built-in, the traits, then %distributed_config's."""
         return self.launch_defaults.effective()
-
-    def _apply_defaults(self, values: dict) -> None:
-        """The config form's values as %distributed_config's defaults."""
-        self.state.defaults = self.launch_defaults.form_values(values)
 
     def launch_config(self, args, wait: bool = True) -> LaunchConfig:
         """The run's configuration from the cell's flags and the defaults (see LaunchDefaults.launch_config)."""

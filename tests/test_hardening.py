@@ -1174,7 +1174,7 @@ def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
         assert reply["ename"] == "RunInterrupted", text
         assert "the launcher was still starting" in text and "nothing ran" in text, text
         assert len([line for line in text.splitlines() if line.strip()]) <= 3, text   # a line, not a traceback
-        for internal in ("ensure_defaults_known", "launcher.py", "poll.py", "magics.py"):
+        for internal in ("ensure_known", "launcher.py", "poll.py", "magics.py", "defaults.py"):
             assert internal not in text, text
         res = k.ok("%%distributed -n 2 --output text\nprint('ran')\n", timeout=120)
         assert res.stdout.count("] ran") == 2, res.stdout
