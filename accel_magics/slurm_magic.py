@@ -93,7 +93,8 @@ def start_session(magics, given: dict) -> SlurmSession:
     """``%distributed_session start --launcher slurm``: the session's ranks on
     every node of the allocation, through its agents (started if need be)."""
     state = magics.state
-    asked, given = given, {**magics.launch_defaults.given(), **given}   # restart reuses what was asked: the defaults apply anew
+    # restart reuses what was asked: the defaults apply anew
+    asked, given = given, {**magics.launch_defaults.given(), **given}
     alloc, num_nodes = _check_flags(state, given)
     slurm_args = given.get("slurm_args") or ""
     agents = state.slurm_agents
