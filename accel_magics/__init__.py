@@ -29,14 +29,16 @@ def load_ipython_extension(ip) -> None:
     global _magics
     from .kernel_ext import hooks
     from .magics import DistributedMagics
-    from . import slurm_magic  # noqa: F401  (its cells: magics.PLACEMENT_CELLS["slurm"])
+    from . import slurm_magic  # noqa: F401  (its cells: cell_modes.PLACEMENT_CELLS["slurm"])
     from .doctor_magic import DoctorMagics
     from .session_magic import SessionMagics
+    from .state import MagicsState
 
     if _magics is not None:
         return
-    magics = DistributedMagics(ip)
-    _registered[:] = [magics, SessionMagics(ip, magics), DoctorMagics(ip, magics)]
+    state = MagicsState()   # what the magics share: the launcher, the defaults set, the session, the Slurm agents
+    magics = DistributedMagics(ip, state=state)   # its traits: the IPython config's defaults
+    _registered[:] = [magics, SessionMagics(ip, magics, state), DoctorMagics(ip, magics, state)]
     for instance in _registered:
         ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)
@@ -45,7 +47,7 @@ def load_ipython_extension(ip) -> None:
     hooks.install("cuda_watch", magics.tracker.install, guard=magics.tracker.unsupported)
     _magics = magics
     try:
-        magics.launcher.start()   # torch loads in the background meanwhile
+        state.launcher.start()   # torch loads in the background meanwhile
     except Exception as exc:      # the first cell tries again, and says why if it fails
         import warnings
 
@@ -75,6 +77,8 @@ def _unregister_magics(ip) -> None:
     ``%load_ext`` registers them again."""
     manager = ip.magics_manager
     for instance in _registered:
+        if instance in getattr(ip, "configurables", []):   # %config would still set (and list) it
+            ip.configurables.remove(instance)
         for kind, names in instance.magics.items():
             table = manager.magics.get(kind, {})
             for name in names:

@@ -56,9 +56,10 @@ class DoctorReport(list):
 
 @magics_class
 class DoctorMagics(Magics):
-    def __init__(self, shell, dist) -> None:
+    def __init__(self, shell, dist, state) -> None:
         super().__init__(shell)
-        self.dist = dist   # the DistributedMagics: its launcher, defaults and CUDA watch
+        self.dist = dist     # the DistributedMagics: its defaults, CUDA watch and cell names
+        self.state = state   # the kernel's launcher (state.MagicsState)
 
     @magic_arguments()
     @argument("-n", "--num_processes", type=int, default=None, metavar="N",
@@ -73,7 +74,7 @@ class DoctorMagics(Magics):
         args = parse_options(self.distributed_doctor, line)
         if args.num_processes is not None and args.num_processes < 1:
             raise UsageError(f"--num_processes must be at least 1 (got {args.num_processes}).")
-        info = self.dist.launcher.info or {}   # never waits for the launcher: GPUs are NVML's too
+        info = self.state.launcher.info or {}   # never waits for the launcher: GPUs are NVML's too
         defaults = self.dist.effective_defaults()
         ranks = args.num_processes or defaults["num_processes"]
         tool = (native_stacks.tool() or [None])[0]
@@ -82,7 +83,7 @@ class DoctorMagics(Magics):
         for runtime in initialised:
             site = self.dist.tracker.site(runtime)
             if site is not None:
-                where = self.dist._describe_site(site)
+                where = self.dist.names.describe_site(site)
                 break
         found = checks.doctor(ranks, info.get("gpu_count", 0), defaults["num_processes"], tool, initialised,
                               where, port=options.DEFAULT_MULTINODE_PORT)

@@ -8,7 +8,6 @@ engine (``kernel_ext.kernel.run.execute``); this module only adapts it to IPytho
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -19,22 +18,27 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from accel_magics.kernel_ext.kernel import accelerate_config, preflight
+from traitlets import TraitError
+
+from accel_magics.kernel_ext.kernel import preflight
 from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
-from accel_magics.kernel_ext import hooks
-from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, validate, visible_gpus
+from accel_magics.kernel_ext.environment import LaunchConfig
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.kernel.local_placement import LocalPlacement
-from accel_magics.kernel_ext.kernel.placement import PlacementNotFound, find_placement
 from accel_magics.kernel_ext.kernel.slurm import describe_allocation
 from accel_magics.kernel_ext.wire.payload import SHARED, PayloadError, build_payload
 from accel_magics.kernel_ext.kernel.run import RemoteRepr, execute
-from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT
+from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
 
 from .background_stop import BackgroundStops
+from .cell_modes import CELL_MODES, PLACEMENT_CELLS, placement_class
+from .cell_names import CellNames
+from .config_display import ConfigFormDisplays
+from .defaults import LaunchDefaults, LaunchOptionTraits, flags_of
 from .node_lines import other_node_lines
 from .presenter import Presenter, expected_ranks
+from .state import MagicsState
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # IPython's history variables (_, __, _5, _i5, _ih, ...): the frontend's, never shipped.
@@ -69,40 +73,6 @@ def launch_options(func):
         func = argument(*option.flags, type=option.type, default=None, choices=option.choices,
                         metavar=option.metavar, help=option.help_text())(func)
     return func
-
-
-def _given(values: dict, name: str, default):
-    """The value of ``name``, or ``default`` only where none was given (0 is a value)."""
-    value = values.get(name)
-    return default if value is None else value
-
-
-def _launch_config(values: dict) -> LaunchConfig:
-    num_nodes = options.value(values, "num_nodes")
-    port = values.get("master_port")
-    return LaunchConfig(
-        num_processes=values["num_processes"],
-        num_nodes=num_nodes,
-        node_rank=options.value(values, "node_rank"),
-        master_addr=options.value(values, "master_addr"),
-        master_port=port if port is not None else (options.DEFAULT_MULTINODE_PORT if num_nodes > 1 else None),
-        max_restarts=options.value(values, "max_restarts"),
-        mixed_precision=values.get("mixed_precision"),
-        timeout=values.get("timeout"),
-        rendezvous_timeout=options.value(values, "rendezvous_timeout"),
-        stall_timeout=options.value(values, "stall_timeout"),
-        rendezvous_key=values.get("rendezvous_key"),
-    )
-
-
-#: The cells of a mode other than a run of its own, by mode: "session" (the
-#: running session's ranks, wherever they are placed).
-CELL_MODES: dict = {}
-#: The cells of a placement that is not a LocalPlacement, by its name: "slurm"
-#: (every node of the allocation).
-#: The modules that run them (session_magic, slurm_magic) fill these in; they use
-#: this module's public API, and this module imports neither (no cycle).
-PLACEMENT_CELLS: dict = {}
 
 
 def parse_options(magic, line: str):
@@ -154,62 +124,42 @@ def return_names_of(values: Optional[list[str]]) -> list[str]:
 
 
 @magics_class
-class DistributedMagics(Magics):
-    """Run a cell on N ranks with the torchrun environment set."""
+class DistributedMagics(LaunchOptionTraits, Magics):
+    """Run a cell on N ranks with the torchrun environment set.
 
-    def __init__(self, shell, launcher: Optional[Launcher] = None) -> None:
-        super().__init__(shell)
-        self.launcher = launcher or Launcher()
-        self.tracker = preflight.InitSiteTracker(user_frame=self._is_cell_file)
+    Its traits are the launch options' defaults (see ``defaults.py``):
+    ``%config DistributedMagics.num_processes = 4``, or in ``ipython_config.py``
+    ``c.DistributedMagics.num_processes = 4``; ``%distributed_config`` wins over them.
+    """
+
+    def __init__(self, shell, launcher: Optional[Launcher] = None, state: Optional[MagicsState] = None) -> None:
+        self.state = state or MagicsState(launcher)   # shared with the other magics of the kernel
+        try:
+            super().__init__(shell)   # loads the traits from the IPython config
+        except TraitError as exc:
+            if shell is not None and self in getattr(shell, "configurables", []):
+                shell.configurables.remove(self)   # Magics put it there first: %config must not find it
+            raise UsageError(f"accel_magics was not loaded: the IPython config (ipython_config.py, "
+                             f"ipython_kernel_config.py or the command line) gives a value it refuses: {exc} "
+                             "Correct it, then load the extension again.") from None
+        self.names = CellNames(shell)
+        self.launch_defaults = LaunchDefaults(self, self.state)
+        self.tracker = preflight.InitSiteTracker(user_frame=self.names.is_cell_file)
         self.risks = preflight.LaunchRisks()   # the machine's, once per kernel (warn_machine)
-        self.defaults: dict = {}
-        self.session = None             # the %distributed_session (kernel_ext.kernel.session.DistributedSession)
-        self.slurm_agents = None              # the node agents of --launcher slurm (kernel_ext.kernel.slurm.SlurmAgents)
-        self.slurm_busy = None                # the background cell that uses them now (their sockets are its thread's)
-        self.background_runs: set = set()
         self.stops = BackgroundStops()   # the stop button during a --background cell (background_stop)
-        self.returned: dict = {}       # name -> id() of the value a session cell's --return assigned
-        self._form = None               # the config form, one per kernel
-        self._form_displays: list = []  # where it is shown (their text follows the defaults)
+        self.form = ConfigFormDisplays(self.launch_defaults, config_summary, describe_nodes)   # one per kernel
+
+    def update_config(self, config) -> None:
+        """``%config DistributedMagics.NAME = VALUE``: a value its trait refuses
+        is said here, on stderr, and nothing is changed.  (``%config`` would
+        hand the error to ``logging.error``, which gives the kernel's root
+        logger a handler: every INFO line of the engine would then show.)"""
+        try:
+            super().update_config(config)
+        except TraitError as exc:
+            print(f"accel_magics: {exc} Nothing was changed.", file=sys.stderr)
 
     # -- GPU-runtime pre-flight -------------------------------------------
-    def _code_name(self, filename: str) -> Optional[tuple]:
-        """``("Cell", "In[2]")`` for code compiled from a notebook cell, as
-        IPython's tracebacks name it; None for code from a file."""
-        compiler = self.shell.compile
-        if hasattr(compiler, "format_code_name"):   # IPython >= 8
-            return compiler.format_code_name(filename) if filename in compiler._filename_map else None
-        # IPython 7 (Kaggle's and Colab's images) keeps no map, but each cell's source, under
-        # the name it was compiled as: the latest cell of the history with that source.
-        import linecache
-
-        entry = getattr(linecache, "_ipython_cache", {}).get(filename)
-        if entry is None:
-            return None
-        source, parsed = "".join(entry[2]).rstrip("\n"), self.shell.history_manager.input_hist_parsed
-        number = next((n for n in range(len(parsed) - 1, 0, -1) if parsed[n].rstrip("\n") == source), None)
-        return ("Cell", f"In[{number}]") if number is not None else None
-
-    def _is_cell_file(self, filename: str) -> bool:
-        return self._code_name(filename) is not None
-
-    def _cell_label(self, filename: str) -> Optional[str]:
-        """``Cell In[2]`` for code compiled from a notebook cell, as IPython's
-        tracebacks name it; None for code from a file."""
-        label = self._code_name(filename)
-        return f"{label[0]} {label[1]}" if label else None
-
-    def _describe_site(self, site: preflight.InitSite) -> str:
-        if site.frames:
-            frame = site.frames[-1]
-            label = self._code_name(frame.filename)
-            where = label[1] if label else frame.filename
-            code = f": {frame.line.strip()}" if frame.line else ""
-            return f"at {where}, line {frame.lineno}{code}"
-        if site.cell_label:
-            return f"in cell {site.cell_label}"
-        return ""
-
     def post_run_cell(self, result) -> None:
         """Catch initialisations the wrappers missed: at least name the cell.
         Let the shared copies of big arrays the notebook dropped go."""
@@ -220,20 +170,14 @@ class DistributedMagics(Magics):
                 self.tracker.sites[runtime] = preflight.InitSite(runtime, [], f"In[{count}]")
 
     def cell_number(self) -> int:
-        """N of the running cell's In[N] prompt.
-
-        IPython 9 advances ``execution_count`` before running a cell, earlier
-        versions after; both store the cell's input first, as In[N].
-        """
-        count = self.shell.execution_count
-        stored = len(self.shell.history_manager.input_hist_parsed) - 1
-        return min(count, stored) if stored > 0 else count
+        """N of the running cell's In[N] prompt."""
+        return self.names.cell_number()
 
     def preflight_check(self) -> None:
         problems = preflight.check(self.tracker)
         if problems:
             raise PreflightError(
-                "\n\n".join(p.message(self._describe_site) for p in problems)
+                "\n\n".join(p.message(self.names.describe_site) for p in problems)
                 + "\n\nNothing was launched."
             )
 
@@ -241,7 +185,7 @@ class DistributedMagics(Magics):
         """Once per kernel, before its first run: what here can make runs fail
         (a small /dev/shm, ulimit -n, a CPU quota, no ptrace), one line each
         with its fix.  Never stops the run (see kernel_ext/doctor)."""
-        info = self.launcher.info or {}
+        info = self.state.launcher.info or {}
         for warning in self.risks.once(cfg.num_processes, info.get("gpu_count", 0), info.get("native_stacks"),
                                        self.effective_defaults()["num_processes"]):
             print(warning, file=sys.stderr)
@@ -298,12 +242,12 @@ class DistributedMagics(Magics):
         cls = self.placement_class(name)
         if not issubclass(cls, LocalPlacement):   # its ranks are elsewhere: its own cell mode (slurm)
             return PLACEMENT_CELLS[name](self, args, line, cell, started)
-        placement = cls(self.launcher)
+        placement = cls(self.state.launcher)
         presenter = self.presenter(args, started, background=args.background)
-        if args.background and not self.launcher.info:
+        if args.background and not self.state.launcher.info:
             return self._background_while_the_launcher_starts(args, line, cell, presenter, placement)
         try:
-            with self.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
+            with self.state.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
                 cfg = self.launch_config(args)
             return_names = return_names_of(args.return_names)
             self.preflight_check()
@@ -329,19 +273,12 @@ class DistributedMagics(Magics):
 
     def placement_name(self, given) -> str:
         """The placement a cell runs on: ``--launcher``, else the default set, else the built-in one."""
-        return given or self.defaults.get("launcher") or options.DEFAULTS["launcher"]
+        return self.launch_defaults.placement_name(given)
 
-    def placement_class(self, name: str, nothing: str = "Nothing was launched.") -> type:
-        """The placement class ``name`` (see kernel_ext/kernel/placement.py), or a
-        UsageError that lists the known ones and says how to add one."""
-        try:
-            cls = find_placement(name)
-        except PlacementNotFound as exc:
-            raise UsageError(f"--launcher {name}: {exc}\n{nothing}") from None
-        if not issubclass(cls, LocalPlacement) and name not in PLACEMENT_CELLS:
-            raise UsageError(f"--launcher {name}: {cls.__module__}.{cls.__qualname__} is not a LocalPlacement, and "
-                             f"only LocalPlacement subclasses and slurm can run cells for now. {nothing}")
-        return cls
+    @staticmethod
+    def placement_class(name: str, nothing: str = "Nothing was launched.") -> type:
+        """The placement class ``name``, or a UsageError that lists the known ones (cell_modes.py)."""
+        return placement_class(name, nothing)
 
     def _background_while_the_launcher_starts(self, args, line: str, cell: str, presenter, placement):
         """A ``--background`` cell before the launcher is up (the first cell of
@@ -356,7 +293,7 @@ class DistributedMagics(Magics):
             return_names = return_names_of(args.return_names)
             self.preflight_check()
             payload = self.make_payload(self.cell_source(line, cell), return_names)
-            self.launcher.start()
+            self.state.launcher.start()
         except BaseException:
             if payload is not None:
                 payload.release()   # its shared memory (and its lock on it) now, not at a collection
@@ -365,7 +302,7 @@ class DistributedMagics(Magics):
 
         def target(control):
             try:
-                with self.launcher.waiting(presenter.tick):
+                with self.state.launcher.waiting(presenter.tick):
                     cfg = self.launch_config(args)
                 if control.stop_requested:
                     raise RunInterrupted.before_start("stopped while the launcher was starting")
@@ -379,15 +316,16 @@ class DistributedMagics(Magics):
     def presenter(self, args, started: float, background: bool = False, note: str = "",
                   context: str = "") -> Presenter:
         in_kernel = getattr(self.shell, "kernel", None) is not None
-        mode = args.output or self.defaults.get("output", "auto")
+        defaults = self.launch_defaults.given()
+        mode = args.output or defaults.get("output", "auto")
         # A frontend that takes input() is a person's (JupyterLab, Notebook, VS Code); headless
         # executors (nbconvert, papermill, nbclient) say they take none: they get the text view,
         # since they save the state of every widget ever opened, closed or not.
         interactive = bool(getattr(self.shell.kernel, "_allow_stdin", True)) if in_kernel else False
         try:
-            given = {**self.defaults, **{k: v for k, v in vars(args).items() if v is not None}}
+            given = {**defaults, **{k: v for k, v in vars(args).items() if v is not None}}
             return Presenter(mode, in_kernel, label=f"In{self.cell_number()}", started=started,
-                             launcher_ready=bool(self.launcher.info), interactive=interactive,
+                             launcher_ready=bool(self.state.launcher.info), interactive=interactive,
                              background=background, note=note, context=context,
                              expected=expected_ranks(*(given.get(k) for k in (
                                  "num_processes", "num_nodes", "node_rank", "config_file"))))
@@ -403,7 +341,7 @@ class DistributedMagics(Magics):
 
         events = None
         try:
-            events = self.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
+            events = self.state.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
             return execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                            log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events)
         finally:
@@ -436,9 +374,9 @@ class DistributedMagics(Magics):
         # (see background_stop): one line, whenever it lands.
         held = sigint_deferred().__enter__()
         try:
-            run = BackgroundRun(target, name=label, on_done=lambda run: self.background_runs.discard(run),
+            run = BackgroundRun(target, name=label, on_done=lambda run: self.state.background_runs.discard(run),
                                 owner=owner, started=presenter.started)
-            self.background_runs.add(run)
+            self.state.background_runs.add(run)
             handle = BackgroundCell(run, label, self.deliver, where)
         except BaseException as exc:
             pressed = held.release()
@@ -495,171 +433,34 @@ class DistributedMagics(Magics):
         """
         args = parse_options(self.distributed_config, line)
         if args.reset:
-            self.defaults.clear()
-        given = {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
+            self.state.defaults = {}
+        given = flags_of(args)
         if not given and not args.reset:
             kernel = getattr(self.shell, "kernel", None)
             if kernel is not None and getattr(kernel, "_allow_stdin", True):
-                self._show_form()
+                self.form.show()
                 return None   # headless executors (no input(), no person) get the text below
-        candidate = {**self.defaults, **given}
-        problem = self._check_defaults(candidate)
+        candidate = {**self.state.defaults, **given}
+        problem = self.launch_defaults.check(candidate)
         if problem:
             raise UsageError(f"{problem}\nThe defaults were not changed.")
-        self.defaults = candidate
-        if self._form is not None:   # a form already shown follows defaults set by the line magic
-            self._form.sync(self.effective_defaults())
-            self._update_form_texts()
+        self.state.defaults = candidate
+        self.form.follow()
         print(config_summary(self.effective_defaults()))
         if describe_allocation():
             print(describe_allocation())
         return None
 
-    def _show_form(self) -> None:
-        """The one form of this kernel (every %distributed_config shows the same
-        models, so forms on a page stay in sync), with the applied defaults as
-        its text: what a saved or exported notebook shows."""
-        from IPython.display import display
-        from accel_magics.widgets.config_form import ConfigForm
-
-        self.ensure_defaults_known()
-        if self._form is None:
-            self._form = ConfigForm(self.effective_defaults(), check=self._check_defaults,
-                                    apply=self._apply_defaults, describe=describe_nodes, info=describe_allocation())
-            self._form.on_applied = self._update_form_texts
-        else:
-            self._form.sync(self.effective_defaults())
-        handle = display(self._form_bundle(), raw=True, display_id=True)
-        self._form_displays.append(handle)
-
-    def _form_bundle(self) -> dict:
-        return {"application/vnd.jupyter.widget-view+json": {
-                    "version_major": 2, "version_minor": 0, "model_id": self._form.widget.model_id},
-                "text/plain": config_summary(self.effective_defaults())}
-
-    def _update_form_texts(self) -> None:
-        for handle in self._form_displays:
-            handle.update(self._form_bundle(), raw=True)
-
-    # -- defaults -----------------------------------------------------------
-    def ensure_defaults_known(self) -> None:
-        """Wait for the launcher (it counts the GPUs) so defaults are right.
-        The stop button meanwhile (the first cell of a kernel waits seconds
-        while it imports torch) is a RunInterrupted that says nothing ran; the
-        launcher goes on starting, for the next cell."""
-        try:
-            self.launcher.ensure_running()
-        except KeyboardInterrupt:
-            raise RunInterrupted.before_start("the launcher was still starting (it imports torch, "
-                                              "once per kernel)") from None
-        except Exception:  # reported by the next run; the form still works
-            pass
-
+    # -- defaults (defaults.py) ------------------------------------------
     def effective_defaults(self) -> dict:
-        # One rank per GPU the ranks would see.
-        gpus = visible_gpus((self.launcher.info or {}).get("gpu_count", 0), LaunchConfig(num_processes=1), os.environ)
-        # What the config form shows: its fields' built-in values, the GPUs counted.
-        values = {option.name: option.default for option in options.OPTIONS if option.label}
-        values["num_processes"] = gpus or min(2, cpu_count())   # a CPU quota of 1 core: 1 rank
-        values.update(self.defaults)
-        return values
+        """Every default as a cell gets it: built-in, the traits, then %distributed_config's."""
+        return self.launch_defaults.effective()
 
-    def _check_defaults(self, values: dict) -> str:
-        """'' if these defaults can launch, else what is wrong with them."""
-        merged = {**self.effective_defaults(), **values}
-        try:
-            self.placement_class(self.placement_name(merged.get("launcher")), nothing="")
-        except UsageError as exc:
-            return str(exc).strip()
-        if merged.get("launcher") == "slurm":
-            from accel_magics.kernel_ext.kernel.slurm import SlurmError, allocation
-
-            try:
-                alloc = allocation()
-            except SlurmError as exc:
-                return str(exc)
-            if merged.get("num_nodes", 1) > alloc["count"]:
-                return f"the allocation has {alloc['count']} node(s); --num_nodes {merged['num_nodes']} needs more."
-            return ""   # nodes, ranks and the master address come from the allocation
-        if merged.get("config_file") is not None:
-            try:
-                accelerate_config.resolve(merged["config_file"])
-            except ConfigError as exc:
-                return str(exc)
-        cfg = _launch_config(merged)
-        try:
-            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), check_port=False,
-                     allow_oversubscribe=bool(merged.get("oversubscribe")), kernel_env=os.environ)
-        except ConfigError as exc:
-            return str(exc)
-        return ""
-
-    def _apply_defaults(self, values: dict) -> None:
-        """The form's values as defaults: only those that differ from the computed
-        ones (or were set before), so a value the user never chose does not
-        count as given (it would win over an Accelerate config file's)."""
-        saved, self.defaults = self.defaults, {}
-        baseline = self.effective_defaults()
-        self.defaults = saved
-        kept = {k: v for k, v in saved.items() if k not in values}   # options the form does not show
-        chosen = {k: v for k, v in values.items() if v is not None and (v != baseline.get(k) or k in saved)}
-        self.defaults = {**kept, **chosen}
+    def launch_config(self, args, wait: bool = True) -> LaunchConfig:
+        """The run's configuration from the cell's flags and the defaults (see LaunchDefaults.launch_config)."""
+        return self.launch_defaults.launch_config(args, wait)
 
     # -- steps ------------------------------------------------------------
-    def launch_config(self, args, wait: bool = True) -> LaunchConfig:
-        """The run's configuration from the cell's flags and the defaults.
-        ``wait=False``: without waiting for the launcher (the GPUs it counts
-        are not known yet): only what holds whatever their number is checked."""
-        if wait:
-            self.ensure_defaults_known()
-        explicit = {**self.defaults,
-                    **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
-        values = self.effective_defaults()
-        extra_env = {}
-        if explicit.get("config_file") is not None:
-            from_file, extra_env = self._from_accelerate_config(explicit)
-            values.update(from_file)
-        values.update(explicit)
-        cfg = _launch_config(values)
-        cfg.extra_env = extra_env
-        try:
-            validate(cfg, gpu_count=(self.launcher.info or {}).get("gpu_count", 0), kernel_env=os.environ,
-                     allow_oversubscribe=bool(values.get("oversubscribe")) or not wait)
-        except ConfigError as exc:
-            raise UsageError(f"{exc}\nNothing was launched.") from None
-        try:
-            hooks.check_names(os.environ)   # a typo would turn nothing off, silently
-        except hooks.UnknownHook as exc:
-            raise UsageError(f"{exc}\nNothing was launched.") from None
-        return cfg
-
-    def _from_accelerate_config(self, explicit: dict) -> tuple[dict, dict]:
-        """The topology and the ranks' environment from ``--config_file``,
-        computed by Accelerate's launch code; options given explicitly win."""
-        value = explicit["config_file"]
-        try:
-            plain = accelerate_config.load(value, {})
-            nodes = explicit.get("num_nodes") or plain.num_machines
-            per_node = explicit.get("num_processes") or plain.processes_per_node
-            flags = {"num_machines": nodes, "mixed_precision": explicit.get("mixed_precision")}
-            if per_node:
-                flags["num_processes"] = per_node * nodes
-            if nodes > 1:
-                flags["machine_rank"] = _given(explicit, "node_rank", plain.machine_rank)
-            launch = accelerate_config.load(value, {k: v for k, v in flags.items() if v is not None})
-        except ConfigError as exc:
-            raise UsageError(f"{exc}\nNothing was launched.") from None
-        topology = {"num_nodes": launch.num_machines, "node_rank": launch.machine_rank}
-        if launch.processes_per_node:
-            topology["num_processes"] = launch.processes_per_node
-        if launch.num_machines > 1:   # a one-node run takes a fresh free port on 127.0.0.1
-            topology.update({k: v for k, v in (("master_addr", launch.main_process_ip),
-                                                ("master_port", launch.main_process_port)) if v})
-        env = dict(launch.env)
-        if env.get("ACCELERATE_USE_CPU", "").lower() in ("false", "0", "no"):
-            env.pop("ACCELERATE_USE_CPU")   # ours: true on a machine without GPUs, absent with them
-        return topology, env
-
     def cell_source(self, line: str, cell: str) -> str:
         """The cell as the ranks compile it: line numbers match the notebook's."""
         body = self.shell.transform_cell(cell)
@@ -679,7 +480,7 @@ class DistributedMagics(Magics):
         try:
             return build_payload(
                 source, self.shell.user_ns, filename=f"Cell In[{count}]",   # as IPython names a cell: one label in tracebacks and stacks
-                exclude=exclude, return_names=return_names, code_label=self._cell_label, defined=defined,
+                exclude=exclude, return_names=return_names, code_label=self.names.cell_label, defined=defined,
                 share=share,
             )
         except PayloadError as exc:
@@ -696,14 +497,5 @@ class DistributedMagics(Magics):
 
     def close(self) -> None:
         self.tracker.uninstall()
-        runs = list(self.background_runs)
-        for run in runs:
-            run.stop()
-        if self.slurm_agents is not None:
-            for run in runs:   # their threads may hold the Slurm agents' sockets: done before those close
-                run.wait(BACKGROUND_END_WAIT)
-        self.session = None
-        if self.slurm_agents is not None:
-            self.slurm_agents.close()
-        self.launcher.close()
+        self.state.close()
         SHARED.clear()   # the big globals kept in shared memory for the next cells: nobody will send them

@@ -39,8 +39,37 @@ def _names_read(source: str) -> set:
 
 
 def session_cell(magics, args, line: str, cell: str, started: float):
-    """``%%distributed --session``: the cell on the running session's ranks."""
-    session = magics.session
+    """``%%distributed --session``: the cell on the running session's ranks:
+    checked, in its turn (after the session's running background cell), then
+    run in the foreground or, with ``--background``, in a thread of its own."""
+    state = magics.state
+    session = _running_session(state.session, args.launcher)
+    on_slurm = (session.options.get("launcher") or "local") == "slurm"
+    if on_slurm:   # one reader of the allocation's agents at a time
+        check_agents_free(state)
+    return_names, timeout = _cell_options(args, session)
+    busy = session.current
+    if args.background and busy:
+        raise UsageError(f"the session is running {busy} (a session runs one cell at a time): wait for it "
+                         "(its handle's .wait()) or stop it (.stop()), then run this cell again. Nothing was run.")
+    source = magics.cell_source(line, cell)
+    label = f"In[{magics.cell_number()}]"
+    presenter, payload, owned = _in_turn(magics, args, started, session, busy, lambda owned: magics.make_payload(
+        source, return_names, defined=owned, share=not on_slurm))
+    _say_which_names(magics, source, owned, session)
+    run = _runner(session, payload, label, presenter, timeout)
+    if args.background:
+        handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session,
+                                         release=payload.release)
+        if on_slurm:
+            state.agents_used_by(handle)
+        return handle
+    return _in_foreground(magics, session, run)
+
+
+def _running_session(session, launcher: str | None):
+    """The running session, if the cell's ``--launcher`` (if any) is its own;
+    else a UsageError that says how to go on."""
     if session is None or not session.alive:
         if session is not None and session.lost:   # the way back is its own options, not a generic start
             raise UsageError(f"no session is running (the last one was lost: {session.lost}): "
@@ -48,33 +77,37 @@ def session_cell(magics, args, line: str, cell: str, started: float):
                              "this cell again. Nothing was launched.")
         raise UsageError(NO_SESSION)
     placed = session.options.get("launcher") or "local"
-    if args.launcher is not None and args.launcher != placed:
+    if launcher is not None and launcher != placed:
         raise UsageError(f"the session runs with --launcher {placed}: --launcher belongs to the session, fixed "
-                         f"when it started (`%distributed_session restart --launcher {args.launcher}` starts a "
+                         f"when it started (`%distributed_session restart --launcher {launcher}` starts a "
                          "fresh one there; its state is lost). Nothing was run.")
-    on_slurm = placed == "slurm"
-    if on_slurm:   # one reader of the allocation's agents at a time
-        check_agents_free(magics)
+    return session
+
+
+def _cell_options(args, session) -> tuple[list, float | None]:
+    """The cell's ``--return`` names and time limit; a UsageError for an
+    option that belongs to the session, or a limit that is not one."""
     fixed = [f"--{name}" for name in SESSION_FIXED if getattr(args, name, None) is not None]
     if fixed:
         raise UsageError(f"{', '.join(fixed)} belong(s) to the session, fixed when it started: "
                          f"`%distributed_session restart {' '.join(fixed)} ...` starts a fresh one with them "
                          "(its state is lost). Nothing was run.")
     return_names = return_names_of(args.return_names)
-    if args.timeout is not None:
-        from accel_magics.kernel_ext.environment import ConfigError, check_seconds
+    if args.timeout is None:
+        return return_names, session.cfg.timeout
+    from accel_magics.kernel_ext.environment import ConfigError, check_seconds
 
-        try:
-            check_seconds("--timeout", args.timeout)
-        except ConfigError as exc:
-            raise UsageError(f"{exc}\nNothing was run.") from None
-    timeout = args.timeout if args.timeout is not None else session.cfg.timeout
-    busy = session.current
-    if args.background and busy:
-        raise UsageError(f"the session is running {busy} (a session runs one cell at a time): wait for it "
-                         "(its handle's .wait()) or stop it (.stop()), then run this cell again. Nothing was run.")
-    source = magics.cell_source(line, cell)
-    label = f"In[{magics.cell_number()}]"
+    try:
+        check_seconds("--timeout", args.timeout)
+    except ConfigError as exc:
+        raise UsageError(f"{exc}\nNothing was run.") from None
+    return return_names, args.timeout
+
+
+def _in_turn(magics, args, started: float, session, busy, payload_of):
+    """The cell's view, shown at once, and its payload (``payload_of(the names
+    the session owns)``), once the session's running cell ``busy`` (if any) has
+    ended: the names it set count."""
     note = f"waiting for {busy} to finish (the session runs one cell at a time)" if busy else ""
     presenter = None
     try:
@@ -82,12 +115,12 @@ def session_cell(magics, args, line: str, cell: str, started: float):
         # or after): either way this cell has not run, and only the waiting stops.
         context = f"on the session: its cell {session.cells_run + 1 + (1 if busy else 0)}"
         presenter = magics.presenter(args, started, background=args.background, note=note, context=context)
-        if busy:   # its turn comes when the running (background) cell ends: the names it set count
+        if busy:
             while not session.wait_idle(WAIT_TICK):
                 presenter.tick()   # the view's elapsed time moves on while it waits
         owned = set(session.owned)
         # Ranks on other machines cannot map the kernel's shared memory: a Slurm session's values are pickled.
-        payload = magics.make_payload(source, return_names, defined=owned, share=not on_slurm)
+        return presenter, payload_of(owned), owned
     except BaseException as exc:
         if presenter is not None:
             presenter.discard()
@@ -95,8 +128,10 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             raise WaitStopped(f"stopped while it waited for {busy}: this cell did not run; {busy} goes on "
                               "(its handle's .stop() stops it)") from None
         raise
-    _say_which_names(magics, source, owned, session)
 
+
+def _runner(session, payload, label: str, presenter, timeout):
+    """The cell's run on the session (``run(control)``; in a background run's thread too)."""
     def run(control=None):
         try:
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
@@ -106,13 +141,11 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:
             presenter.finish()
+    return run
 
-    if args.background:
-        handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session,
-                                         release=payload.release)
-        if on_slurm:
-            magics.slurm_busy = handle
-        return handle
+
+def _in_foreground(magics, session, run):
+    """Run it now; the notebook gets its result (and ``--return`` names)."""
     try:
         result = run()
     except KeyboardInterrupt as exc:   # a press as its view was finished: after the cell, if it completed
@@ -120,8 +153,7 @@ def session_cell(magics, args, line: str, cell: str, started: float):
             raise
         raise CompletedBeforeTheStop(session.completed) from None
     value = magics.deliver(result)
-    for name in result.returns:
-        magics.returned[name] = id(magics.shell.user_ns.get(name))
+    magics.state.note_returned(result.returns, magics.shell.user_ns)
     return value
 
 
@@ -131,7 +163,7 @@ def _say_which_names(magics, source: str, owned: set, session) -> None:
     user_ns = magics.shell.user_ns
     both = sorted(name for name in _names_read(source) & owned
                   if name in user_ns and not name.startswith("_") and not isinstance(user_ns[name], types.ModuleType)
-                  and magics.returned.get(name) != id(user_ns[name]))
+                  and magics.state.returned.get(name) != id(user_ns[name]))
     new = [name for name in both if name not in session.told]
     if new:   # once per name: the rule holds for every later cell, a repeat would only be noise
         session.told.update(new)
@@ -156,9 +188,10 @@ def _refuse_cell_options(given: dict) -> None:
 class SessionMagics(Magics):
     """``%distributed_session start|stop|restart|status|push``."""
 
-    def __init__(self, shell, dist) -> None:
+    def __init__(self, shell, dist, state) -> None:
         super().__init__(shell)
-        self.dist = dist   # the DistributedMagics: its launcher, defaults and session
+        self.dist = dist     # the DistributedMagics: its defaults and the steps of a cell
+        self.state = state   # the kernel's launcher and session (state.MagicsState)
 
     @magic_arguments()
     @argument("action", nargs="?", default="status", choices=("start", "stop", "restart", "status", "push"),
@@ -196,13 +229,14 @@ class SessionMagics(Magics):
         return {name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}
 
     def _start(self, args, given=None):
-        session = self.dist.session
+        session = self.state.session
         if session is not None and session.alive:
             raise UsageError(f"a session is already running ({len(session.pids)} ranks): "
                              "`%distributed_session restart` starts a fresh one, `stop` ends it.")
         given = self._given(args) if given is None else given
-        if given.get("launcher") is None and self.dist.defaults.get("launcher"):
-            given["launcher"] = self.dist.defaults["launcher"]
+        default = self.dist.launch_defaults.given().get("launcher")
+        if given.get("launcher") is None and default:
+            given["launcher"] = default
         _refuse_cell_options(given)
         placed = self.dist.placement_class(self.dist.placement_name(given.get("launcher")),
                                            nothing="Nothing was started.")
@@ -218,13 +252,13 @@ class SessionMagics(Magics):
                 _restarts_here(cfg, given)
                 self.dist.preflight_check()
                 self.dist.warn_machine(cfg)
-                session = DistributedSession(placed(self.dist.launcher), cfg, options=given)
+                session = DistributedSession(placed(self.state.launcher), cfg, options=given)
                 session.start()
         except KeyboardInterrupt:
             raise
         except SessionGone as exc:
             raise UsageError(f"{exc}. Nothing is left running.") from None
-        self.dist.session = session
+        self.state.session = session
         where = (f" on each of {cfg.num_nodes} node(s) of the allocation" if on_slurm else
                  f" on node {cfg.node_rank} of {cfg.num_nodes}" if cfg.num_nodes > 1 else "")
         print(f"accel_magics: session started: {cfg.num_processes} rank(s)" + where
@@ -232,12 +266,12 @@ class SessionMagics(Magics):
               "Run cells on it with %%distributed --session.")
 
     def _stop(self, args, quiet: bool = False):
-        session = self.dist.session
+        session = self.state.session
         if session is None or not session.alive:
             if not quiet:
                 print("accel_magics: no session is running.")
             return
-        own = [run for run in list(self.dist.background_runs) if run.owner is session]
+        own = [run for run in list(self.state.background_runs) if run.owner is session]
         for run in own:   # its background cell first (one-shot background runs have ranks of their own)
             run.stop()
         for run in own:
@@ -254,7 +288,7 @@ class SessionMagics(Magics):
                   f"({time.monotonic() - started:.2f}s).")
 
     def _restart(self, args):
-        session = self.dist.session
+        session = self.state.session
         given = dict(session.options) if session is not None else {}
         given.update(self._given(args))
         _refuse_cell_options(given)   # before the running session is stopped: a refusal leaves it running
@@ -264,7 +298,7 @@ class SessionMagics(Magics):
         self._start(args, given)
 
     def _status(self, args):
-        session = self.dist.session
+        session = self.state.session
         if session is None:
             print("accel_magics: no session (start one with `%distributed_session start -n 2`).")
             return
@@ -300,7 +334,7 @@ class SessionMagics(Magics):
                   f"{bytes_text(row['gpu']):>9}  {row['cell'] or '-'}")
 
     def _push(self, args):
-        session = self.dist.session
+        session = self.state.session
         if session is None or not session.alive:
             raise UsageError(NO_SESSION)
         if not args.names:

@@ -18,7 +18,8 @@ from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
                                                   describe_allocation, job_ended)
 
-from .magics import LAUNCH_OPTION_NAMES, PLACEMENT_CELLS, return_names_of
+from .defaults import flags_of
+from .magics import PLACEMENT_CELLS, return_names_of
 
 
 def slurm_cell(magics, args, line: str, cell: str, started: float):
@@ -27,30 +28,30 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
     on the allocation's placement (``kernel_ext.kernel.slurm.SlurmPlacement``).
     Sessions on the allocation: :func:`start_session` (``%distributed_session
     start --launcher slurm``); their cells go to ``session_magic.session_cell``."""
-    explicit = {**magics.defaults,
-                **{name: getattr(args, name) for name in LAUNCH_OPTION_NAMES if getattr(args, name) is not None}}
-    alloc, num_nodes = _check_flags(magics, explicit)
+    state = magics.state
+    explicit = {**magics.launch_defaults.given(), **flags_of(args)}
+    alloc, num_nodes = _check_flags(state, explicit)
     slurm_args = explicit.get("slurm_args") or ""
     return_names = return_names_of(args.return_names)
     source = magics.cell_source(line, cell)
     payload = magics.make_payload(source, return_names, share=False)
-    agents = magics.slurm_agents
+    agents = state.slurm_agents
     reuse = agents is not None and agents.matches(num_nodes, slurm_args)
-    _keep_session(magics, reuse)
+    _keep_session(state, reuse)
     note = "" if reuse else (f"starting an agent on each of {num_nodes} node(s) of job {alloc['job']} "
                              "(srun; once per allocation, each imports torch)")
     presenter = magics.presenter(args, started, note=note, background=args.background)
     if args.background:
         label = f"In[{magics.cell_number()}]"
         handle = magics.start_background(presenter, lambda control: _run(
-            magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse, control), label=label,
+            state, explicit, payload, presenter, num_nodes, slurm_args, reuse, control), label=label,
             where=f"on Slurm job {alloc['job']}", release=payload.release)
-        magics.slurm_busy = handle
+        state.agents_used_by(handle)
         return handle
-    return magics.deliver(_run(magics, args, explicit, payload, presenter, num_nodes, slurm_args, reuse))
+    return magics.deliver(_run(state, explicit, payload, presenter, num_nodes, slurm_args, reuse))
 
 
-def _check_flags(magics, explicit: dict) -> tuple[dict, int]:
+def _check_flags(state, explicit: dict) -> tuple[dict, int]:
     """The allocation and the node count, once the flags fit it and its agents are free."""
     try:
         alloc = allocation()
@@ -64,23 +65,23 @@ def _check_flags(magics, explicit: dict) -> tuple[dict, int]:
         raise UsageError(f"--num_nodes {num_nodes}: the allocation (job {alloc['job']}, nodes "
                          f"{alloc['nodelist'] or '?'}) has only {alloc['count']} node(s). Ask for more "
                          f"(`salloc -N {num_nodes}`) or use fewer. Nothing was launched.")
-    check_agents_free(magics)
+    check_agents_free(state)
     return alloc, num_nodes
 
 
-def check_agents_free(magics) -> None:
+def check_agents_free(state) -> None:
     """One reader of the agents at a time: a background cell (one-shot or a
     session's) that uses them makes another Slurm cell a UsageError."""
-    busy = magics.slurm_busy
+    busy = state.slurm_busy
     if busy is not None and not busy.done():
         raise UsageError(f"the allocation's node agents are running {busy.label} in the background: wait for "
                          f"it (h.wait()) or stop it (h.stop()) first. Nothing was launched.")
 
 
-def _keep_session(magics, reuse: bool) -> None:
+def _keep_session(state, reuse: bool) -> None:
     """A cell that needs other agents (another --num_nodes or --slurm_args) would
     end the session that runs on these: refused, saying how to go on."""
-    session = magics.session
+    session = state.session
     placed = getattr(session, "placement", None)
     if not reuse and isinstance(placed, SlurmPlacement) and session.alive and placed.agents.alive:
         agents = placed.agents
@@ -93,15 +94,17 @@ def _keep_session(magics, reuse: bool) -> None:
 def start_session(magics, given: dict) -> DistributedSession:
     """``%distributed_session start --launcher slurm``: the session's ranks on
     every node of the allocation, through its agents (started if need be)."""
-    asked, given = given, {**magics.defaults, **given}   # restart reuses what was asked: the defaults apply anew
-    alloc, num_nodes = _check_flags(magics, given)
+    state = magics.state
+    # restart reuses what was asked: the defaults apply anew
+    asked, given = given, {**magics.launch_defaults.given(), **given}
+    alloc, num_nodes = _check_flags(state, given)
     slurm_args = given.get("slurm_args") or ""
-    agents = magics.slurm_agents
+    agents = state.slurm_agents
     if agents is None or not agents.matches(num_nodes, slurm_args):
         print(f"accel_magics: starting an agent on each of {num_nodes} node(s) of job {alloc['job']} "
               "(srun; once per allocation, each imports torch)")
         try:
-            agents = _start_agents(magics, num_nodes, slurm_args)
+            agents = _start_agents(state, num_nodes, slurm_args)
         except SlurmError as exc:
             raise UsageError(f"{exc}\nNothing was started.") from None
     try:
@@ -113,18 +116,17 @@ def start_session(magics, given: dict) -> DistributedSession:
         session.start()
     except LauncherError:
         agents.close()   # the agents (or srun) are gone: the next cell starts fresh ones
-        magics.slurm_agents = None
+        state.forget_agents()
         raise
     return session
 
 
-def _run(magics, args, explicit: dict, payload, presenter, num_nodes: int, slurm_args: str, reuse: bool,
-         control=None):
+def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: str, reuse: bool, control=None):
     """The run itself (in the kernel's thread, or a background run's): agents
     started if need be, the config checked against them, then ``execute``."""
     try:
         try:
-            agents = magics.slurm_agents if reuse else _start_agents(magics, num_nodes, slurm_args)
+            agents = state.slurm_agents if reuse else _start_agents(state, num_nodes, slurm_args)
             cfg = _config(agents, explicit, num_nodes)
         except (SlurmError, ConfigError) as exc:
             presenter.discard()
@@ -141,11 +143,11 @@ def _run(magics, args, explicit: dict, payload, presenter, num_nodes: int, slurm
                 # kernel's side of the socket notices a moment later on a busy
                 # machine). Nothing ran (the payload is not shared, so it is whole):
                 # start the agents again, once, as a first cell would.
-                agents = _start_agents(magics, num_nodes, slurm_args)
+                agents = _start_agents(state, num_nodes, slurm_args)
                 return _execute(agents, cfg, payload, presenter, control)
         except LauncherError:
             agents.close()   # the agents (or srun) are gone: the next cell starts fresh ones
-            magics.slurm_agents = None
+            state.forget_agents()
             raise
         finally:
             presenter.finish()
@@ -172,12 +174,10 @@ def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:
     return cfg
 
 
-def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
-    """Fresh agents for the allocation (any old ones closed), kept on the magics
+def _start_agents(state, num_nodes: int, slurm_args: str) -> SlurmAgents:
+    """Fresh agents for the allocation (any old ones closed), kept in the state
     for the next cells.  The stop button while they start: nothing ran."""
-    if magics.slurm_agents is not None:
-        magics.slurm_agents.close()
-    magics.slurm_agents = None
+    state.drop_agents()
     job = allocation()["job"]
     how = job_ended(job)   # asked only when agents start: a warm cell costs no squeue
     if how is not None:
@@ -189,7 +189,7 @@ def _start_agents(magics, num_nodes: int, slurm_args: str) -> SlurmAgents:
     except KeyboardInterrupt:   # the stop button: start() already stopped srun and every agent
         raise RunInterrupted.before_start("the node agents were still starting (srun, then torch on "
                                           "each node); nothing is left on any node") from None
-    magics.slurm_agents = agents
+    state.keep_agents(agents)
     return agents
 
 

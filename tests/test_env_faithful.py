@@ -25,7 +25,7 @@ from kernel_harness import KernelSession, descendants, listening_ports, temp_ent
 
 pytestmark = pytest.mark.timeout(240)
 
-LAUNCHER = "launcher = get_ipython().magics_manager.registry['DistributedMagics'].launcher"
+LAUNCHER = "launcher = get_ipython().magics_manager.registry['DistributedMagics'].state.launcher"
 
 MISMATCH = ("import torch, torch.distributed as dist\n"
             "dist.init_process_group('gloo')\n"

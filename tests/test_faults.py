@@ -102,7 +102,7 @@ def test_a_launcher_killed_between_cells_leaves_nothing_its_background_run_start
 
 BACKGROUND = "%%distributed -n 2 --background --output text\nimport time\ntime.sleep(0.3)\n"
 WAIT_BACKGROUND_RUNS = ("m = get_ipython().magics_manager.registry['DistributedMagics']\n"
-                        "for r in list(m.background_runs):\n    r.stop()\n    assert r.wait(60)\n")
+                        "for r in list(m.state.background_runs):\n    r.stop()\n    assert r.wait(60)\n")
 
 
 def one_clean_line(res) -> bool:
@@ -119,7 +119,7 @@ def test_a_stop_while_a_background_cell_ships_its_globals_is_one_line(clean_kern
     k = clean_kernel
     k.ok("import time\nclass SlowToSend:\n    def __reduce__(self):\n        print('reducing', flush=True)\n"
          "        time.sleep(60)\n        return (SlowToSend, ())\nslow = SlowToSend()\n")
-    runs = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result
+    runs = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started").result
     pressed = []
 
     def on_output(text: str) -> None:
@@ -130,7 +130,7 @@ def test_a_stop_while_a_background_cell_ships_its_globals_is_one_line(clean_kern
     res = k.run("%%distributed -n 2 --background --output text\nprint(slow)\n", on_output=on_output, timeout=60)
     assert pressed and res.status == "error", res.stdout
     assert one_clean_line(res) and "nothing ran" in res.error["evalue"], res.error_text
-    assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result == runs
+    assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started").result == runs
     k.ok("del slow, SlowToSend")
 
 
@@ -291,7 +291,7 @@ def test_a_special_config_file_is_a_usage_error_that_says_what_to_do(clean_kerne
     path = {"a directory": str(tmp_path), "a fifo": str(tmp_path / "fifo")}.get(special, special)
     if special == "a fifo":
         os.mkfifo(path)
-    runs = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result
+    runs = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started").result
     for cell in (f"%%distributed --config_file {path}\nprint('ran')", f"%distributed_config --config_file {path}"):
         res = k.run(cell, timeout=30)
         assert res.error["ename"] == "UsageError", res.error_text
@@ -299,9 +299,9 @@ def test_a_special_config_file_is_a_usage_error_that_says_what_to_do(clean_kerne
         assert said in res.error["evalue"] and "Give the path of an Accelerate config" in res.error["evalue"], \
             res.error_text
         assert "Traceback" not in res.error_text and "OSError" not in res.error_text, res.error_text
-    defaults = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].defaults").result
+    defaults = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.defaults").result
     assert "config_file" not in defaults, defaults   # %distributed_config did not take it
-    assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started").result == runs
+    assert k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started").result == runs
 
 
 # -- a traceback a million frames deep ------------------------------------------------------------

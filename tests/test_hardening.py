@@ -141,7 +141,7 @@ def test_an_exception_whose_str_raises_is_reported_as_the_cells_error(clean_kern
 
 def _runs_started(k) -> int:
     """How many runs the kernel's launcher has started so far."""
-    return int(k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].launcher.runs_started)"
+    return int(k.ok("print(get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.runs_started)"
                     ).stdout)
 
 
@@ -444,7 +444,7 @@ def test_an_upgraded_installed_module_is_not_served_stale(tmp_path):
     (site / "installed_mod_item5.py").write_text("VALUE = 1\n")
     k = LoadedKernel(extra_env={"PYTHONUSERBASE": str(tmp_path), "PYTHONPATH": str(site)})
     try:
-        k.ok("launcher = get_ipython().magics_manager.registry['DistributedMagics'].launcher")
+        k.ok("launcher = get_ipython().magics_manager.registry['DistributedMagics'].state.launcher")
         cell = "%%distributed -n 2 --output text\nimport installed_mod_item5\nprint('value', installed_mod_item5.VALUE)\n"
         assert "[rank 1] value 1" in k.ok(cell).stdout
         assert "[rank 1] value 1" in k.ok(cell).stdout
@@ -1174,7 +1174,7 @@ def test_a_stop_while_the_launcher_starts_says_nothing_ran(tmp_path):
         assert reply["ename"] == "RunInterrupted", text
         assert "the launcher was still starting" in text and "nothing ran" in text, text
         assert len([line for line in text.splitlines() if line.strip()]) <= 3, text   # a line, not a traceback
-        for internal in ("ensure_defaults_known", "launcher.py", "poll.py", "magics.py"):
+        for internal in ("ensure_known", "launcher.py", "poll.py", "magics.py", "defaults.py"):
             assert internal not in text, text
         res = k.ok("%%distributed -n 2 --output text\nprint('ran')\n", timeout=120)
         assert res.stdout.count("] ran") == 2, res.stdout

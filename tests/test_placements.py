@@ -270,7 +270,7 @@ def test_an_unknown_launcher_is_refused_before_anything_launches(pk):
         res = k.run(line, timeout=60)
         assert res.error["ename"] == "UsageError" and "needs a Slurm allocation" in res.error["evalue"], res.error_text
     state = k.ok("m = get_ipython().magics_manager.registry['DistributedMagics']\n"
-                 "print(getattr(m.session, 'alive', False), m.defaults)").stdout
+                 "print(getattr(m.state.session, 'alive', False), m.state.defaults)").stdout
     assert state.strip() == "False {}", state   # no session started, the defaults not changed
 
 

@@ -530,7 +530,7 @@ def test_a_background_cell_that_fails_to_start_leaves_nothing_behind(clean_kerne
         assert "so its run was stopped" in res.error["evalue"] and "Traceback" not in res.error_text, \
             res.error_text
     wait_until(lambda: memfd_links(k.pid) == kept, 30, "the cell's descriptor of the shared memory closed")
-    wait_until(lambda: k.ok("len(get_ipython().magics_manager.registry['DistributedMagics'].background_runs)")
+    wait_until(lambda: k.ok("len(get_ipython().magics_manager.registry['DistributedMagics'].state.background_runs)")
                .result == "0", 30, "no background run left")
     assert "sum 2097152.0" in k.ok("%%distributed -n 2 --output text\nprint('sum', big.sum())").stdout
     k.ok("del big")

@@ -837,7 +837,7 @@ def test_a_connection_that_takes_an_agents_place_first_cannot_stop_the_agents(ke
     before = listening_ports({kernel.pid})
     kernel.ok("import accel_magics.magics as _m\n_ip = get_ipython()\n"
               "_mg = _ip.magics_manager.registry['DistributedMagics']\n"
-              "_mg.slurm_agents and _mg.slurm_agents.close(); _mg.slurm_agents = None")   # the next cell starts agents afresh
+              "_mg.state.drop_agents()")   # the next cell starts agents afresh
     ctx = zmq.Context()
     socks, stop = [], threading.Event()
 
@@ -925,7 +925,7 @@ def test_a_flood_from_the_network_costs_the_kernel_bounded_memory_and_cells_keep
 
     kernel.ok("%distributed_config --reset")
     kernel.ok("_mg = get_ipython().magics_manager.registry['DistributedMagics']\n"
-              "_mg.slurm_agents and _mg.slurm_agents.close(); _mg.slurm_agents = None")   # no agents: no ports of ours
+              "_mg.state.drop_agents()")   # no agents: no ports of ours
     jupyters = listening_ports({kernel.pid})                         # ipykernel's own
     assert "sum=10" in kernel.ok(WORLD, timeout=240).stdout          # the agents are up: their ports exist
     ports = sorted(listening_ports({kernel.pid}) - jupyters)
@@ -997,7 +997,7 @@ def test_a_job_cancelled_during_a_session_cell_releases_the_kernels_cluster_port
     log and its pipes (they stayed until the next cell or the kernel's end)."""
     k = AllocKernel(cluster)
     try:
-        local_dir = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].launcher.dir").result
+        local_dir = k.ok("get_ipython().magics_manager.registry['DistributedMagics'].state.launcher.dir").result
         local_dir = local_dir.strip("'")
         ports = listening_ports({k.pid})
         before = _fds_opened_since(k.pid, set(), local_dir)

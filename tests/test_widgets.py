@@ -137,7 +137,7 @@ def test_config_form_validates_each_field_on_its_own_and_changes_the_next_run(cl
         raise AssertionError("the kernel did not handle the change")
 
     def defaults() -> str:
-        return k.ok("print(get_ipython().find_magic('distributed_config').__self__.defaults)").stdout
+        return k.ok("print(get_ipython().find_magic('distributed_config').__self__.state.defaults)").stdout
 
     # An invalid field is refused beside it, with the reason; the others still apply.
     out = change("this node's rank", 5)
