@@ -68,14 +68,24 @@ class StopLadder:
         if self.at_top:
             self.due = None
             return False
+        now = time.monotonic() if now is None else now   # the wait counts from the rung, not from its action's end
         rung = self.rungs[self.climbed]
         self.climbed += 1
         if rung.act is not None:
             self.log.info("%s: %s", self.what, rung.name)
             rung.act()
         last = self.at_top and not rung.wait   # a top rung with no wait: nothing more is due
-        self.due = None if last else (time.monotonic() if now is None else now) + rung.wait
+        self.due = None if last else now + rung.wait
         return True
+
+    def skip_to(self, index: int, now: Optional[float] = None) -> bool:
+        """Rung ``index`` now, the rungs below it passed over (a stop that
+        must be quick: the kernel's kill at --timeout); False, and nothing
+        done, once the ladder is past that rung."""
+        if self.climbed > index:
+            return False
+        self.climbed = index
+        return self.climb(now)
 
     def on_time(self, now: float) -> None:
         """Climb the rung that is due, unless the stop is over (then no more are);

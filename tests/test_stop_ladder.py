@@ -144,3 +144,18 @@ def test_a_rung_without_an_action_only_waits_and_is_not_logged(child, caplog):
                         done=c.gone, log=logging.getLogger("test.stop_ladder"))
     assert ladder.run(c.wait)
     assert c.proc.returncode == 7 and ladder.climbed == 1 and not caplog.records
+
+
+def test_skipping_to_a_rung_passes_over_the_ones_below_and_never_goes_back(child, caplog):
+    """The kernel's kill at --timeout: straight to the second rung, no stop first."""
+    c = child(IGNORES_TERM)
+    caplog.set_level(logging.INFO, "test.stop_ladder")
+    stopped = []
+    ladder = StopLadder("test child", [Rung("the stop", lambda: stopped.append(True), 60.0),
+                                       Rung("SIGKILL", c.signal(signal.SIGKILL), 10.0)],
+                        done=c.gone, log=logging.getLogger("test.stop_ladder"))
+    assert ladder.skip_to(1)
+    c.wait(30.0)
+    assert c.gone() and c.proc.returncode == -signal.SIGKILL and not stopped
+    assert not ladder.skip_to(0) and not ladder.skip_to(1) and ladder.climbed == 2
+    assert [r.getMessage() for r in caplog.records] == ["test child: SIGKILL"]
