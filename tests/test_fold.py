@@ -427,7 +427,7 @@ def test_an_exit_with_code_0_mid_cell_is_the_root_cause_even_when_its_supervisor
 
 def test_a_kernel_per_node_stops_its_ranks_waiting_for_a_rank_that_left_on_another_node():
     """Node 0's fold sees only node 0's ranks; node 1's departure comes through the
-    store as ``remote_departed`` (see Supervisor._check_remote)."""
+    store as ``remote_departed`` (see supervisor/nodes.py, Nodes.check_remote)."""
     fold = RunFold("r1", [0, 1], num_nodes=2)
     for msg in ({"kind": "started", "pids": {0: 11, 1: 12}},
                 {"kind": "rank_event", "rank": 0, "event": {"kind": "joining"}},

@@ -14,7 +14,8 @@ the run's supervisor cannot answer (SIGSTOPped, stuck in a blocking call):
 
 ``--timeout`` and the multi-node rendezvous get the same backstop, started at
 ``timeout`` + ``TIMEOUT_SLACK`` (the supervisor's own stop normally ends the
-run well before).
+run well before): straight to its second rung.  The three rungs are one
+:class:`~kernel_ext.stop_ladder.StopLadder` (``RunHandle.ladder``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .. import logs, wire
 from .errors import LauncherError
 from .placement import Attempt
 from ..sigint import sigint_deferred
+from ..stop_ladder import Rung, StopLadder
 # The ladders' order: see timing.py.
 from ..timing import STOP_WAIT, KILL_WAIT, TIMEOUT_SLACK, GONE_DRAIN, FORCED_GONE_DRAIN, SUPERVISOR_LOOK
 
@@ -95,8 +97,12 @@ class RunHandle(Attempt):
         self.timeout_at = now + timeout + timeout_slack if timeout else None
         # Several nodes: until the ranks are released, the wait is bounded by the rendezvous timeout.
         self.rendezvous_at = now + rendezvous_timeout + TIMEOUT_SLACK if rendezvous_timeout else None
-        self.term_at: Optional[float] = None    # send SIGTERM then
-        self.kill_at: Optional[float] = None    # SIGKILL everything then
+        # The kernel's ladder over the supervisor (see the module doc).
+        self.ladder = StopLadder(f"run {run_id} (supervisor {supervisor_pid})", [
+            Rung("the stop (stacks, then the ranks)", self._send_first_stop, self.stop_wait),
+            Rung("SIGUSR2 to its supervisor (kill the ranks now)", lambda: self._signal(signal.SIGUSR2), KILL_WAIT),
+            Rung("SIGKILL to its supervisor and ranks", self.force_kill)], done=lambda: self.finished, log=log)
+        self._why = "it did not answer"
         self._reason = "interrupt"
         try:
             self._pidfd = os.pidfd_open(supervisor_pid)
@@ -122,44 +128,65 @@ class RunHandle(Attempt):
         gone_deadline = None  # set once the supervisor has exited: drain, then give up
         try:
             while not self.finished:
-                deadlines = [d for d in (self.timeout_at, self.rendezvous_at, self.term_at, self.kill_at,
-                                         gone_deadline) if d is not None]
-                timeout_ms = None if self._pidfd is not None else int(SUPERVISOR_LOOK * 1000)
-                if heartbeat is not None:
-                    beat = int(heartbeat * 1000)
-                    timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
-                if deadlines:
-                    left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
-                    timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
-                ready = dict(poller.poll(timeout_ms))
+                ready = dict(poller.poll(self._poll_ms(heartbeat, gone_deadline)))
                 if pull in ready:
-                    while True:
-                        msg = self._recv()
-                        if msg is None:
-                            break
-                        self._note(msg)
-                        yield msg
-                        if self.finished:
-                            return
+                    yield from self._received()
+                    if self.finished:
+                        return
                     continue
                 now = time.monotonic()
                 if heartbeat is not None and not ready:
                     yield {"kind": "heartbeat"}
-                if gone_deadline is None and self._supervisor_gone():
-                    # Its last messages may still be in flight: drain briefly
-                    # (not when the kernel killed it: nothing more is coming).
-                    gone_deadline = now + (FORCED_GONE_DRAIN if self.forced else GONE_DRAIN)
-                    if self._pidfd is not None:
-                        poller.unregister(self._pidfd)
-                elif gone_deadline is not None and now >= gone_deadline:
-                    if self.forced:
-                        self.finished = True
-                        yield {"kind": "finished", "reason": self._reason, "forced": self.forced}
-                        return
-                    raise self._gone_error()
+                gone_deadline, last = self._look_gone(now, gone_deadline, poller)
+                if last is not None:
+                    yield last
+                    return
                 self._escalate(now)
         finally:
             poller.unregister(pull)
+
+    def _poll_ms(self, heartbeat: Optional[float], gone_deadline: Optional[float]) -> Optional[int]:
+        """How long the next poll may wait: until the next deadline or heartbeat,
+        or a look at the supervisor where there is no pidfd for it."""
+        deadlines = [d for d in (self.timeout_at, self.rendezvous_at, self.ladder.due, gone_deadline)
+                     if d is not None]
+        timeout_ms = None if self._pidfd is not None else int(SUPERVISOR_LOOK * 1000)
+        if heartbeat is not None:
+            beat = int(heartbeat * 1000)
+            timeout_ms = beat if timeout_ms is None else min(beat, timeout_ms)
+        if deadlines:
+            left = max(0, int((min(deadlines) - time.monotonic()) * 1000))
+            timeout_ms = left if timeout_ms is None else min(left, timeout_ms)
+        return timeout_ms
+
+    def _received(self) -> Iterator[dict]:
+        """Every message waiting now, in order, until the run's last."""
+        while True:
+            msg = self._recv()
+            if msg is None:
+                return
+            self._note(msg)
+            yield msg
+            if self.finished:
+                return
+
+    def _look_gone(self, now: float, gone_deadline: Optional[float], poller) -> tuple[Optional[float], Optional[dict]]:
+        """Has the supervisor exited?  Then its last messages get a moment to
+        arrive; after that, the run's end: a "finished" (the kernel killed it:
+        returned as the last message) or LauncherError (it died by itself).
+        Returns the drain's deadline and that last message (None: none yet)."""
+        if gone_deadline is None and self._supervisor_gone():
+            # Its last messages may still be in flight: drain briefly
+            # (not when the kernel killed it: nothing more is coming).
+            gone_deadline = now + (FORCED_GONE_DRAIN if self.forced else GONE_DRAIN)
+            if self._pidfd is not None:
+                poller.unregister(self._pidfd)
+        elif gone_deadline is not None and now >= gone_deadline:
+            if self.forced:
+                self.finished = True
+                return gone_deadline, {"kind": "finished", "reason": self._reason, "forced": self.forced}
+            raise self._gone_error()
+        return gone_deadline, None
 
     def _gone_error(self) -> LauncherError:
         """The supervisor exited without a word: blame what is gone (the
@@ -213,26 +240,22 @@ class RunHandle(Attempt):
             self.rendezvous_at = None
             self._reason = "rendezvous" if not self.interrupted else self._reason
             self._begin_kill("it did not end the rendezvous at --rendezvous_timeout")
-        if self.term_at is not None and now >= self.term_at:
-            self.term_at = None
-            self._begin_kill("it did not end the run within "
-                             f"{self.stop_wait:g}s of the stop")
-        if self.kill_at is not None and now >= self.kill_at:
-            self.kill_at = None
-            self.force_kill()
+        if self.ladder.due is not None and now >= self.ladder.due and self.ladder.climbed == 1:
+            self._why = f"it did not end the run within {self.stop_wait:g}s of the stop"
+        self.ladder.on_time(now)
 
     def _begin_kill(self, why: str) -> None:
-        """SIGUSR2 now (the supervisor kills its ranks at once); SIGKILL after KILL_WAIT."""
+        """SIGUSR2 now (the supervisor kills its ranks at once); SIGKILL after
+        KILL_WAIT (already on its way: at its time)."""
         self._why = why
-        self._signal(signal.SIGUSR2)
-        if self.kill_at is None:
-            self.kill_at = time.monotonic() + KILL_WAIT
+        if not self.ladder.skip_to(1):   # the kill is on its way: SIGUSR2 again, the SIGKILL at its time
+            self._signal(signal.SIGUSR2)
 
     def force_kill(self) -> None:
         """SIGKILL the supervisor and every rank it reported (and their groups)."""
         if self.finished:
             return
-        self.forced = getattr(self, "_why", "it did not answer")
+        self.forced = self._why
         for pid in (self.supervisor_pid, *self.rank_pids):
             for kill in (os.kill, os.killpg):
                 try:
@@ -281,25 +304,30 @@ class RunHandle(Attempt):
         self.interrupted += 1
         self._reason = "interrupt"
         if self.interrupted == 1:
-            self.term_at = time.monotonic() + self.stop_wait
-            if self.send_stop is None or self.finished:
-                self._signal(signal.SIGUSR1)
+            if self.ladder.started:   # --timeout began the kill already: the stop goes too, the kill keeps its time
+                self._send_first_stop()
             else:
-                # A session's supervisor takes a stop for the cell it runs; a
-                # signal could overtake the cell on its socket, find no cell
-                # and be dropped, the cell ran on and the escalation ended the
-                # session (a stop right after a background cell started lost
-                # it, 1 time in 12).  In-band it comes after its cell.
-                try:
-                    self.send_stop()
-                except LauncherError:   # nobody reads it: gone; the ladder's later rungs see to the rest
-                    log.info("run %s: the stop found its session's supervisor gone", self.run_id)
+                self.ladder.climb()
         elif self.interrupted == 2:
-            self.term_at = None
             self._begin_kill("it did not answer the stop")
         else:
             self._why = "it did not answer the stop"
             self.force_kill()
+
+    def _send_first_stop(self) -> None:
+        """Stacks, then the stop: SIGUSR1, or in-band for a session's cell."""
+        if self.send_stop is None or self.finished:
+            self._signal(signal.SIGUSR1)
+            return
+        # A session's supervisor takes a stop for the cell it runs; a
+        # signal could overtake the cell on its socket, find no cell
+        # and be dropped, the cell ran on and the escalation ended the
+        # session (a stop right after a background cell started lost
+        # it, 1 time in 12).  In-band it comes after its cell.
+        try:
+            self.send_stop()
+        except LauncherError:   # nobody reads it: gone; the ladder's later rungs see to the rest
+            log.info("run %s: the stop found its session's supervisor gone", self.run_id)
 
     def signal_stop(self) -> None:
         """The stop alone (stacks, then the stop), with no escalation of its own:

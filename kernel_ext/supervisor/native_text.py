@@ -61,34 +61,43 @@ def readable(text: str, sources: Optional[dict] = None) -> str:
     threads = _threads(text)
     if not any(_PY.match(f) for _, frames in threads for f in frames):
         return text   # no Python frame to lead with (gdb's dump, an empty one): as it came
+    main = next((t for t in threads if _is_main(t[0])), threads[0])
+    out = ["the cell's thread:"] + _render(main[1], sources)
+    out += _other_threads([t for t in threads if t is not main], sources)
+    return "\n".join(out) + "\n"
 
-    def source_line(file: str, line: int) -> str:
-        if file in sources:
-            lines = sources[file].splitlines()
-            return lines[line - 1].strip() if 0 < line <= len(lines) else ""
-        return linecache.getline(file, line).strip() if file.startswith("/") else ""
 
-    def render(frames: list[str]) -> list[str]:
-        out, native = [], []
-        for frame in frames:
-            m = _PY.match(frame)
-            if not m:
-                native.append(frame)
-                continue
-            out.append(f'  File "{m["file"]}", line {m["line"]}, in {m["func"]}')
-            code = source_line(m["file"], int(m["line"]))
-            if code:
-                out.append(f"    {code}")
-        fold = _fold(native)
-        return out + ([fold] if fold else [])
+def _source_line(sources: dict, file: str, line: int) -> str:
+    if file in sources:
+        lines = sources[file].splitlines()
+        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return linecache.getline(file, line).strip() if file.startswith("/") else ""
 
-    def is_main(title: str) -> bool:
-        found = _THREAD.match(title)
-        return bool(found) and found["name"] == "MainThread"
 
-    main = next((t for t in threads if is_main(t[0])), threads[0])
-    others = [t for t in threads if t is not main]
-    out = ["the cell's thread:"] + render(main[1])
+def _render(frames: list[str], sources: dict) -> list[str]:
+    out, native = [], []
+    for frame in frames:
+        m = _PY.match(frame)
+        if not m:
+            native.append(frame)
+            continue
+        out.append(f'  File "{m["file"]}", line {m["line"]}, in {m["func"]}')
+        code = _source_line(sources, m["file"], int(m["line"]))
+        if code:
+            out.append(f"    {code}")
+    fold = _fold(native)
+    return out + ([fold] if fold else [])
+
+
+def _is_main(title: str) -> bool:
+    found = _THREAD.match(title)
+    return bool(found) and found["name"] == "MainThread"
+
+
+def _other_threads(others: list, sources: dict) -> list[str]:
+    """The threads but the cell's: those in a notebook cell whole; a library's
+    and native-only ones counted in one line each."""
+    out: list[str] = []
     native_only, elsewhere = [], []
     for title, frames in others:
         python = [_PY.match(f) for f in frames if _PY.match(f)]
@@ -102,14 +111,14 @@ def readable(text: str, sources: Optional[dict] = None) -> str:
             continue
         found = _THREAD.match(title)
         out.append(f'thread "{found["name"]}":' if found and found["name"] else title.replace("Thread", "thread", 1))
-        out.extend(render(frames))
+        out.extend(_render(frames, sources))
     if elsewhere:
         n = len(elsewhere)
         out.append(f"(+ {n} other thread{'s' if n != 1 else ''} in no notebook cell: {', '.join(sorted(set(elsewhere)))})")
     if native_only:
         n = len(native_only)
         out.append(f"(+ {n} other thread{'s' if n != 1 else ''} in native code only)")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _short_file(file: str) -> str:

@@ -373,15 +373,7 @@ def _parse(text: str) -> tuple[list[tuple[str, list]], bool]:
     listed, has_main, main = dump.partition(liveness.DUMP_MAIN)
     threads, heartbeat, cut = _blocks(listed)
     named = [t for i, t in enumerate(threads) if i not in heartbeat]
-    main_thread = _blocks(main)[0][-1:] if has_main else []
-    if main_thread:
-        main_id = _ident(main_thread[0][0])
-    elif main_id is not None:
-        main_thread = [t for t in named if _ident(t[0]) == main_id][-1:] or [(_UNKNOWN_CUT if cut else _UNKNOWN, [])]
-    elif cut:
-        main_thread = [(_UNKNOWN_CUT, [])]
-    if main_thread:
-        named = [t for t in named if main_id is None or _ident(t[0]) != main_id] + main_thread
+    named = _cell_thread_last(named, _blocks(main)[0][-1:] if has_main else [], main_id, cut)
     if not named:
         return [], cut
     title, frames = named[-1]
@@ -390,6 +382,21 @@ def _parse(text: str) -> tuple[list[tuple[str, list]], bool]:
         frames = frames[:users[-1] + 1] if users else []
     others = [(t, [f for f in fs if not f["own"]]) for t, fs in named[:-1]]
     return [t for t in others if t[1]] + [(title, [f for f in frames if not f["own"]])], cut
+
+
+def _cell_thread_last(named: list, main_thread: list, main_id: Optional[int], cut: bool) -> list:
+    """``named`` with the cell's (main) thread last: ``main_thread`` (the
+    heartbeat thread's whole copy of it, if any), else the listed thread of
+    ``main_id``, else :data:`_UNKNOWN` (or :data:`_UNKNOWN_CUT`)."""
+    if main_thread:
+        main_id = _ident(main_thread[0][0])
+    elif main_id is not None:
+        main_thread = [t for t in named if _ident(t[0]) == main_id][-1:] or [(_UNKNOWN_CUT if cut else _UNKNOWN, [])]
+    elif cut:
+        main_thread = [(_UNKNOWN_CUT, [])]
+    if main_thread:
+        named = [t for t in named if main_id is None or _ident(t[0]) != main_id] + main_thread
+    return named
 
 
 def stacks_message(r: "RankProcess", sources: dict) -> dict:

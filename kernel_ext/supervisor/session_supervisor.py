@@ -35,16 +35,14 @@ from typing import Optional
 
 from . import native_stacks
 from .. import wire
-from ..wire.messages import failure_summary
-from .output_batch import Excerpt, bound_text
 from .rank_logs import RankLogs
-from .rank_process import NO_STACK, RankProcess, stacks_message, where_blocked
-from .supervisor import (DRAIN_WAIT, NATIVE_WAIT, REAP_WAIT, STACK_QUIET, STACK_WAIT, STALL_CHECK,
-                         Supervisor)
+from .rank_process import NO_STACK, RankProcess, where_blocked
+from .nodes import SessionBeats
+from .supervisor import Supervisor, log
+from ..stop_ladder import Rung, StopLadder
 # The ladders' order: see timing.py.
-from ..timing import (FORCE_AFTER, NODE_BEAT, NODE_LOST_AFTER, NODE_STORE_WAIT, READY_WAIT, RECALL_WAIT,
-                      READY_POLL, RESOURCE_SAMPLE, STACK_ASK_WAIT)
-
+from ..timing import (DRAIN_WAIT, FORCE_AFTER, NATIVE_WAIT,
+                      READY_WAIT, RECALL_WAIT, READY_POLL, REAP_WAIT, STACK_ASK_WAIT, STACK_QUIET, STACK_WAIT)
 
 
 class SessionSupervisor(Supervisor):
@@ -62,15 +60,8 @@ class SessionSupervisor(Supervisor):
         self.ending: Optional[str] = None      # "stop" (asked), "lost" (see lost)
         self.lost: Optional[str] = None        # why the session cannot go on
         self.stop_id: Optional[str] = None
-        self.recall_at: Optional[float] = None
-        self.force_at: Optional[float] = None
-        self.verdict_at: Optional[float] = None
-        # Several nodes: when to count this node in node 0's store next, and
-        # when each other node's count last moved (see _watch_nodes).
-        self.node_check: Optional[float] = None
-        self.node_seen: dict[int, tuple[int, float]] = {}
-        self.store_heard = 0.0
-        self.back_at: Optional[float] = None   # when a failed cell's ranks were all back
+        self.recall: Optional[StopLadder] = None   # the recall's rungs after the stacks (see _recall_ladder)
+        self.beats = SessionBeats(self.nodes, self._lose)   # several nodes: is every node's part still there?
         self.cell_sources: dict = {}           # every cell's source by filename (stacks show them)
         self.verifier = wire.signed_session(self.session.key)
         self.cells = self.ctx.socket(zmq.PULL)
@@ -83,7 +74,7 @@ class SessionSupervisor(Supervisor):
         self.on_signal.update({signal.SIGUSR1: self._on_stop_button, signal.SIGUSR2: self._on_kill,
                                signal.SIGTERM: self._on_kill})
         self.on_signal.pop(signal.SIGHUP)   # the nodes of a session finish together: nothing to do
-        self.logs.close()
+        self.pump.logs.close()
         self.timeout_deadline = None   # --timeout is a cell's
         if self.stopping is None:
             self._wait_ready()
@@ -91,10 +82,7 @@ class SessionSupervisor(Supervisor):
             self._lose(self.lost or "the session's ranks could not start")
         # A kernel per node: nothing else tells one node's part that another's is
         # gone.  (Nodes dispatched together, on Slurm, have the kernel for that.)
-        if self.spec["num_nodes"] > 1 and not self.spec.get("dispatched_together") \
-                and self.rdzv is not None and self.rdzv.store is not None:
-            self.rdzv.quick(NODE_STORE_WAIT)
-            self.store_heard = self.node_check = time.monotonic()
+        self.beats.begin()
         self._serve_until(lambda: self.ending is not None)
         self._end()
 
@@ -108,40 +96,36 @@ class SessionSupervisor(Supervisor):
                 self.lost = f"the ranks did not set up within {READY_WAIT:g}s"
                 self.stopping = "failed"
                 return
-            self._poll(READY_POLL)
+            self.poll(READY_POLL)
             self._on_time()
         for r in self.ranks:
             r.back = True
         if self.stopping is None and self.ending is None:
-            self._send({"kind": "ready"})
+            self.send({"kind": "ready"})
 
     def _end(self) -> None:
         """Stop every rank (asked: let them end; lost: terminate), then tell the kernel."""
         if self.ending == "stop":
-            self._release_all()   # EOF at their prompt: each rank exits by itself
+            self.rank_set.release_all()   # EOF at their prompt: each rank exits by itself
+            self._end_ranks(REAP_WAIT, terminate=False)
         else:
-            self._terminate()
-        self._wait_ranks_gone(REAP_WAIT if self.ending == "stop" else self.grace)
-        for r in self.ranks:
-            self._drain(r)
-            r.output.end()
-        self._flush()
+            self._end_ranks(self.grace, terminate=True)
+        self.pump.drain_all()
         self._sweep_orphans()
-        self.logs.close()
+        self.pump.logs.close()
         if self.ending == "stop":
             self.spec["run_id"] = self.stop_id or self.session_id
             # ``lost``: a rank had died by itself (an out-of-memory kill) as the stop came.
-            self._send({"kind": "finished", "reason": None, "session": "stopped", "elapsed": 0.0,
+            self.send({"kind": "finished", "reason": None, "session": "stopped", "elapsed": 0.0,
                         **({"lost": self.lost} if self.lost else {})})
         elif self.cell is not None:
             self._send_stacks()
-            self._send({"kind": "finished", "reason": self.stopping or "failed", "session": "lost",
+            self.send({"kind": "finished", "reason": self.stopping or "failed", "session": "lost",
                         "lost": self.lost, "elapsed": time.time() - self.started})
         else:
             self.spec["run_id"] = self.session_id
-            self._send({"kind": "session_lost", "lost": self.lost})
-        if self.rdzv is not None:
-            self.rdzv.close()
+            self.send({"kind": "session_lost", "lost": self.lost})
+        self.nodes.close()
         self.cells.close()
 
     # -- cells from the kernel ------------------------------------------------------
@@ -177,13 +161,13 @@ class SessionSupervisor(Supervisor):
             if self.cell is None and self.ending == "lost":
                 # The session was lost (a rank died at its prompt) just before
                 # the cell came: that is the cell's end, and its story.
-                self._send({"kind": "finished", "reason": "failed", "session": "lost", "lost": self.lost,
+                self.send({"kind": "finished", "reason": "failed", "session": "lost", "lost": self.lost,
                             "elapsed": 0.0})
             elif self.cell is None:
-                self._send({"kind": "supervisor_error", "message": "the session is ending",
+                self.send({"kind": "supervisor_error", "message": "the session is ending",
                             "traceback": "a cell was sent after the session's stop"})
             else:
-                self._send({"kind": "supervisor_error", "message": "the session is busy",
+                self.send({"kind": "supervisor_error", "message": "the session is busy",
                             "traceback": "a cell was sent while another one ran"})
             self.spec["run_id"] = self.cell["run_id"] if self.cell is not None else self.session_id
             return
@@ -195,19 +179,16 @@ class SessionSupervisor(Supervisor):
         self.started = time.time()
         self.stopping = None
         self.first_failure = None
-        self.stack_deadline = self.kill_deadline = self.recall_at = self.force_at = self.verdict_at = None
+        self.stack_deadline = self.rank_ladder = self.recall = None
         self.timeout_deadline = time.monotonic() + content["timeout"] if content.get("timeout") else None
-        stall = self.spec.get("stall_timeout")
-        self.stall_check = time.monotonic() + STALL_CHECK if stall else None
-        self.resource_check = time.monotonic() + RESOURCE_SAMPLE
-        self.stall_judged, self.said_quiet = float("-inf"), set()   # each cell judges its own quiet ranks
-        self.logs = RankLogs(content.get("log_dir", ""))
-        excerpt = content.get("excerpt")
+        # each cell judges its own quiet ranks
+        self.stall.begin(time.monotonic(), stall=bool(self.spec.get("stall_timeout")))
+        self.pump.open_logs(content.get("log_dir", ""))
         for r in self.ranks:
             r.back = r.failed = r.stopped = r.signalled = r.done = r.in_cell = False
             r.stack, r.native, r.done_time, r.cpu_seen, r.asked_at = bytearray(), "", 0.0, None, None
             r.last_output = time.monotonic()
-            r.excerpt = Excerpt(*excerpt) if excerpt else None
+        self.pump.set_excerpts(content.get("excerpt"))
         frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"]},
                              protocol=pickle.HIGHEST_PROTOCOL)
         for r in self.ranks:
@@ -235,8 +216,7 @@ class SessionSupervisor(Supervisor):
 
     def _on_rank_exit(self, r: RankProcess, status: int) -> None:
         """A session's rank exited: the session cannot go on without it."""
-        while "ev" in r.fds and self._on_readable("ev", r, r.fds["ev"]):
-            pass
+        self._read_events(r)
         code = os.waitstatus_to_exitcode(status)
         what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         if self.ending is not None:   # stopping anyway; a death of its own is still said (see _end)
@@ -245,15 +225,15 @@ class SessionSupervisor(Supervisor):
             return
         self.logs.note(r.rank, f"--- {what} ---")
         if self.cell is not None:
-            self._drain(r)
+            self.pump.drain(r)
             r.output.end()
-            self._flush()
+            self.pump.flush()
             if not r.failed:
                 self._note_failure(False, time.time(), r.rank, what)
-            self._send({"kind": "exit", "rank": r.rank,
-                        "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                        "signal": signal.Signals(-code).name if code < 0 else None,
-                        "stopped": False, "timestamp": time.time()})
+            self.send({"kind": "exit", "rank": r.rank,
+                       "exitcode": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                       "signal": signal.Signals(-code).name if code < 0 else None,
+                       "stopped": False, "timestamp": time.time()})
             r.back = True
             if self.stopping is None:
                 self.stopping = "failed"
@@ -261,58 +241,62 @@ class SessionSupervisor(Supervisor):
 
     # -- rank events --------------------------------------------------------------------
     def _on_rank_event(self, r: RankProcess, event: dict) -> None:
-        self._catch_up(r)
+        self.pump.catch_up(r)
         kind = event.get("kind")
-        if kind == "session_ready":
-            r.ready = True
-            return
-        if kind == "cell_started":
-            if self.cell is not None and event.get("cell") == self.cell["run_id"]:
-                r.in_cell = True
-                if self.stopping is not None:   # recalled before it began: it is recalled now
-                    if self.stack_deadline is not None:
-                        r.ask_stacks(time.monotonic())
-                    else:
-                        self._sigint(r)
+        if kind in ("session_ready", "cell_started"):
+            self._on_prompt_event(r, event)
             return
         if kind not in ("failed", "result"):
-            self._send({"kind": "rank_event", "rank": r.rank, "event": event})
+            self.send({"kind": "rank_event", "rank": r.rank, "event": event})
             return
         if self.cell is None or event.get("cell") != self.cell["run_id"] or r.back:
             return
         r.back, r.done, r.done_time = True, True, time.monotonic()
         r.output.end()   # an unfinished last line is the cell's
-        self._flush()
+        self.pump.flush()
         names = {"kind": "names", "assigned": event.pop("assigned", []), "deleted": event.pop("deleted", []),
                  "kinds": event.pop("kinds", {})}
-        self._send({"kind": "rank_event", "rank": r.rank, "event": names})
+        self.send({"kind": "rank_event", "rank": r.rank, "event": names})
         if kind == "failed" and event.get("exc_type") == "KeyboardInterrupt" and r.signalled \
                 and self.stopping is not None:
-            r.stopped = True   # brought back by the recall: stopped, not failed
-            if not r.dumped():
-                r.stack = bytearray(str(event.get("traceback", "")).encode())
-            where = where_blocked(r.stack.decode("utf-8", "replace"))
-            self._send_exit(r, stopped=True, where="" if where == NO_STACK else where,
-                            agreed=event.get("agreed_step") is not None, in_world=bool(event.get("in_world")))
+            self._on_recalled(r, event)
             return
         if kind == "failed":
-            r.failed = True
-            summary = failure_summary(event)
-            self.logs.note(r.rank, f"--- {summary} ---\n{event.get('traceback', '')}")
-            event["message"] = bound_text(str(event.get("message", "")), head=20, tail=20)
-            event["traceback"] = bound_text(str(event.get("traceback", "")))
-            self._note_failure(event.get("secondary", False), event.get("timestamp", time.time()), r.rank,
-                               bound_text(summary, head=20, tail=20))
-        self._send({"kind": "rank_event", "rank": r.rank, "event": event})
+            self._note_failed_event(r, event)
+        self.send({"kind": "rank_event", "rank": r.rank, "event": event})
         self._send_exit(r, stopped=False, code=1 if kind == "failed" else 0)
         if kind == "failed" and self.stopping is None:
             self._recall("failed")
+
+    def _on_prompt_event(self, r: RankProcess, event: dict) -> None:
+        """A rank set up (``session_ready``), or began the cell (``cell_started``):
+        one recalled before it began is recalled now."""
+        if event.get("kind") == "session_ready":
+            r.ready = True
+            return
+        if self.cell is None or event.get("cell") != self.cell["run_id"]:
+            return
+        r.in_cell = True
+        if self.stopping is not None:
+            if self.stack_deadline is not None:
+                r.ask_stacks(time.monotonic())
+            else:
+                self._sigint(r)
+
+    def _on_recalled(self, r: RankProcess, event: dict) -> None:
+        """A rank brought back by the recall (KeyboardInterrupt): stopped, not failed."""
+        r.stopped = True
+        if not r.dumped():
+            r.stack = bytearray(str(event.get("traceback", "")).encode())
+        where = where_blocked(r.stack.decode("utf-8", "replace"))
+        self._send_exit(r, stopped=True, where="" if where == NO_STACK else where,
+                        agreed=event.get("agreed_step") is not None, in_world=bool(event.get("in_world")))
 
     def _send_exit(self, r: RankProcess, stopped: bool, code: int = 0, where: str = "", **flags: bool) -> None:
         """A session rank back at its prompt.  ``flags`` of a stopped one, sent
         when true: ``agreed`` (it stopped after the optimizer step its peers
         agreed on), ``in_world`` (it is in the process group)."""
-        self._send({"kind": "exit", "rank": r.rank, "exitcode": code, "signal": None, "stopped": stopped,
+        self.send({"kind": "exit", "rank": r.rank, "exitcode": code, "signal": None, "stopped": stopped,
                     "prompt": True, "timestamp": time.time(), **({"where": where} if where else {}),
                     **{name: True for name, value in flags.items() if value}})
 
@@ -342,14 +326,34 @@ class SessionSupervisor(Supervisor):
         self.stack_deadline = now + STACK_WAIT
 
     def _interrupt_cell(self) -> None:
-        """SIGINT to the ranks that began the cell; one that has not yet gets it
-        when it says it began (``cell_started``): before that, a SIGINT could
-        not be told from a late one meant for its previous cell."""
+        """The recall's rungs after the stacks: SIGINT to the ranks that began
+        the cell (one that has not yet gets it when it says it began,
+        ``cell_started``: before that, a SIGINT could not be told from a late
+        one meant for its previous cell); a second SIGINT at FORCE_AFTER to
+        those still out; at RECALL_WAIT a fresh look at where they are; the
+        verdict: the session is lost."""
+        self.recall = StopLadder(
+            f"session {self.session_id} cell {self.spec.get('run_id')}",
+            [Rung("SIGINT to its ranks in the cell", self._sigint_out, FORCE_AFTER),
+             Rung("a second SIGINT to its ranks still out", self._sigint_out, RECALL_WAIT - FORCE_AFTER),
+             Rung("the stacks of its ranks still out", self._ask_again, STACK_ASK_WAIT + 3 * STACK_QUIET),
+             Rung("the session is lost: ranks did not come back", lambda: self._lose(self._describe_stuck()))],
+            done=lambda: not self._out(), log=log)
+        self.recall.start()
+
+    def _sigint_out(self) -> None:
         for r in self._out():
             if r.in_cell:
                 self._sigint(r)
-        self.recall_at = time.monotonic() + RECALL_WAIT
-        self.force_at = time.monotonic() + FORCE_AFTER
+
+    def _ask_again(self) -> None:
+        """Where the ranks still out are now (not at the stop): a fresh dump for the verdict."""
+        now = time.monotonic()
+        for r in self._out():
+            if r.in_cell:
+                self.pump.drain(r)   # the rest of the stop's dump is not this ask's
+                r.forget_stack()
+                r.ask_stacks(now)
 
     def _sigint(self, r: RankProcess) -> None:
         r.signalled = True
@@ -359,57 +363,16 @@ class SessionSupervisor(Supervisor):
             pass
 
     def _deadlines(self) -> list:
-        return super()._deadlines() + [self.recall_at, self.force_at, self.verdict_at, self.node_check]
+        return super()._deadlines() + [self.recall.due if self.recall is not None else None, self.beats.node_check]
 
     def _on_time(self) -> None:
         self._take_cells()   # its socket's fd is edge-triggered: drained at every turn of the loop
         super()._on_time()
-        if self.node_check is not None and time.monotonic() >= self.node_check and self.ending is None:
-            self._watch_nodes(time.monotonic())
+        if self.ending is None:
+            self.beats.on_time(time.monotonic())
         if self.cell is not None and self.ending is None and all(r.back for r in self.ranks) \
-                and self._other_nodes_seen_after_failure():
+                and self.beats.seen_after_failure(self.first_failure is not None or self.stopping is not None):
             self._finish_cell()
-
-    def _watch_nodes(self, now: float) -> None:
-        """Several nodes: count this node in node 0's store and look at the
-        others' counts.  A node whose count stood still for NODE_LOST_AFTER (or
-        node 0's store not answering that long) has lost its part of the
-        session: its kernel was shut down or killed, or its supervisor died.
-        The world can never be whole again, so the session is lost here too,
-        saying which node, instead of failing each cell in gloo and claiming
-        that the session lives on."""
-        self.node_check = now + NODE_BEAT
-        counts = self.rdzv.beat()
-        if counts is None:
-            if now - self.store_heard >= NODE_LOST_AFTER:
-                self._lose(f"node 0's part of the session is gone: its store at {self.rdzv.address} has not "
-                           f"answered for {NODE_LOST_AFTER:g}s (its kernel was shut down or died, or its machine "
-                           "is unreachable), and a world that lost a node cannot go on")
-            return
-        self.store_heard = now
-        for node, count in counts.items():
-            seen = self.node_seen.get(node)
-            if seen is None or seen[0] != count:
-                self.node_seen[node] = (count, now)
-            elif now - seen[1] >= NODE_LOST_AFTER:
-                self._lose(f"node {node}'s part of the session is gone: no sign of it for {NODE_LOST_AFTER:g}s "
-                           "(its kernel was shut down or died, or its supervisor ended), and a world that lost "
-                           "a node cannot go on")
-                return
-
-    def _other_nodes_seen_after_failure(self) -> bool:
-        """A failed cell of several nodes ends once every other node has been
-        heard from since (at most NODE_LOST_AFTER later: else it is lost): a
-        gloo error may mean a node is gone, and the cell must not then say the
-        session lives on."""
-        if self.node_check is None or (self.first_failure is None and self.stopping is None):
-            return True
-        if self.back_at is None:
-            self.back_at = time.monotonic()
-            self._watch_nodes(self.back_at)
-        # Strictly after: the look taken at back_at may see a count the node made before it went.
-        return all(self.node_seen.get(node, (0, 0.0))[1] > self.back_at
-                   for node in range(self.spec["num_nodes"]) if node != self.spec["node_rank"])
 
     def _stack_waiters(self) -> list:
         return [r for r in self._out() if r.in_cell]
@@ -419,53 +382,26 @@ class SessionSupervisor(Supervisor):
 
     def _on_policy_time(self, now: float) -> None:
         """The recall's rungs: a second SIGINT, a fresh look at those still out, the verdict."""
-        if self.force_at is not None and now >= self.force_at:
-            self.force_at = None
-            for r in self._out():
-                if r.in_cell:
-                    self._sigint(r)
-        if self.recall_at is not None and now >= self.recall_at:
-            self.recall_at = None
-            if self._out():   # where they are now (not at the stop): a fresh dump, then the verdict
-                for r in self._out():
-                    if r.in_cell:
-                        self._drain(r)   # the rest of the stop's dump is not this ask's
-                        r.forget_stack()
-                        r.ask_stacks(now)
-                self.verdict_at = now + STACK_ASK_WAIT + 3 * STACK_QUIET
-        if self.verdict_at is not None and now >= self.verdict_at:
-            self.verdict_at = None
-            if self._out():
-                self._lose(self._describe_stuck())
+        if self.recall is not None:
+            self.recall.on_time(now)
 
     def _settle(self, r: RankProcess, now: float) -> None:
         """A rank that died: done with once its pipes are drained (see _on_rank_exit)."""
         if r.status is not None and (not r.fds or now >= r.exit_time + DRAIN_WAIT):
-            self._close_pipes(r)
+            self.rank_set.close_pipes(r)
             r.reported = True
 
-    def _stop(self, reason: str, stacks: bool) -> None:
-        """The one-shot supervisor's stop (its stall check calls it): here, a recall."""
+    def stop(self, reason: str, stacks: bool) -> None:
+        """A stop (the stall check, --timeout): here, a recall."""
         self._recall(reason)
 
     def _describe_stuck(self) -> str:
         """Why the session is lost: where each stuck rank was, and what it waited for."""
         stuck = self._out()
         for r in stuck:
-            self._drain(r)   # a dump still in its pipe
-        places = "; ".join(self._where_stuck(r) for r in stuck)
-        if self.stopping == "failed" and self.first_failure is not None:
-            failed = self.first_failure[2]
-            return (f"{places} waiting for rank {failed}, which failed, and could not be brought back "
-                    f"within {RECALL_WAIT:g}s")
-        what = {"interrupt": "the stop", "timeout": "the --timeout stop", "stalled": "the stall stop"}
-        return (f"{places} and did not come back from {what.get(self.stopping, 'the stop')} within "
-                f"{RECALL_WAIT:g}s (a rank blocked in a collective or in native code cannot be interrupted)")
-
-    def _where_stuck(self, r: RankProcess) -> str:
-        if native_stacks.state(r.pid) in ("T", "t"):   # no stack comes from a stopped process
-            return f"rank {r.rank} was stopped (SIGSTOP, or a debugger: process state T)"
-        return f"rank {r.rank} was in {where_blocked(r.stack.decode('utf-8', 'replace'))}"
+            self.pump.drain(r)   # a dump still in its pipe
+        failed = self.first_failure[2] if self.stopping == "failed" and self.first_failure is not None else None
+        return stuck_story(stuck, self.stopping, failed)
 
     def _lose(self, why: str) -> None:
         if self.ending is None:
@@ -479,31 +415,44 @@ class SessionSupervisor(Supervisor):
 
     def _send_stack(self, r: RankProcess) -> None:
         r.reported_stack = True
-        msg = stacks_message(r, self._sources())
-        self.logs.note(r.rank, "--- stack when the cell was stopped ---\n" + msg["text"])
-        self._send({**msg, "text": bound_text(msg["text"])})
+        self.pump.send_stack(r, self._sources(), "the cell was stopped")
 
     def _finish_cell(self) -> None:
         """Every rank is back at its prompt: the cell is over, the session goes on."""
-        for r in self.ranks:
-            self._drain(r)
-            r.output.end()
-        self._flush()
+        self.pump.drain_all()
         if self.stopping in ("interrupt", "timeout", "stalled") and all(r.done and not r.failed and not r.stopped
                                                                        for r in self.ranks):
             self.stopping = None   # the stop came as the last rank finished: the cell completed, stopped nowhere
         if self.stopping in ("interrupt", "timeout", "stalled"):
             self._send_stacks()
-        self.logs.close()
-        self.logs = RankLogs("")   # what a thread of a rank prints between cells goes nowhere
-        self._send({"kind": "finished", "reason": self.stopping, "session": "alive",
+        self.pump.logs.close()
+        self.pump.logs = RankLogs("")   # what a thread of a rank prints between cells goes nowhere
+        self.send({"kind": "finished", "reason": self.stopping, "session": "alive",
                     "elapsed": time.time() - self.started})
         self.cell = None
-        self.back_at = None
+        self.beats.back_at = None
         self.spec["run_id"] = self.session_id
         self.spec["payload"] = None
         self.stopping = None
-        self.timeout_deadline = self.stall_check = self.stack_deadline = self.recall_at = self.force_at = self.verdict_at = None
-        self.resource_check = None
+        self.timeout_deadline = self.stack_deadline = self.recall = None
+        self.stall.end()
         for r in self.ranks:
             r.stack, r.native, r.reported_stack, r.asked_at = bytearray(), "", False, None
+
+
+def stuck_story(stuck: list, stopping: Optional[str], failed: Optional[int]) -> str:
+    """Where each stuck rank was, and what it waited for (``failed``: the rank
+    whose failure the recall was for)."""
+    places = "; ".join(where_stuck(r) for r in stuck)
+    if failed is not None:
+        return (f"{places} waiting for rank {failed}, which failed, and could not be brought back "
+                f"within {RECALL_WAIT:g}s")
+    what = {"interrupt": "the stop", "timeout": "the --timeout stop", "stalled": "the stall stop"}
+    return (f"{places} and did not come back from {what.get(stopping, 'the stop')} within "
+            f"{RECALL_WAIT:g}s (a rank blocked in a collective or in native code cannot be interrupted)")
+
+
+def where_stuck(r: RankProcess) -> str:
+    if native_stacks.state(r.pid) in ("T", "t"):   # no stack comes from a stopped process
+        return f"rank {r.rank} was stopped (SIGSTOP, or a debugger: process state T)"
+    return f"rank {r.rank} was in {where_blocked(r.stack.decode('utf-8', 'replace'))}"

@@ -5,7 +5,7 @@ starts with a message, not a fork.  While it waits, that process is a
 :class:`Spare`: it forks idle ranks (each waiting on its "go" pipe) while it
 has no thread, then connects the run channel (ZMQ starts a thread) and waits
 on its control pipe for a spec.  The spec says what the run is: a one-shot
-run (:class:`supervisor.Supervisor`) or a session
+run (:class:`one_shot.OneShotSupervisor`) or a session
 (:class:`session_supervisor.SessionSupervisor`), each built from the spare's
 resources, which are handed over by name (:meth:`Supervisor.__init__`).
 :func:`serve_spare` is the process's entry point; it is the one module that
@@ -24,9 +24,11 @@ from .. import wire
 from ..wire import transport
 from ..rank import worker
 from .rendezvous import NodeRendezvous
-from .rank_process import RankProcess, fork_idle_rank, set_nonblocking
+from .one_shot import OneShotSupervisor
+from .rank_process import set_nonblocking
+from .rank_set import RankSet
 from .session_supervisor import SessionSupervisor
-from .supervisor import PR_SET_CHILD_SUBREAPER, SIGNALS, Supervisor
+from .supervisor import PR_SET_CHILD_SUBREAPER, SIGNALS
 
 
 #: The signing session every spare starts from, made once in the launcher
@@ -50,10 +52,8 @@ class Spare:
     def __init__(self, control_fd: int, status_fd: int = -1) -> None:
         self.control_fd = control_fd
         self.status_fd = status_fd            # to the launcher: see run_state
-        self.idle: list[RankProcess] = []     # forked ahead, pipes registered; numbered at the run
         self.sel = selectors.DefaultSelector()
-        self.fds: list[int] = []              # every fd a rank must not inherit
-        self.discarded: set[int] = set()
+        self.rank_set = RankSet(self.sel)     # idle ranks forked ahead, numbered at the run
         self.wakeup_r = self.wakeup_w = -1
         self.ctx = self.sock = self.session = None
         self.events_addr = ""
@@ -70,7 +70,9 @@ class Spare:
             signal.signal(sig, lambda *_: None)  # the wake-up byte does the work
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
-        self.fds = [self.control_fd, r, w, self.sel.fileno(), *([self.status_fd] if self.status_fd >= 0 else [])]
+        # every fd a rank must not inherit (its own pipes join as it is forked)
+        self.rank_set.fds = [self.control_fd, r, w, self.sel.fileno(),
+                             *([self.status_fd] if self.status_fd >= 0 else [])]
         # Orphans of the ranks (children that escaped their process group)
         # become this process's children, so none can outlive the run.
         try:
@@ -81,13 +83,7 @@ class Spare:
 
     def prefork(self, n: int) -> None:
         """Fork ``n`` idle ranks; each blocks until it is given the spec."""
-        for _ in range(n):
-            rank = fork_idle_rank(len(self.idle), self.fds, SIGNALS)
-            self.fds += [rank.go, rank.ask, *rank.fds.values()]
-            # Registered now, while idle: the run's critical path only numbers the ranks.
-            for kind, fd in rank.fds.items():
-                self.sel.register(fd, selectors.EVENT_READ, (kind, rank))
-            self.idle.append(rank)
+        self.rank_set.prefork(n, SIGNALS)
 
     def connect(self, events_addr: str, events_keys=None) -> None:
         import zmq  # only now: the ranks were forked from a single-threaded process
@@ -126,9 +122,7 @@ class Spare:
 
     def abandon(self) -> None:
         """No run: every idle rank sees EOF on its go pipe and exits by itself."""
-        for rank in self.idle:
-            rank.release()
-        self.idle = []
+        self.rank_set.abandon()
 
 
 def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str, events_keys=None) -> NoReturn:
@@ -138,7 +132,7 @@ def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str,
         spare.install_signals()
         spare.prefork(prefork)
         spare.connect(events_addr, events_keys)   # after the last fork: ZMQ starts a thread
-        ahead = Supervisor(spare)    # the usual kind, built while idle (its first use costs page faults)
+        ahead = OneShotSupervisor(spare)    # the usual kind, built while idle (its first use costs page faults)
         handed = spare.wait_for_spec()
         if handed is None:           # the zygote is gone or dropped the spare
             spare.abandon()
