@@ -27,8 +27,9 @@ A launcher that dies (kill -9): its supervisors and ranks die with it; the
   kernel kills what they started outside its tree, looking again for
   ``ESCAPED_KILL_WAIT`` (a process may fork as it is killed).
 A launcher that is closed (the kernel's end, a restart): it SIGTERMs its
-  supervisors and SIGKILLs those still there after ``SHUTDOWN_STOP_WAIT``,
-  inside the kernel's ``LAUNCHER_CLOSE_WAIT`` before it SIGKILLs the launcher.
+  supervisors, SIGKILLs those still there after ``SHUTDOWN_STOP_WAIT`` and
+  kills their orphans for up to ``SHUTDOWN_ORPHAN_WAIT``, all inside the
+  kernel's ``LAUNCHER_CLOSE_WAIT`` before it SIGKILLs the launcher.
 A session that is stopped: its supervisor lets its ranks end (``REAP_WAIT``,
   then SIGKILL and ``REAP_WAIT`` again) and sweeps their orphans
   (``ORPHAN_SWEEP_WAIT``), inside the kernel's ``SESSION_END_WAIT``; then it
@@ -129,7 +130,7 @@ ACCELERATE_CONFIG_WAIT = 120.0  # an accelerate config file is read in a subproc
 # -- the launcher process ---------------------------------------------------------------
 END_WAIT = 15.0           # how long a new run waits for the ranks of earlier runs to end
 SHUTDOWN_STOP_WAIT = 3.0  # the launcher's end: how long its supervisors get after SIGTERM before SIGKILL
-SHUTDOWN_ORPHAN_WAIT = 3.0  # ... then how long it goes on killing their orphans (they come a generation at a time)
+SHUTDOWN_ORPHAN_WAIT = 1.5  # ... then how long it goes on killing their orphans (they come a generation at a time)
 SHUTDOWN_ORPHAN_POLL = 0.01  # ... seconds between two looks
 STORE_THREADS_WAIT = 2.0  # at start, how long the throwaway store's threads get to end (forks must not copy them)
 STORE_THREADS_POLL = 0.005  # ... seconds between looks
@@ -230,8 +231,9 @@ def check_order() -> list[str]:
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
         (2 * BEAT_INTERVAL <= STALL_CHECK,
          "a rank whose interpreter runs has beaten at least once between two stall checks"),
-        (SHUTDOWN_STOP_WAIT < LAUNCHER_CLOSE_WAIT,
-         "a closed launcher stops its supervisors (SIGTERM, then SIGKILL) before the kernel SIGKILLs it"),
+        (SHUTDOWN_STOP_WAIT + SHUTDOWN_ORPHAN_WAIT < LAUNCHER_CLOSE_WAIT,
+         "a closed launcher stops its supervisors (SIGTERM, then SIGKILL) and kills their orphans before the "
+         "kernel SIGKILLs it"),
         (2 * REAP_WAIT + ORPHAN_SWEEP_WAIT < SESSION_END_WAIT,
          "a stopped session's supervisor ends its ranks (the last ones killed) and sweeps their orphans before "
          "the kernel's wait for the session's end runs out"),

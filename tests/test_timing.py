@@ -29,6 +29,7 @@ def test_every_ladder_keeps_its_order():
     ("TIMEOUT_SLACK", 3.0, "every rank's stacks before the kernel's backstop"),
     ("LAUNCHER_CLOSE_WAIT", 3.0, "a closed launcher stops its supervisors"),
     ("SHUTDOWN_STOP_WAIT", 6.0, "a closed launcher stops its supervisors"),
+    ("SHUTDOWN_ORPHAN_WAIT", 2.5, "a closed launcher stops its supervisors"),
     ("ORPHAN_SWEEP_WAIT", 6.0, "a stopped session's supervisor ends its ranks"),
     ("SESSION_END_WAIT", 11.0, "a stopped session's supervisor ends its ranks"),
     ("PROBE_WAIT", 2.0, "look at node 0's port"),
