@@ -7,6 +7,7 @@ stacks) raised in the cell that waits.
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Callable, Optional
@@ -16,7 +17,10 @@ from accel_magics.kernel_ext.kernel.background import BackgroundRun
 from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError,
                                                    RunInterrupted, RunStopped, SessionLostError, WaitStopped)
 # The ladders' order: see timing.py.
+from accel_magics.kernel_ext.stop_ladder import Rung, StopLadder
 from accel_magics.kernel_ext.timing import BACKGROUND_STOP_POLL, BACKGROUND_STOP_WAIT as STOP_WAIT
+
+log = logging.getLogger("accel_magics.background")
 
 
 
@@ -90,12 +94,13 @@ class BackgroundCell:
         has ended, and say in one line how it ended (the stacks are in the
         run's view)."""
         already = self._run.done()
-        self._run.stop()
-        deadline = time.monotonic() + STOP_WAIT
-        while not self._run.wait(BACKGROUND_STOP_POLL):
-            if time.monotonic() > deadline:   # the escalation: a second stop kills the ranks
-                self._run.stop()
-                deadline = time.monotonic() + STOP_WAIT
+        # A second stop kills the ranks, as a second press of the stop button does;
+        # a run that outlives even that is asked again, until it ends.
+        while not StopLadder(f"{self.label} in the background", [
+                Rung("the stop", self._run.stop, STOP_WAIT),
+                Rung("the stop again: every rank killed", self._run.stop, STOP_WAIT)],
+                done=self._run.done, log=log).run(lambda seconds: self._run.wait(min(seconds, BACKGROUND_STOP_POLL))):
+            pass
         # One line, so the cell that stopped it says what happened (it said nothing).
         if already:
             print(f"{self.label} had ended already ({self.status}); nothing to stop")

@@ -50,6 +50,7 @@ from .. import child_environment, wire
 from ..wire import transport
 from ..environment import LaunchConfig, host_address
 from .errors import LauncherError
+from ..stop_ladder import Rung, StopLadder
 from .placement import Attempt, Placement
 from .slurm_session import SlurmSessionRanks
 from .run_handle import receive_verified
@@ -64,6 +65,9 @@ from ..timing import (
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
 log = logging.getLogger("accel_magics.kernel.slurm")
+
+#: why a run ended without some nodes, once its stop's ladder reached the top
+FORCED_BY_THE_LADDER = "a node did not answer the stop"
 
 
 @atexit.register
@@ -475,7 +479,13 @@ class SlurmRun(Attempt):
         self.started: dict[int, dict] = {}
         self.exited: dict[int, float] = {}   # node -> when its agent saw its supervisor exit (+ drain)
         self.peers_told = False   # the other nodes were told to stop (a rank failed)
-        self.stop_at = self.kill_at = None
+        # The kernel's backstop of a stop: every node told to stop (each runs its
+        # own ladder), then to kill, then the run ends without them (forced).
+        self.ladder = StopLadder(f"run {self.run_id} on {len(nodes)} node(s)", [
+            Rung("every node told to stop", lambda: self._each({"op": "interrupt", "run_id": self.run_id}),
+                 self.policy.stop_wait),
+            Rung("every node told to kill", lambda: self._each({"op": "kill", "run_id": self.run_id}), KILL_WAIT),
+            Rung("ended without the nodes that did not answer", self._force)], done=lambda: self.finished, log=log)
         self._presses = self._pressed = 0   # stops asked (any thread) / carried out (the reading thread)
         self.timeout_at = time.monotonic() + cfg.timeout + STOP_WAIT + KILL_WAIT if cfg.timeout else None
         # A session's world formed when it started: a cell has no rendezvous to wait for.
@@ -640,19 +650,15 @@ class SlurmRun(Attempt):
                 raise self._ended(self.policy.part_gone.format(node=node, name=name))
         for deadline in ("timeout_at", "rendezvous_at"):
             at = getattr(self, deadline)
-            if at is not None and now >= at and self.stop_at is None:
+            if at is not None and now >= at and not self.ladder.started:
                 setattr(self, deadline, None)
-                self._stop_now()
-        if self.stop_at is not None and now >= self.stop_at:
-            self.stop_at = None
-            self._each({"op": "kill", "run_id": self.run_id})
-            self.kill_at = now + KILL_WAIT
-        if self.kill_at is not None and now >= self.kill_at:
-            self.kill_at = None
-            self.forced = "a node did not answer the stop"
-            self.finished = True
-            return True
-        return False
+                self.ladder.start(now)
+        self.ladder.on_time(now)
+        return self.forced == FORCED_BY_THE_LADDER
+
+    def _force(self) -> None:
+        self.forced = FORCED_BY_THE_LADDER
+        self.finished = True
 
     def _agent_gone(self, node: int) -> LauncherError:
         self.finished = True
@@ -736,11 +742,10 @@ class SlurmRun(Attempt):
 
     def _stop_now(self) -> None:
         """Every node's supervisor stops its ranks (stacks first); again: kill now."""
-        if self.stop_at is None and self.kill_at is None:
-            self._each({"op": "interrupt", "run_id": self.run_id})
-            self.stop_at = time.monotonic() + self.policy.stop_wait
+        if not self.ladder.started:
+            self.ladder.start()
         else:   # pressed again: kill now
-            self.stop_at = time.monotonic()
+            self.ladder.skip_to(1)
 
     def kill(self) -> None:
         self._each({"op": "kill", "run_id": self.run_id})
