@@ -405,30 +405,41 @@ def install_into(src: str, target: str) -> None:
                            f"{res.stdout[-3000:]}{res.stderr[-3000:]}")
 
 
-def build_ab(base: str, tmp: str) -> tuple[str, str, str]:
-    """The package at commit ``base`` and the working tree's (tracked and
-    untracked files git does not ignore, uncommitted changes included), each
-    installed into a directory of its own under ``tmp``: (base's directory,
-    the tree's, the tree's name).  Both sources are copies under ``tmp``, so
-    the build leaves nothing in the repository."""
-    root = repo_root()
-    src_a, src_b = os.path.join(tmp, "src-base"), os.path.join(tmp, "src-tree")
-    os.mkdir(src_a)
-    archive = subprocess.Popen(["git", "-C", root, "archive", base], stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", src_a], stdin=archive.stdout, check=True)
+def export_commit(root: str, commit: str, dest: str) -> None:
+    """The files of ``commit`` (git archive) extracted into ``dest``."""
+    os.mkdir(dest)
+    archive = subprocess.Popen(["git", "-C", root, "archive", commit], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
     archive.stdout.close()
     if archive.wait() != 0:
-        raise RuntimeError(f"git archive {base} failed")
-    files = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        path = os.path.join(root, rel)
-        if os.path.isfile(path):   # a tracked file deleted in the tree is not part of it
-            os.makedirs(os.path.join(src_b, os.path.dirname(rel)), exist_ok=True)
-            shutil.copy2(path, os.path.join(src_b, rel))
+        raise RuntimeError(f"git archive {commit} failed")
+
+
+def build_ab(base: str, tmp: str, tree_commit: str | None = None) -> tuple[str, str, str]:
+    """The package at commit ``base`` and the working tree's (tracked and
+    untracked files git does not ignore, uncommitted changes included), or
+    the package at ``tree_commit`` if given, each installed into a directory
+    of its own under ``tmp``: (base's directory, the tree's, the tree's
+    name).  Both sources are copies under ``tmp``, so the build leaves
+    nothing in the repository."""
+    root = repo_root()
+    src_a, src_b = os.path.join(tmp, "src-base"), os.path.join(tmp, "src-tree")
+    export_commit(root, base, src_a)
+    if tree_commit:
+        export_commit(root, tree_commit, src_b)
+    else:
+        files = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                               capture_output=True, check=True).stdout.decode().split("\0")
+        for rel in filter(None, files):
+            path = os.path.join(root, rel)
+            if os.path.isfile(path):   # a tracked file deleted in the tree is not part of it
+                os.makedirs(os.path.join(src_b, os.path.dirname(rel)), exist_ok=True)
+                shutil.copy2(path, os.path.join(src_b, rel))
     site_a, site_b = os.path.join(tmp, "site-base"), os.path.join(tmp, "site-tree")
     install_into(src_a, site_a)
     install_into(src_b, site_b)
+    if tree_commit:
+        return site_a, site_b, tree_commit[:7]
     tree = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=7"],
                           capture_output=True, text=True, check=True).stdout.strip()
     return site_a, site_b, tree
@@ -474,7 +485,7 @@ def ab_kernel(site: str, cwd: str, nproc: int) -> KernelSession:
 AB_PAUSE = 0.5
 
 
-def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0)) -> None:
+def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str | None = None) -> None:
     """The warm empty 2-rank cell of the package at ``base`` (A) against the
     working tree's (B): both installed (not editable) into directories of
     their own, one kernel each in the same venv, cells alternating A B A B.
@@ -484,13 +495,15 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0)) -> None:
     CPU is a mean over the cells, not a median).  One row per pause in
     ``pauses``: cells a person's pause apart (each kernel idle before its cell),
     and back to back (each cell sent as the other kernel's ended, so one
-    version's work after a run overlaps the other's cell)."""
+    version's work after a run overlaps the other's cell).  With
+    ``tree_commit``, B is the package at that commit instead of the working
+    tree (bisecting between two commits)."""
     full = resolve_commit(base)
     short = full[:7]
     with tempfile.TemporaryDirectory(prefix="ab-", dir=os.environ.get("TMPDIR")) as tmp:
         t0 = time.perf_counter()
-        site_a, site_b, tree = build_ab(full, tmp)
-        print(f"ab: built {short} and the working tree ({tree}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        site_a, site_b, tree = build_ab(full, tmp, tree_commit and resolve_commit(tree_commit))
+        print(f"ab: built {short} and {'commit' if tree_commit else 'the working tree'} ({tree}) in {time.perf_counter() - t0:.1f} s", flush=True)
         cwd = os.path.join(tmp, "cwd")
         os.mkdir(cwd)
         kernels: list[KernelSession] = []
@@ -511,8 +524,10 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0)) -> None:
         ma, mb = statistics.median(times[a]), statistics.median(times[b])
 
         def cpu_ms(pid: int) -> str:
+            parts = whole[pid]
             return (f"kernel CPU {statistics.mean(cpu[pid]) * 1000:.1f} ms a cell "
-                    f"({whole[pid] * 1000:.1f} ms counting between cells)")
+                    f"({parts['kernel'] * 1000:.1f} ms counting between cells; launcher "
+                    f"{parts['launcher'] * 1000:.1f} ms, supervisor and ranks {parts['runs'] * 1000:.1f} ms a cell)")
 
         how = f"each {pause:g} s after the last" if pause else "back to back"
         row(f"empty cell, 2 ranks, warm, {how}: A/B against {short}",
@@ -526,10 +541,11 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0)) -> None:
 def ab_cells(kernels, code: str, cells: int, pause: float):
     """``cells`` alternating cells per kernel, each ``pause`` seconds after the
     one before: per kernel pid, the round trips, the CPU of each cell, and the
-    CPU per cell over the whole loop."""
+    CPU per cell over the whole loop by part (tree_cpu's, less this client:
+    the kernel, its launcher, the supervisors and ranks the launcher reaped)."""
     times = {k.pid: [] for k in kernels}
     cpu = {k.pid: [] for k in kernels}
-    whole = {k.pid: stat_cpu(k.pid) for k in kernels}
+    start = {k.pid: tree_cpu(k) for k in kernels}
     for _ in range(cells):
         for k in kernels:
             if pause:
@@ -537,7 +553,10 @@ def ab_cells(kernels, code: str, cells: int, pause: float):
             before = stat_cpu(k.pid)
             times[k.pid].append(timed(k, code))
             cpu[k.pid].append(stat_cpu(k.pid) - before)
-    whole = {k.pid: (stat_cpu(k.pid) - whole[k.pid]) / cells for k in kernels}
+    whole = {}
+    for k in kernels:
+        end = tree_cpu(k)
+        whole[k.pid] = {part: (end[part] - start[k.pid][part]) / cells for part in ("kernel", "launcher", "runs")}
     return times, cpu, whole
 
 
@@ -572,6 +591,11 @@ def _main() -> None:
     parser.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(SECTIONS))
     parser.add_argument("--ab_base", default=AB_BASE, help=f"the commit the ab section measures the working "
                                                            f"tree against (default {AB_BASE})")
+    parser.add_argument("--ab_tree", default="", help="a commit to measure instead of the working tree in the "
+                                                      "ab section (bisecting between two commits)")
+    parser.add_argument("--ab_pauses", default="", help=f"comma-separated pauses between cells of the ab "
+                                                        f"section, in seconds (default {AB_PAUSE:g},0: paced and "
+                                                        f"back to back)")
     parser.add_argument("--ab_cells", type=int, default=0, help="cells per side in the ab section "
                                                                 "(default 60, 10 with --quick)")
     args = parser.parse_args()
@@ -583,6 +607,8 @@ def _main() -> None:
     ab_missing = not resolve_commit(args.ab_base)
     if "ab" in chosen and ab_missing:
         parser.error(f"--ab_base: {args.ab_base!r} is not a commit of this repository")
+    if args.ab_tree and not resolve_commit(args.ab_tree):
+        parser.error(f"--ab_tree: {args.ab_tree!r} is not a commit of this repository")
 
     out_path = args.out or (None if chosen else os.path.join(HERE, "RESULTS.md"))
 
@@ -638,7 +664,8 @@ def _main() -> None:
         if ab_missing:
             print(f"ab: skipped ({args.ab_base} is not a commit of this checkout: a shallow clone?)", flush=True)
         else:
-            ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60))
+            pauses = tuple(float(p) for p in args.ab_pauses.split(",")) if args.ab_pauses else (AB_PAUSE, 0.0)
+            ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60), pauses, args.ab_tree or None)
 
     if not any(want(s) for s in SECTIONS[SECTIONS.index("empty"):]):
         write_table(rows, args, out_path)
@@ -942,7 +969,9 @@ def write_table(rows: list, args, out_path) -> None:
         "",
         f"Machine: {machine()}. Commit {commit}. Command: `python bench/bench_launch.py"
         f"{' --quick' if args.quick else ''}{f' --only {args.only}' if args.only else ''}"
-        f"{f' --ab_base {args.ab_base}' if args.ab_base != AB_BASE else ''}`.",
+        f"{f' --ab_base {args.ab_base}' if args.ab_base != AB_BASE else ''}"
+        f"{f' --ab_tree {args.ab_tree}' if args.ab_tree else ''}"
+        f"{f' --ab_pauses {args.ab_pauses}' if args.ab_pauses else ''}`.",
         "Real kernels over the Jupyter protocol; A/B rows alternate cell by cell; medians.",
         "Ratio < 1: accel_magics is faster (for throughput, > 1 is better).",
         "",

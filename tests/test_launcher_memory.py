@@ -168,10 +168,11 @@ def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(l
     # A cell sent as soon as the last one ended found no spare: it was forked
     # only once the last run's supervisor had exited, so its fork, its ranks'
     # forks and its connection were in the new cell's time.  Now the
-    # supervisor says "finished" to the launcher before it tells the kernel,
-    # and the spare is forked while the old run ends.  The old supervisor is
-    # frozen here the moment its run is reported: its ranks stay parked, it
-    # never exits, and the spare must appear all the same.
+    # supervisor says "finished" to the launcher right after it tells the
+    # kernel (then logs the run's end), and the spare is forked while the old
+    # run ends.  The old supervisor is frozen here the moment it logged its
+    # run's end: its ranks stay parked, it never exits, and the spare must
+    # appear all the same.
     import signal
 
     from accel_magics.kernel_ext.supervisor.native_stacks import state
@@ -190,6 +191,8 @@ def test_the_next_runs_spare_is_forked_when_a_run_finishes_not_when_it_is_gone(l
         result, _ = run(launcher, "import os\nos.getppid()", n=2)
         assert result.new_modules == [], result.new_modules
         old = result.value
+        wait_until(lambda: re.search(rf" {old} \S+ INFO: run \S+ node 0 attempt 0: finished ", _log(launcher)), 30,
+                   "the observed run's supervisor to log its end")
         try:
             os.kill(old, signal.SIGSTOP)
         except ProcessLookupError:   # it ended before this test could freeze it (a test preempted): again

@@ -41,16 +41,16 @@ class OneShotSupervisor(Supervisor):
         if not together:
             self.nodes.finish()
         self.logs.close()   # complete on disk before the kernel hears "finished"
-        # First the launcher (it forks the next run's spare while the kernel
-        # shows this result), so the kernel never hears "finished" before it.
-        # One node only: with several, the cell ends with the last node, and
-        # a spare forked on an early one competes with the late ones where
-        # nodes share cores (8 nodes of the test cluster: 106 ms a cell with
-        # it, 59 ms without).
-        if self.spec["num_nodes"] == 1:
-            tell(self.status_fd, RunState.FINISHED)
         self.send({"kind": "finished", "reason": self.stopping,
                    "elapsed": time.time() - self.started})
+        # Then the launcher, which forks the next run's spare while the kernel
+        # shows this result: told first, its fork competed with the delivery
+        # of "finished" and the kernel's reply for the cores.
+        # One node only: with several, the cell ends with the last node, and
+        # a spare forked on an early one competes with the late ones where
+        # nodes share cores.
+        if self.spec["num_nodes"] == 1:
+            tell(self.status_fd, RunState.FINISHED)
         log.info("run %s node %s attempt %s: finished (%s) in %.3fs", self.spec.get("run_id"),
                  self.spec.get("node_rank"), self.spec.get("attempt", 0), self.stopping or "all ranks ended",
                  time.time() - self.started)
