@@ -143,11 +143,21 @@ def test_the_wait_is_bounded_when_the_stop_never_ends(child):
 def test_a_rung_without_an_action_only_waits_and_is_not_logged(child, caplog):
     c = child(ENDS_ON_TERM)
     caplog.set_level(logging.INFO, "test.stop_ladder")
-    c.proc.send_signal(signal.SIGTERM)   # it is ending by itself
+    told = []
+
+    def wait(seconds: float) -> None:
+        """The first rung's wait: the child is told to end by itself only now,
+        once the ladder has climbed it (told before, it could be gone before
+        the ladder started, and no rung would be climbed)."""
+        if not told:
+            told.append(ladder.climbed)
+            c.proc.send_signal(signal.SIGTERM)
+        c.wait(seconds)
+
     ladder = StopLadder("test child", [Rung("ends by itself", None, 30.0),
                                        Rung("SIGKILL", c.signal(signal.SIGKILL))],
                         done=c.gone, log=logging.getLogger("test.stop_ladder"))
-    assert ladder.run(c.wait)
+    assert ladder.run(wait) and told == [1]
     assert c.proc.returncode == 7 and ladder.climbed == 1 and not said(caplog)
 
 
