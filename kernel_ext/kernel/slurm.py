@@ -54,7 +54,7 @@ from ..stop_ladder import Rung, StopLadder
 from .placement import Attempt, Placement
 from .slurm_session import SlurmSessionRanks
 from .run_handle import receive_verified
-from ..wire.messages import Kind, RankEvent, StopReason
+from ..wire.messages import Kind, RankEvent, StopReason, unbatched
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
@@ -525,10 +525,12 @@ class SlurmRun(Attempt):
                                               (self.part_id,) if self.part_id else ())
                     if msg is None:
                         break
-                    msg["node"] = self.node_ids[msg.get("node_rank", 0)]
-                    yield from (self._merge(msg) if msg.get("run_id") == self.run_id else self._part_lost(msg))
-                    if self.finished:
-                        return
+                    node = self.node_ids[msg.get("node_rank", 0)]
+                    for one in unbatched(msg):   # a node's messages come as one, verified once
+                        one["node"] = node
+                        yield from (self._merge(one) if one.get("run_id") == self.run_id else self._part_lost(one))
+                        if self.finished:
+                            return
             if self.agents.sock in ready:
                 while True:
                     msg = self.agents.receive(0)
@@ -725,7 +727,7 @@ class SlurmRun(Attempt):
         if not self.policy.ends_parts:
             return
         try:
-            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id})
+            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id, "closed": True})
         except Exception:
             pass
 
