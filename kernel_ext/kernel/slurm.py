@@ -64,6 +64,7 @@ from ..timing import (
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
+_MORE = int(zmq.SNDMORE)
 log = logging.getLogger("accel_magics.kernel.slurm")
 
 #: why a run ended without some nodes, once its stop's ladder reached the top
@@ -303,10 +304,15 @@ class SlurmAgents:
         connected), each with its error, after sending to every other one."""
         frames = self.session.serialize(self.session.msg("kernel", content))
         copy = max(len(f) for f in frames) < self.session.copy_threshold
+        *first, last = frames
+        send = self.sock.send   # frame by frame with int flags: send_multipart's enum flags cost more per node
         gone = {}
         for node in nodes:
             try:
-                self.sock.send_multipart([f"{self.ident}-{node}".encode(), *frames], copy=copy)
+                send(f"{self.ident}-{node}".encode(), _MORE)   # an agent that is gone fails here, nothing queued
+                for part in first:
+                    send(part, _MORE, copy=copy)
+                send(last, 0, copy=copy)
             except zmq.ZMQError as exc:
                 gone[node] = exc
         return gone
