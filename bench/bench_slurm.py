@@ -5,15 +5,15 @@
 
 A real Slurm cluster on this machine (tests/slurm_cluster.py: slurmctld and
 8 slurmd, every "node" on this machine's cores), a kernel inside a 1-node
-and then an 8-node allocation, an empty one-rank-per-node cell again and
-again, 1 s apart.  For each cell: the kernel process's CPU (every thread,
+and one inside an 8-node allocation (both at once), an empty
+one-rank-per-node cell again and again, 1 s apart, the kernels taking turns.  For each cell: the kernel process's CPU (every thread,
 and its main thread alone, from /proc/<pid>/task/*/schedstat) before and
 after.  The per-node cost is (8 nodes - 1 node) / 7: on a real cluster the
 kernel is the one process that every node talks to, so that is the part of
 a cell that grows with the allocation.  With --base, the package at that
 commit and the working tree are installed into directories of their own
-(bench_launch.build_ab) and each node count gets a kernel of each, cells
-alternating, so both see the same load.
+(bench_launch.build_ab) and each node count gets a kernel of each, all
+four taking turns, so every arm sees the same load.
 """
 from __future__ import annotations
 
@@ -84,36 +84,39 @@ def main() -> None:
             arms = {"tree": None}
         cluster = SlurmCluster(nodes=max(counts), cpus=2)
         results = {}   # (arm, nodes) -> (cell seconds, kernel CPU, main thread CPU) medians
+        allocs, kernels = [], {}
         try:
-            for nodes in counts:
+            # Every allocation at once (a node has 2 CPUs, an allocation takes one of each of its
+            # nodes) and one kernel per arm in each: the cells of all of them take turns, so every
+            # kernel's cells see the same load on this shared machine.
+            for nodes in sorted(counts, reverse=True):
                 alloc = cluster.allocate(nodes)
-                kernels = {}
-                try:
-                    for name, site in arms.items():
-                        kernels[name] = kernel(alloc, site, tmp if site else None)
-                    for k in kernels.values():
-                        timed(k, CELL, 300), timed(k, CELL), timed(k, CELL)
-                    settle(4 + 2 * nodes)
-                    samples = {name: ([], [], []) for name in kernels}
-                    for _ in range(args.cells):
-                        for name, k in kernels.items():
-                            time.sleep(1.0)
-                            before = thread_cpu(k.pid)
-                            wall = timed(k, CELL)
-                            after = thread_cpu(k.pid)
-                            samples[name][0].append(wall)
-                            samples[name][1].append(after[0] - before[0])
-                            samples[name][2].append(after[1] - before[1])
-                    for name, (walls, cpus, mains) in samples.items():
-                        results[name, nodes] = tuple(statistics.median(x) for x in (walls, cpus, mains))
-                        print(f"{name} {nodes} node(s): cell {results[name, nodes][0] * 1000:.1f} ms, kernel CPU "
-                              f"{results[name, nodes][1] * 1000:.2f} ms (main thread "
-                              f"{results[name, nodes][2] * 1000:.2f} ms)", flush=True)
-                finally:
-                    for k in kernels.values():
-                        k.shutdown()
-                    cluster.release(alloc["SLURM_JOB_ID"])
+                allocs.append(alloc)
+                for name, site in arms.items():
+                    kernels[name, nodes] = kernel(alloc, site, tmp if site else None)
+            for k in kernels.values():
+                timed(k, CELL, 300), timed(k, CELL), timed(k, CELL)
+            settle(4 + 2 * max(counts))
+            samples = {key: ([], [], []) for key in kernels}
+            for _ in range(args.cells):
+                for key, k in kernels.items():
+                    time.sleep(1.0)
+                    before = thread_cpu(k.pid)
+                    wall = timed(k, CELL)
+                    after = thread_cpu(k.pid)
+                    samples[key][0].append(wall)
+                    samples[key][1].append(after[0] - before[0])
+                    samples[key][2].append(after[1] - before[1])
+            for (name, nodes), (walls, cpus, mains) in sorted(samples.items(), key=lambda kv: kv[0][1]):
+                results[name, nodes] = tuple(statistics.median(x) for x in (walls, cpus, mains))
+                print(f"{name} {nodes} node(s): cell {results[name, nodes][0] * 1000:.1f} ms, kernel CPU "
+                      f"{results[name, nodes][1] * 1000:.2f} ms (main thread "
+                      f"{results[name, nodes][2] * 1000:.2f} ms)", flush=True)
         finally:
+            for k in kernels.values():
+                k.shutdown()
+            for alloc in allocs:
+                cluster.release(alloc["SLURM_JOB_ID"])
             cluster.stop()
     lo, hi = min(counts), max(counts)
     with open("/proc/loadavg") as f:

@@ -302,7 +302,7 @@ class SlurmAgents:
         against its own replay history, so N agents see it once each.
         Returns the nodes whose agent is gone (ROUTER_MANDATORY: not
         connected), each with its error, after sending to every other one."""
-        frames = self.session.serialize(self.session.msg("kernel", content))
+        frames = wire.packed(self.session.serialize(self.session.msg("kernel", content)))
         copy = max(len(f) for f in frames) < self.session.copy_threshold
         *first, last = frames
         send = self.sock.send   # frame by frame with int flags: send_multipart's enum flags cost more per node

@@ -255,7 +255,8 @@ class Supervisor:
         box = self.outbox
         if box:
             self.outbox = []
-            self.session.send(self.sock, "run_event", batch(box))
+            frames = self.session.serialize(self.session.msg("run_event", batch(box)))
+            self.sock.send_multipart(wire.packed(frames), copy=False)
 
     # -- the nodes' signals -------------------------------------------------------
     def _peers_ended(self) -> None:
