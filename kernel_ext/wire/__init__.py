@@ -66,6 +66,8 @@ def _unpacked(data) -> list:
     """The frames :func:`packed` put in one (views, no copy)."""
     view, frames, at = memoryview(data), [], 0
     while at < len(view):
+        if at + _LEN.size > len(view):
+            raise ValueError("malformed packed message")
         (size,) = _LEN.unpack_from(view, at)
         at += _LEN.size
         if at + size > len(view):
