@@ -30,7 +30,8 @@ from typing import NoReturn, Optional
 from . import error_file
 from .. import wire
 from ..wire import transport
-from ..wire.messages import SEND_NOW, batch, failure_summary
+from ..wire.messages import failure_summary
+from .outbox import Outbox
 from .output_pump import OutputPump
 from ..process_tree import kill_orphans
 from .nodes import Nodes
@@ -41,7 +42,7 @@ from ..stop_ladder import StopLadder
 # The ladders' order: see timing.py.
 from ..timing import (
     REAP_WAIT, STACK_QUIET, DRAIN_WAIT, STARTED_NOTE, RANK_GRACE, RANKS_GONE_POLL, ORPHAN_SWEEP_WAIT,
-    ORPHAN_SWEEP_POLL, BATCH_HOLD,
+    ORPHAN_SWEEP_POLL,
 )
 from ..timing import NATIVE_WAIT, STACK_WAIT  # noqa: F401  (the stop's first rungs, taken by the policies)
 
@@ -87,10 +88,7 @@ class Supervisor:
         self.spec: dict = {}
         self.said_started = False
         self.started_due: Optional[float] = None
-        # A node of a run dispatched to every node at once (Slurm): messages are
-        # held until the loop is about to wait, then sent as one (wire.messages.batch).
-        self.outbox: Optional[list] = None
-        self.outbox_due = 0.0   # when what it holds goes at the latest
+        self.outbox: Optional[Outbox] = None   # a Slurm node's: its messages go as one (outbox.py)
         self.recorded: dict[int, Optional[dict]] = {}   # rank -> what @record wrote (error_file), once read
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.pump = OutputPump(self.rank_set, self.send)
@@ -143,7 +141,8 @@ class Supervisor:
             self.logs.close()
             error_file.remove(self.spec)
             try:
-                self.flush()
+                if self.outbox is not None:
+                    self.outbox.flush()
             except BaseException:
                 pass
             try:
@@ -175,8 +174,7 @@ class Supervisor:
 
     def _start(self, key: bytes, spec: dict, spec_bytes: bytes) -> None:
         self.spec = spec
-        if spec.get("dispatched_together"):
-            self.outbox = []
+        self.outbox = Outbox.of(spec, self._send_packed)
         if spec.get("events_addr", self.events_addr) != self.events_addr:
             # A run the kernel reads on a socket of its own (a session, a background run):
             # a socket of its own here too, whose transport fits that address.
@@ -236,27 +234,15 @@ class Supervisor:
             self._say_started()
         content["run_id"] = self.spec["run_id"]
         content["node_rank"] = self.spec["node_rank"]   # several nodes may report to one reader
-        box = self.outbox
-        if box is None:
+        if self.outbox is None:
             self.session.send(self.sock, "run_event", content)
-            return
-        if box and box[0]["run_id"] != content["run_id"]:   # a batch is of one run (a session's cells)
-            self.flush()
-        if not self.outbox:
-            self.outbox_due = time.monotonic() + BATCH_HOLD
-        self.outbox.append(content)
-        if content["kind"] in SEND_NOW:
-            self.flush()
-        elif content["kind"] == "output":   # already batched (FLUSH_INTERVAL): goes when the loop next waits
-            self.outbox_due = 0.0
+        else:
+            self.outbox.add(content)
 
-    def flush(self) -> None:
-        """What the outbox holds, sent as one message (see ``outbox``)."""
-        box = self.outbox
-        if box:
-            self.outbox = []
-            frames = self.session.serialize(self.session.msg("run_event", batch(box)))
-            self.sock.send_multipart(wire.packed(frames), copy=False)
+    def _send_packed(self, content: dict) -> None:
+        """The outbox's message, its frames in one when small (wire.packed)."""
+        frames = self.session.serialize(self.session.msg("run_event", content))
+        self.sock.send_multipart(wire.packed(frames), copy=False)
 
     # -- the nodes' signals -------------------------------------------------------
     def _peers_ended(self) -> None:
@@ -279,7 +265,7 @@ class Supervisor:
 
     # -- event loop -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> None:
-        held = self._outbox_wait()
+        held = self.outbox.wait() if self.outbox is not None else None
         if held is not None and (timeout is None or held < timeout):
             timeout = held
         for key, _ in self.sel.select(timeout):
@@ -289,17 +275,8 @@ class Supervisor:
                 source(key)
             elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
-        self._outbox_wait()
-
-    def _outbox_wait(self) -> Optional[float]:
-        """The outbox sent if its time has come; else how long it may still wait (None: empty)."""
-        if not self.outbox:
-            return None
-        left = self.outbox_due - time.monotonic()
-        if left <= 0:
-            self.flush()
-            return None
-        return left
+        if self.outbox is not None:
+            self.outbox.wait()
 
     def _serve_until(self, done) -> None:
         """The one event loop of every supervisor: wait for what comes or is due,
