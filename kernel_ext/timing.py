@@ -52,6 +52,7 @@ DRAIN_WAIT = 2.0          # after a rank exits, how long its pipes get to reach 
 RELEASE_DELAY = 0.05      # after "finished", ranks that succeeded stay parked this long
 FLUSH_INTERVAL = 0.05     # output is batched like ipykernel's streams
 STARTED_NOTE = 0.02       # one node: "started" goes with the ranks' first message, or after this (not while they start)
+BATCH_HOLD = 0.05         # a node of a Slurm run: its messages wait at most this long to go as one (output, the end: at once)
 STALL_CHECK = 1.0         # seconds between looks at ranks that may be stalled
 RESOURCE_SAMPLE = 0.5     # seconds between samples of each rank's CPU and memory (the view's rows)
 BEAT_INTERVAL = 0.5       # a rank's interpreter heartbeat (rank/liveness.py): one GIL take per beat
@@ -229,6 +230,9 @@ def check_order() -> list[str]:
         (PEERS_JOIN_WAIT < REAP_WAIT,
          "a rank that waits at its end for its peers' set-up ends by itself before the supervisor kills it"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),
+        (BATCH_HOLD <= FLUSH_INTERVAL and BATCH_HOLD < SLURM_BEAT,
+         "a Slurm node holds its messages no longer than output is batched anyway, and less than the "
+         "kernel's beat"),
         (2 * BEAT_INTERVAL <= STALL_CHECK,
          "a rank whose interpreter runs has beaten at least once between two stall checks"),
         (SHUTDOWN_STOP_WAIT + SHUTDOWN_ORPHAN_WAIT < LAUNCHER_CLOSE_WAIT,

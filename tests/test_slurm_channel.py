@@ -74,3 +74,53 @@ def test_a_message_not_signed_with_the_key_is_refused_by_an_agent(channel):
     assert dealers[0].poll(10_000)
     with pytest.raises(ValueError, match="invalid signature"):
         wire.verified_content(wire.signed_session(agents.key), dealers[0].recv_multipart())
+
+
+def test_a_nodes_messages_go_as_one_batch_verified_once_and_come_out_as_they_were(tmp_path):
+    """A node's supervisor sends what it holds as one signed message
+    (wire.messages.batch), its frames packed into one (wire.packed); the
+    kernel verifies it once and passes the messages inside on in order, each
+    as it was; a batch not signed with the run's key, or a frame that is no
+    packed message, is never unpickled."""
+    from accel_magics.kernel_ext.kernel.run_handle import receive_verified
+    from accel_magics.kernel_ext.wire.messages import Kind, batch, unbatched
+
+    key = wire.new_key()
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind(f"ipc://{tmp_path}/events")
+        push.connect(f"ipc://{tmp_path}/events")
+        said = [{"kind": "started", "pids": {0: 11}}, {"kind": "released"},
+                {"kind": "rank_event", "rank": 0, "event": {"kind": "result", "value": None}},
+                {"kind": "exit", "rank": 0, "exitcode": 0, "signal": None, "stopped": False},
+                {"kind": "finished", "reason": None, "elapsed": 0.01}]
+        for m in said:
+            m.update(run_id="r1", node_rank=3)
+        one = batch(said)
+        assert one["kind"] == Kind.BATCH and one["run_id"] == "r1" and one["node_rank"] == 3
+        assert batch(said[:1]) is said[0]   # a single message goes as it is
+        wire.signed_session(wire.new_key()).send(push, "run_event", one)   # not the run's key
+        push.send(b"\x05\x00\x00\x00\x00\x00\x00\x00abc")   # a frame that is no packed message
+        signer = wire.signed_session(key)
+        # As a node's supervisor sends it: the small message's frames packed into one.
+        packed = wire.packed(signer.serialize(signer.msg("run_event", one)))
+        assert len(packed) == 1
+        push.send_multipart(packed)
+        signer.send(push, "run_event", said[0])   # frames as they are: taken too
+        reader = wire.signed_session(key)
+        assert pull.poll(10_000)
+        got, dropped = receive_verified(pull, reader, "r1")
+        while got is None:   # both sent: wait for the second to arrive
+            assert pull.poll(10_000)
+            got, more = receive_verified(pull, reader, "r1")
+            dropped += more
+        assert dropped == 2   # the one signed with another key, the malformed one: never unpickled
+        assert unbatched(got) == said
+        assert pull.poll(10_000)
+        single, _ = receive_verified(pull, reader, "r1")
+        assert unbatched(single) == [said[0]]
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

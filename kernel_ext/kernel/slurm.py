@@ -54,7 +54,7 @@ from ..stop_ladder import Rung, StopLadder
 from .placement import Attempt, Placement
 from .slurm_session import SlurmSessionRanks
 from .run_handle import receive_verified
-from ..wire.messages import Kind, RankEvent, StopReason
+from ..wire.messages import Kind, RankEvent, StopReason, unbatched
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
@@ -64,6 +64,7 @@ from ..timing import (
 )
 
 _live: "weakref.WeakSet[SlurmAgents]" = weakref.WeakSet()
+_MORE = int(zmq.SNDMORE)
 log = logging.getLogger("accel_magics.kernel.slurm")
 
 #: why a run ended without some nodes, once its stop's ladder reached the top
@@ -301,12 +302,17 @@ class SlurmAgents:
         against its own replay history, so N agents see it once each.
         Returns the nodes whose agent is gone (ROUTER_MANDATORY: not
         connected), each with its error, after sending to every other one."""
-        frames = self.session.serialize(self.session.msg("kernel", content))
+        frames = wire.packed(self.session.serialize(self.session.msg("kernel", content)))
         copy = max(len(f) for f in frames) < self.session.copy_threshold
+        *first, last = frames
+        send = self.sock.send   # frame by frame with int flags: send_multipart's enum flags cost more per node
         gone = {}
         for node in nodes:
             try:
-                self.sock.send_multipart([f"{self.ident}-{node}".encode(), *frames], copy=copy)
+                send(f"{self.ident}-{node}".encode(), _MORE)   # an agent that is gone fails here, nothing queued
+                for part in first:
+                    send(part, _MORE, copy=copy)
+                send(last, 0, copy=copy)
             except zmq.ZMQError as exc:
                 gone[node] = exc
         return gone
@@ -525,10 +531,12 @@ class SlurmRun(Attempt):
                                               (self.part_id,) if self.part_id else ())
                     if msg is None:
                         break
-                    msg["node"] = self.node_ids[msg.get("node_rank", 0)]
-                    yield from (self._merge(msg) if msg.get("run_id") == self.run_id else self._part_lost(msg))
-                    if self.finished:
-                        return
+                    node = self.node_ids[msg.get("node_rank", 0)]
+                    for one in unbatched(msg):   # a node's messages come as one, verified once
+                        one["node"] = node
+                        yield from (self._merge(one) if one.get("run_id") == self.run_id else self._part_lost(one))
+                        if self.finished:
+                            return
             if self.agents.sock in ready:
                 while True:
                     msg = self.agents.receive(0)
@@ -725,7 +733,7 @@ class SlurmRun(Attempt):
         if not self.policy.ends_parts:
             return
         try:
-            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id})
+            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id, "closed": True})
         except Exception:
             pass
 

@@ -24,6 +24,7 @@ from .. import wire
 from .errors import LauncherError, SessionGone
 from .placement import Attempt, SessionAttempt
 from .run_handle import receive_verified
+from ..wire.messages import unbatched
 from ..timing import SESSION_START_WAIT as START_WAIT, SLURM_RECEIVE_SLICE
 
 log = logging.getLogger("accel_magics.kernel.slurm_session")
@@ -94,8 +95,10 @@ class SlurmSessionRanks(SessionAttempt):
                 msg, _ = receive_verified(self.agents.events, self.verifier, self.id)
                 if msg is None:
                     break
-                msg["node"] = self._nodes[msg.get("node_rank", 0)]
-                out.append(msg)
+                node = self._nodes[msg.get("node_rank", 0)]
+                for one in unbatched(msg):
+                    one["node"] = node
+                    out.append(one)
         while True:
             msg = self.agents.receive(0)
             if msg is None:

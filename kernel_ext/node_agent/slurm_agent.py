@@ -135,6 +135,7 @@ class Agent:
         self.launcher = Launcher(report_to=events, report_keys=keys)
         self.handle = None          # the run in progress on this node
         self.run_id = None
+        self.run_closed = False     # the kernel closed that run (it has every node's "finished", or gave up)
         self.part: Optional[SessionPart] = None   # this node's part of a session
         self.stopping = False
 
@@ -243,6 +244,8 @@ class Agent:
         self.handle.interrupt()
 
     def _peers_ended(self, msg: dict) -> None:
+        if msg.get("closed"):   # the kernel is done with the run: it needs no word of its supervisor's exit
+            self.run_closed = True
         self.handle.peers_ended()
 
     def _kill(self, msg: dict) -> None:
@@ -256,7 +259,7 @@ class Agent:
         if self.handle is not None:   # the kernel starts a run only after the last one finished
             self.handle.kill()
             self.handle.close()
-        self.handle, self.run_id = None, msg["run_id"]
+        self.handle, self.run_id, self.run_closed = None, msg["run_id"], False
         try:
             cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
             # Every node got the run at once from one kernel: no count-in before the ranks start.
@@ -312,8 +315,10 @@ class Agent:
         part.end()
 
     def _end_run(self) -> None:
-        """The run's supervisor exited: the kernel decides whether it had finished."""
-        self.send({"kind": "supervisor_exit", "run_id": self.run_id})
+        """The run's supervisor exited: the kernel decides whether it had
+        finished, unless it closed the run already (then nobody reads it)."""
+        if not self.run_closed:
+            self.send({"kind": "supervisor_exit", "run_id": self.run_id})
         self.handle.close()
         self.handle = None
 

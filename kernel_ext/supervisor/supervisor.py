@@ -31,6 +31,7 @@ from . import error_file
 from .. import wire
 from ..wire import transport
 from ..wire.messages import failure_summary
+from .outbox import Outbox
 from .output_pump import OutputPump
 from ..process_tree import kill_orphans
 from .nodes import Nodes
@@ -87,6 +88,7 @@ class Supervisor:
         self.spec: dict = {}
         self.said_started = False
         self.started_due: Optional[float] = None
+        self.outbox: Optional[Outbox] = None   # a Slurm node's: its messages go as one (outbox.py)
         self.recorded: dict[int, Optional[dict]] = {}   # rank -> what @record wrote (error_file), once read
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.pump = OutputPump(self.rank_set, self.send)
@@ -139,6 +141,11 @@ class Supervisor:
             self.logs.close()
             error_file.remove(self.spec)
             try:
+                if self.outbox is not None:
+                    self.outbox.flush()
+            except BaseException:
+                pass
+            try:
                 self.sock.close(linger=2000)
                 self.ctx.term()
             except BaseException:
@@ -167,6 +174,7 @@ class Supervisor:
 
     def _start(self, key: bytes, spec: dict, spec_bytes: bytes) -> None:
         self.spec = spec
+        self.outbox = Outbox.of(spec, self._send_packed)
         if spec.get("events_addr", self.events_addr) != self.events_addr:
             # A run the kernel reads on a socket of its own (a session, a background run):
             # a socket of its own here too, whose transport fits that address.
@@ -226,7 +234,15 @@ class Supervisor:
             self._say_started()
         content["run_id"] = self.spec["run_id"]
         content["node_rank"] = self.spec["node_rank"]   # several nodes may report to one reader
-        self.session.send(self.sock, "run_event", content)
+        if self.outbox is None:
+            self.session.send(self.sock, "run_event", content)
+        else:
+            self.outbox.add(content)
+
+    def _send_packed(self, content: dict) -> None:
+        """The outbox's message, its frames in one when small (wire.packed)."""
+        frames = self.session.serialize(self.session.msg("run_event", content))
+        self.sock.send_multipart(wire.packed(frames), copy=False)
 
     # -- the nodes' signals -------------------------------------------------------
     def _peers_ended(self) -> None:
@@ -249,6 +265,9 @@ class Supervisor:
 
     # -- event loop -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> None:
+        held = self.outbox.wait() if self.outbox is not None else None
+        if held is not None and (timeout is None or held < timeout):
+            timeout = held
         for key, _ in self.sel.select(timeout):
             kind, rank = key.data
             source = self.sources.get(kind)
@@ -256,6 +275,8 @@ class Supervisor:
                 source(key)
             elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
+        if self.outbox is not None:
+            self.outbox.wait()
 
     def _serve_until(self, done) -> None:
         """The one event loop of every supervisor: wait for what comes or is due,

@@ -37,6 +37,9 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
                        ("alive", "lost", "stopped"), ``lost``; ``forced`` (the kernel
                        killed it: why); ``terminated_on`` (nodes whose supervisor got SIGTERM)
 ``heartbeat``          (kernel side only) nothing arrived for a while
+``batch``              ``messages``: several of the above from one node's supervisor, in order, all
+                       of this ``run_id``, signed once (see :func:`batch`); a reader unpacks
+                       it with :func:`unbatched` and never passes the batch itself on
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -78,6 +81,32 @@ class Kind(_Text):
     SUPERVISOR_ERROR = "supervisor_error"
     SESSION_LOST = "session_lost"
     FINISHED = "finished"
+    BATCH = "batch"
+
+
+#: The kinds a batching supervisor sends at once, with what it holds: what
+#: the kernel waits on to end a cell or to know it cannot go on.
+SEND_NOW = frozenset(k.value for k in (Kind.FINISHED, Kind.SUPERVISOR_ERROR, Kind.SESSION_LOST,
+                                         Kind.RENDEZVOUS_FAILED))
+
+
+def batch(messages: list) -> dict:
+    """One message for ``messages`` (each with the same ``run_id`` and
+    ``node_rank``): a node of a Slurm run sends what it has when its loop is
+    about to wait, so the kernel, which reads every node, verifies and
+    unpickles one frame per node and wakeup instead of one per message.
+    A single message goes as it is."""
+    if len(messages) == 1:
+        return messages[0]
+    first = messages[0]
+    return {"kind": Kind.BATCH, "run_id": first["run_id"], "node_rank": first.get("node_rank"),
+            "messages": messages}
+
+
+def unbatched(msg: dict) -> list:
+    """The messages a received (verified) message stands for, in order: a
+    batch's, else itself."""
+    return msg["messages"] if msg.get("kind") == Kind.BATCH else [msg]
 
 
 class RankEvent(_Text):
