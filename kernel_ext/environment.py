@@ -114,7 +114,7 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
                     f"--num_processes {cfg.num_processes} is more than {seen}; use at most one process "
                     "per GPU, or pass --oversubscribe to allow it."
                 )
-        else:
+        elif cfg.num_processes > 4:   # never more than 4x the cores (at least one): the quota is read only here
             cap = 4 * cpu_count()
             if cfg.num_processes > cap:
                 raise ConfigError(
