@@ -254,6 +254,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 _TERMINAL_ONLY = ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
 
 
+_environ_seen: tuple[dict, dict] = ({}, {})   # (os.environ's encoded dict, its decoded copy) when last read
+
+
+def environ_now() -> dict[str, str]:
+    """A copy of the kernel's ``os.environ`` as it is now.  Decoded again only
+    when its encoded form changed (compared whole, without decoding)."""
+    global _environ_seen
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):
+        return dict(os.environ)
+    raw, decoded = _environ_seen
+    if raw != data:
+        decoded = dict(os.environ)
+        _environ_seen = (dict(data), decoded)
+    return dict(decoded)
+
+
 def rank_base_environment(kernel_env: dict) -> dict[str, str]:
     """The kernel's environment as a rank gets it: a rank writes to a pipe
     that the run view shows as plain lines (carriage returns update a bar in

@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Optional
 
-from ..environment import import_time_changes, rank_base_environment
+from ..environment import environ_now, import_time_changes, rank_base_environment
 
 log = logging.getLogger("accel_magics.launcher")
 
@@ -97,7 +97,7 @@ class ImportEnvironment:
         if seen is not None and seen[0] is self.at_start and seen[1] == reads and seen[2] == raw:
             self.warned = None
             return False
-        changed = import_time_changes(self.at_start, rank_base_environment(os.environ), reads)
+        changed = import_time_changes(self.at_start, rank_base_environment(environ_now()), reads)
         if not changed:
             self.warned = None
             self._unchanged = (self.at_start, set(reads) if isinstance(reads, set) else reads, dict(raw))
