@@ -81,6 +81,10 @@ class ImportEnvironment:
         self.warned = None
         self._unchanged = None
 
+    def _as_last_found_unchanged(self, reads, raw: dict) -> bool:
+        seen = self._unchanged
+        return seen is not None and seen[0] is self.at_start and seen[1] == reads and seen[2] == raw
+
     def outdated(self, live: dict, pid: int, reads: Optional[set] = None) -> bool:
         """Has a variable the launcher's imports depend on changed in the
         kernel since it started?  Then a rank forked from it would not be what
@@ -93,8 +97,7 @@ class ImportEnvironment:
         ``reads``: the names looked up, if not those the launcher said."""
         reads = self.reads if reads is None else reads
         raw = _raw_environ()
-        seen = self._unchanged
-        if seen is not None and seen[0] is self.at_start and seen[1] == reads and seen[2] == raw:
+        if self._as_last_found_unchanged(reads, raw):
             self.warned = None
             return False
         changed = import_time_changes(self.at_start, rank_base_environment(environ_now()), reads)

@@ -215,19 +215,7 @@ class Zygote:
         """Serve the kernel until it goes, closes the control pipe or SIGTERM comes."""
         while not self.terminating:
             idle = not set(self.supervisors) - self.keep - self.finished
-            timeout, spare_due = None, False
-            if self.spare is None and idle:
-                # Idle time (or the last run just finished, its ranks ending): the
-                # next run's fork is done now, not in its cell; but not while the
-                # kernel delivers the run that just finished (a run frame that
-                # comes meanwhile forks it at once).
-                defer = self.finished_at + SPARE_FORK_DEFER - time.monotonic()
-                if defer > 0:
-                    timeout, spare_due = defer, True
-                else:
-                    self.fork_spare()
-            if idle and self.collapser.pending and not spare_due:
-                timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
+            timeout, spare_due = self.idle_work(idle)
             ready = self.sel.select(timeout)
             if not ready:
                 if not spare_due:
@@ -237,6 +225,23 @@ class Zygote:
             for key, _ in ready:
                 if not self.on_ready(key.data):
                     return
+
+    def idle_work(self, idle: bool) -> tuple[Optional[float], bool]:
+        """What to do while no run is in progress (``idle``): fork the next
+        run's spare, or say how long to wait (the select's timeout) and
+        whether that wait is for the spare (else for the heap's next step)."""
+        if self.spare is None and idle:
+            # Idle time (or the last run just finished, its ranks ending): the
+            # next run's fork is done now, not in its cell; but not while the
+            # kernel delivers the run that just finished (a run frame that
+            # comes meanwhile forks it at once).
+            defer = self.finished_at + SPARE_FORK_DEFER - time.monotonic()
+            if defer > 0:
+                return defer, True
+            self.fork_spare()
+        if idle and self.collapser.pending:
+            return max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic()), False
+        return None, False
 
     def on_ready(self, source) -> bool:
         """Serve one source the selector found ready; False: this process is done."""
