@@ -162,13 +162,14 @@ class LaunchDefaults:
     def _gpu_count(self) -> int:
         return (self.state.launcher.info or {}).get("gpu_count", 0)
 
-    def effective(self, with_set: bool = True) -> dict:
-        """Every default as a cell gets it; ``with_set=False``: without layer 3."""
-        # One rank per GPU the ranks would see.
-        gpus = visible_gpus(self._gpu_count(), LaunchConfig(num_processes=1), os.environ)
-        # What the config form shows: its fields' built-in values, the GPUs counted.
+    def effective(self, with_set: bool = True, count: bool = True) -> dict:
+        """Every default as a cell gets it; ``with_set=False``: without layer 3.
+        ``count=False``: num_processes is given, so the cores are not counted
+        for its default (no read of the CPU quota)."""
         values = {option.name: option.default for option in options.OPTIONS if option.label}
-        values["num_processes"] = gpus or min(2, cpu_count())   # a CPU quota of 1 core: 1 rank
+        if count:   # one rank per GPU the ranks would see, else a CPU quota of 1 core: 1 rank
+            gpus = visible_gpus(self._gpu_count(), LaunchConfig(num_processes=1), os.environ)
+            values["num_processes"] = gpus or min(2, cpu_count())
         values.update(configured(self.owner))
         if with_set:
             values.update(self.state.defaults)
@@ -219,7 +220,7 @@ class LaunchDefaults:
         if wait:
             self.ensure_known()
         explicit = {**self.given(), **flags_of(args)}
-        values = self.effective()
+        values = self.effective(count=explicit.get("num_processes") is None)
         extra_env = {}
         if explicit.get("config_file") is not None:
             from_file, extra_env = self._from_accelerate_config(explicit)

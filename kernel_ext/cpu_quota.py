@@ -12,6 +12,7 @@ no process started; the roots are parameters so tests feed recorded trees.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -82,6 +83,22 @@ def quota_from(proc_cgroup: str, mountinfo: str, root: str = "") -> Optional[Cpu
     ``mountinfo``: /proc/self/mountinfo's, ``root``: a prefix for the paths
     read (a recorded tree in tests)."""
     best: Optional[CpuQuota] = None
+    for v2, directories in _limit_dirs(proc_cgroup, mountinfo, root):
+        limit = _v2_limit if v2 else _v1_limit
+        for directory in directories:
+            cores = limit(directory)
+            if cores is not None and (best is None or cores < best.cores):
+                best = CpuQuota(cores, os.path.join(directory[len(root):] or "/",
+                                                    "cpu.max" if v2 else "cpu.cfs_quota_us"))
+    return best
+
+
+@functools.lru_cache(maxsize=8)
+def _limit_dirs(proc_cgroup: str, mountinfo: str, root: str) -> tuple[tuple[bool, tuple[str, ...]], ...]:
+    """Where the limits are: (cgroup v2?, the cgroup's directory and its
+    ancestors up to the mount point) for each CPU hierarchy.  The same
+    texts give the same directories, so each cell parses them once."""
+    found = []
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -102,16 +119,12 @@ def quota_from(proc_cgroup: str, mountinfo: str, root: str = "") -> Optional[Cpu
             top = os.path.normpath(root + mount_point)
             if not os.path.isdir(directory):
                 directory = top
-            limit = _v2_limit if v2 else _v1_limit
-            while True:
-                cores = limit(directory)
-                if cores is not None and (best is None or cores < best.cores):
-                    best = CpuQuota(cores, os.path.join(directory[len(root):] or "/",
-                                                        "cpu.max" if v2 else "cpu.cfs_quota_us"))
-                if directory == top or len(directory) <= len(top):
-                    break
+            chain = [directory]
+            while directory != top and len(directory) > len(top):
                 directory = os.path.dirname(directory)
-    return best
+                chain.append(directory)
+            found.append((v2, tuple(chain)))
+    return tuple(found)
 
 
 def cpu_quota() -> Optional[CpuQuota]:

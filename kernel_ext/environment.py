@@ -114,7 +114,7 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
                     f"--num_processes {cfg.num_processes} is more than {seen}; use at most one process "
                     "per GPU, or pass --oversubscribe to allow it."
                 )
-        else:
+        elif cfg.num_processes > 4:   # never more than 4x the cores (at least one): the quota is read only here
             cap = 4 * cpu_count()
             if cfg.num_processes > cap:
                 raise ConfigError(
@@ -252,6 +252,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 #: forced colour and cursor control make rich/click-based progress draw
 #: terminal escapes into the run's record.
 _TERMINAL_ONLY = ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+
+
+_environ_seen: tuple[dict, dict] = ({}, {})   # (os.environ's encoded dict, its decoded copy) when last read
+
+
+def environ_now() -> dict[str, str]:
+    """A copy of the kernel's ``os.environ`` as it is now.  Decoded again only
+    when its encoded form changed (compared whole, without decoding)."""
+    global _environ_seen
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):
+        return dict(os.environ)
+    raw, decoded = _environ_seen
+    if raw != data:
+        decoded = dict(os.environ)
+        _environ_seen = (dict(data), decoded)
+    return dict(decoded)
 
 
 def rank_base_environment(kernel_env: dict) -> dict[str, str]:

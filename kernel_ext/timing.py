@@ -138,6 +138,7 @@ STORE_THREADS_POLL = 0.005  # ... seconds between looks
 COLLAPSE_AT_START = 0.1   # at start, how long the launcher moves its heap into huge pages (hugepages.py)
 COLLAPSE_IDLE = 0.5       # ... the rest a huge page at a time, once nothing happened for this long
 COLLAPSE_SLOW = 0.1       # ... and no more once one page took this much CPU (a cell waits for one step)
+SPARE_FORK_DEFER = 0.003  # a run finished: how long the next run's spare waits, so the kernel's reply goes first
 
 # -- Slurm: the kernel over every node, the agents ---------------------------------------
 SLURM_START_WAIT = 180.0  # srun and every agent to start (each imports torch)
@@ -227,6 +228,8 @@ def check_order() -> list[str]:
         (COLLAPSE_AT_START < COLLAPSE_IDLE and COLLAPSE_SLOW <= COLLAPSE_AT_START,
          "the launcher is ready after a short first collapse, and a cell that arrives while it moves its "
          "heap waits for one step, never longer than that"),
+        (SPARE_FORK_DEFER < COLLAPSE_IDLE,
+         "the spare deferred while the kernel delivers a run is forked before the idle launcher moves its heap"),
         (PEERS_JOIN_WAIT < REAP_WAIT,
          "a rank that waits at its end for its peers' set-up ends by itself before the supervisor kills it"),
         (FLUSH_INTERVAL < STALL_CHECK, "output is flushed between stall checks"),

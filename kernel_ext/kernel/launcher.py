@@ -30,8 +30,8 @@ import zmq
 
 from .. import child_environment, process_tree
 from .. import wire
-from ..environment import (LaunchConfig, error_dir, error_file, free_port, rank_base_environment, rank_environment,
-                           visible_gpus)
+from ..environment import (LaunchConfig, environ_now, error_dir, error_file, free_port, rank_base_environment,
+                           rank_environment, visible_gpus)
 from .errors import LauncherError
 from .escapes import EscapeWatch
 from .preloads import ImportEnvironment, Preloads
@@ -143,7 +143,7 @@ def run_spec(cfg: LaunchConfig, payload: Optional[Payload], *, run_id: str, port
         "events_addr": events_addr,
         "num_processes": cfg.num_processes,
         "ranks": [cfg.global_rank(i) for i in cfg.local_ranks],
-        "env": rank_base_environment(os.environ),
+        "env": rank_base_environment(environ_now()),
         # What sys.argv[0] is in the kernel (ipykernel's launcher), without
         # the kernel's own flags: argparse in a rank sees no arguments.
         "argv": [os.path.abspath(sys.argv[0])] if sys.argv and sys.argv[0] else [""],

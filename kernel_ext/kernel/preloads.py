@@ -13,9 +13,16 @@ import os
 import warnings
 from typing import Optional
 
-from ..environment import import_time_changes, rank_base_environment
+from ..environment import environ_now, import_time_changes, rank_base_environment
 
 log = logging.getLogger("accel_magics.launcher")
+
+
+def _raw_environ() -> dict:
+    """The kernel's environment as os.environ keeps it (its encoded dict,
+    compared without decoding every entry), or a copy where it keeps none."""
+    data = getattr(os.environ, "_data", None)
+    return data if isinstance(data, dict) else dict(os.environ)
 
 
 class Preloads:
@@ -65,10 +72,18 @@ class ImportEnvironment:
         self.at_start: dict[str, str] = {}
         self.reads: set[str] = set()
         self.warned: Optional[tuple] = None
+        # (at_start, the names read, the kernel's environment) when last found
+        # unchanged: the same three again need no comparison (a cell asks twice).
+        self._unchanged: Optional[tuple] = None
 
     def reset(self) -> None:
         self.reads = set()
         self.warned = None
+        self._unchanged = None
+
+    def _as_last_found_unchanged(self, reads, raw: dict) -> bool:
+        seen = self._unchanged
+        return seen is not None and seen[0] is self.at_start and seen[1] == reads and seen[2] == raw
 
     def outdated(self, live: dict, pid: int, reads: Optional[set] = None) -> bool:
         """Has a variable the launcher's imports depend on changed in the
@@ -80,10 +95,15 @@ class ImportEnvironment:
         lives on it (``live``: they would die): a warning says that this run
         and they keep the launcher's environment, and how to get the new one.
         ``reads``: the names looked up, if not those the launcher said."""
-        changed = import_time_changes(self.at_start, rank_base_environment(os.environ),
-                                      self.reads if reads is None else reads)
+        reads = self.reads if reads is None else reads
+        raw = _raw_environ()
+        if self._as_last_found_unchanged(reads, raw):
+            self.warned = None
+            return False
+        changed = import_time_changes(self.at_start, rank_base_environment(environ_now()), reads)
         if not changed:
             self.warned = None
+            self._unchanged = (self.at_start, set(reads) if isinstance(reads, set) else reads, dict(raw))
             return False
         names = ", ".join(changed)
         if not live:

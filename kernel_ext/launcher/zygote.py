@@ -48,7 +48,7 @@ from ..process_tree import children, kill_orphans, running  # noqa: E402
 from ..supervisor.run_state import RunState  # noqa: E402
 # The ladders' order: see timing.py.
 from ..timing import (COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT, SHUTDOWN_ORPHAN_POLL, SHUTDOWN_ORPHAN_WAIT,  # noqa: E402
-                      SHUTDOWN_STOP_WAIT, STORE_THREADS_POLL, STORE_THREADS_WAIT)
+                      SHUTDOWN_STOP_WAIT, SPARE_FORK_DEFER, STORE_THREADS_POLL, STORE_THREADS_WAIT)
 from .hugepages import Collapser  # noqa: E402
 from .imports import Imports  # noqa: E402
 from .replies import Replies  # noqa: E402
@@ -138,6 +138,7 @@ class Zygote:
         self.collapser = Collapser()               # the heap into huge pages, while idle (hugepages)
         self.imports = Imports(ENV_READS, self.collapser, self.replies.say_phase)
         self.quiet_since = time.monotonic()        # the last control message, signal or status
+        self.finished_at = -float("inf")            # when a run last said it finished
 
     def serve(self, init: dict) -> None:
         self.private_dir = init["private_dir"]
@@ -214,21 +215,33 @@ class Zygote:
         """Serve the kernel until it goes, closes the control pipe or SIGTERM comes."""
         while not self.terminating:
             idle = not set(self.supervisors) - self.keep - self.finished
-            if self.spare is None and idle:
-                # Idle time (or the last run just finished, its ranks ending): the
-                # next run's fork is done now, not in its cell.
-                self.fork_spare()
-            timeout = None
-            if idle and self.collapser.pending:
-                timeout = max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic())
+            timeout, spare_due = self.idle_work(idle)
             ready = self.sel.select(timeout)
             if not ready:
-                self.collapser.step()   # idle and quiet: one huge page, then look again
+                if not spare_due:
+                    self.collapser.step()   # idle and quiet: one huge page, then look again
                 continue
             self.quiet_since = time.monotonic()
             for key, _ in ready:
                 if not self.on_ready(key.data):
                     return
+
+    def idle_work(self, idle: bool) -> tuple[Optional[float], bool]:
+        """What to do while no run is in progress (``idle``): fork the next
+        run's spare, or say how long to wait (the select's timeout) and
+        whether that wait is for the spare (else for the heap's next step)."""
+        if self.spare is None and idle:
+            # Idle time (or the last run just finished, its ranks ending): the
+            # next run's fork is done now, not in its cell; but not while the
+            # kernel delivers the run that just finished (a run frame that
+            # comes meanwhile forks it at once).
+            defer = self.finished_at + SPARE_FORK_DEFER - time.monotonic()
+            if defer > 0:
+                return defer, True
+            self.fork_spare()
+        if idle and self.collapser.pending:
+            return max(0.0, self.quiet_since + COLLAPSE_IDLE - time.monotonic()), False
+        return None, False
 
     def on_ready(self, source) -> bool:
         """Serve one source the selector found ready; False: this process is done."""
@@ -381,6 +394,7 @@ class Zygote:
             data = b""
         if RunState.FINISHED.value in data:
             self.finished.add(pid)
+            self.finished_at = time.monotonic()
         if RunState.RANKS_GONE.value in data or not data:   # EOF: it exited (its ranks reaped, or orphans here)
             self.ranks_gone.add(pid)
             self.forget_status(pid)

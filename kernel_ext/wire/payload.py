@@ -340,15 +340,26 @@ def shared_globals_unsupported() -> Optional[str]:
     platform's memfds, and the hook points, numpy's reduction of an array
     to a ``PickleBuffer`` and torch's of a tensor to a ``TypedStorage``
     (each once the kernel has imported it: neither is imported for this)."""
-    import importlib.util
-
     if not hasattr(os, "memfd_create"):
         return "os.memfd_create is missing (Linux only)"
     if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
         return "no /proc/<pid>/fd: the ranks could not open the kernel's memory"
-    if importlib.util.find_spec("numpy") is None:
+    if not _numpy_found():
         return "numpy is not installed (kept memory is compared through it)"
     return _reductions_unsupported("numpy" in sys.modules, "torch" in sys.modules)
+
+
+_numpy_seen = False   # found once: it stays installed (one not found is looked for again)
+
+
+def _numpy_found() -> bool:
+    """Is numpy importable?  Not imported for this; looked up on disk until found once."""
+    global _numpy_seen
+    if not _numpy_seen:
+        import importlib.util
+
+        _numpy_seen = "numpy" in sys.modules or importlib.util.find_spec("numpy") is not None
+    return _numpy_seen
 
 
 @functools.lru_cache(maxsize=None)
