@@ -257,18 +257,30 @@ _TERMINAL_ONLY = ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS", "TTY_COMPATIBLE"
 _environ_seen: tuple[dict, dict] = ({}, {})   # (os.environ's encoded dict, its decoded copy) when last read
 
 
-def environ_now() -> dict[str, str]:
-    """A copy of the kernel's ``os.environ`` as it is now.  Decoded again only
-    when its encoded form changed (compared whole, without decoding)."""
+def environ_snapshot() -> tuple[dict, dict[str, str]]:
+    """The kernel's environment now, as one snapshot: ``(raw, decoded)``, where
+    ``raw`` is a copy of the dict ``os.environ`` keeps (encoded; compared whole
+    without decoding it) and ``decoded`` is that same snapshot decoded (again
+    only when it differs from the last one).  Both come from one copy, so a
+    thread that changes ``os.environ`` meanwhile never pairs a newer ``raw``
+    with an older ``decoded``.  Where ``os.environ`` keeps no such dict, both
+    are the decoded copy."""
     global _environ_seen
     data = getattr(os.environ, "_data", None)
     if not isinstance(data, dict):
-        return dict(os.environ)
-    raw, decoded = _environ_seen
-    if raw != data:
         decoded = dict(os.environ)
-        _environ_seen = (dict(data), decoded)
-    return dict(decoded)
+        return decoded, decoded
+    raw = dict(data)
+    seen_raw, decoded = _environ_seen
+    if raw != seen_raw:
+        decoded = {os.environ.decodekey(k): os.environ.decodevalue(v) for k, v in raw.items()}
+        _environ_seen = (raw, decoded)
+    return raw, decoded
+
+
+def environ_now() -> dict[str, str]:
+    """A copy of the kernel's ``os.environ`` as it is now (see :func:`environ_snapshot`)."""
+    return dict(environ_snapshot()[1])
 
 
 def rank_base_environment(kernel_env: dict) -> dict[str, str]:

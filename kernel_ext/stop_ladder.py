@@ -22,6 +22,7 @@ itself (ranks told to end at their prompt).  Rungs that act are logged.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -47,6 +48,10 @@ class StopLadder:
         self.log = log or logging.getLogger("accel_magics.stop_ladder")
         self.climbed = 0                   # how many rungs were climbed
         self.due: Optional[float] = None   # when the next rung is (None: not started, over or cancelled)
+        # One climb at a time: a stop asked from another thread (the stop button
+        # while the reading thread's loop climbs what is due) never climbs a
+        # rung twice nor passes over one's wait.
+        self._lock = threading.RLock()
 
     @property
     def started(self) -> bool:
@@ -59,43 +64,47 @@ class StopLadder:
 
     def start(self, now: Optional[float] = None) -> None:
         """The first rung, unless the ladder was started already."""
-        if not self.started:
-            self.climb(now)
+        with self._lock:
+            if not self.started:
+                self.climb(now)
 
     def climb(self, now: Optional[float] = None) -> bool:
         """The next rung now, whatever its time (a stop asked again climbs
         sooner); False at the top."""
-        if self.at_top:
-            self.due = None
-            return False
-        now = time.monotonic() if now is None else now   # the wait counts from the rung, not from its action's end
-        rung = self.rungs[self.climbed]
-        self.climbed += 1
-        if rung.act is not None:
-            self.log.info("%s: %s", self.what, rung.name)
-            rung.act()
-        last = self.at_top and not rung.wait   # a top rung with no wait: nothing more is due
-        self.due = None if last else now + rung.wait
-        return True
+        with self._lock:
+            if self.at_top:
+                self.due = None
+                return False
+            now = time.monotonic() if now is None else now   # the wait counts from the rung, not from its action's end
+            rung = self.rungs[self.climbed]
+            self.climbed += 1
+            last = self.at_top and not rung.wait   # a top rung with no wait: nothing more is due
+            self.due = None if last else now + rung.wait   # set first: an action that raises still leaves its wait
+            if rung.act is not None:
+                self.log.info("%s: %s", self.what, rung.name)
+                rung.act()
+            return True
 
     def skip_to(self, index: int, now: Optional[float] = None) -> bool:
         """Rung ``index`` now, the rungs below it passed over (a stop that
         must be quick: the kernel's kill at --timeout); False, and nothing
-        done, once the ladder is past that rung."""
-        if self.climbed > index:
-            return False
-        self.climbed = index
-        return self.climb(now)
+        done, once the ladder is past that rung (or it has no such rung)."""
+        with self._lock:
+            if self.climbed > index or index >= len(self.rungs):
+                return False
+            self.climbed = index
+            return self.climb(now)
 
     def on_time(self, now: float) -> None:
         """Climb the rung that is due, unless the stop is over (then no more are);
         the top rung's wait over, nothing is due any more."""
-        if self.due is None or now < self.due:
-            return
-        if self.done():
-            self.due = None
-            return
-        self.climb(now)
+        with self._lock:
+            if self.due is None or now < self.due:
+                return
+            if self.done():
+                self.due = None
+                return
+            self.climb(now)
 
     def cancel(self) -> None:
         """No further rung (what it stopped is gone, or the stop is void)."""

@@ -220,3 +220,21 @@ def test_a_rank_gets_its_error_file_whatever_a_config_file_says():
     assert env["TORCHELASTIC_ERROR_FILE"] == "/p/torchelastic_r/attempt_0/1/error.json"
     assert "TORCHELASTIC_ERROR_FILE" not in rank_environment(LaunchConfig(num_processes=2), 1, 1, run_id="r",
                                                              attempt=0, gpu_count=0)
+
+
+def test_the_environment_snapshot_sees_every_change_between_calls_and_decodes_as_os_environ_does(monkeypatch):
+    """environ_now() is a cached decode of os.environ: it must still be the
+    kernel's environment at each call (set, changed, deleted, bytes that are
+    not UTF-8), and its raw half is the same snapshot as its decoded half."""
+    from accel_magics.kernel_ext.environment import environ_now, environ_snapshot
+
+    assert environ_now() == dict(os.environ)
+    monkeypatch.setenv("ACCEL_MAGICS_TEST_SNAPSHOT", "1")
+    assert environ_now()["ACCEL_MAGICS_TEST_SNAPSHOT"] == "1"
+    monkeypatch.setenv("ACCEL_MAGICS_TEST_SNAPSHOT", "caf\udce9")   # a byte 0xe9 alone: surrogate-escaped
+    assert environ_now()["ACCEL_MAGICS_TEST_SNAPSHOT"] == "caf\udce9"
+    monkeypatch.delenv("ACCEL_MAGICS_TEST_SNAPSHOT")
+    assert "ACCEL_MAGICS_TEST_SNAPSHOT" not in environ_now()
+    raw, decoded = environ_snapshot()
+    assert decoded == dict(os.environ) and len(raw) == len(decoded)
+    assert raw is not getattr(os.environ, "_data", None)   # a copy: a later change cannot reach it

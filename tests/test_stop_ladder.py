@@ -174,3 +174,52 @@ def test_skipping_to_a_rung_passes_over_the_ones_below_and_never_goes_back(child
     assert c.gone() and c.proc.returncode == -signal.SIGKILL and not stopped
     assert not ladder.skip_to(0) and not ladder.skip_to(1) and ladder.climbed == 2
     assert said(caplog) == ["test child: SIGKILL"]
+
+
+def test_skipping_to_a_rung_the_ladder_has_not_does_nothing():
+    acted = []
+    ladder = StopLadder("test", [Rung("one", lambda: acted.append(1), 5.0)], done=lambda: False)
+    assert not ladder.skip_to(3) and ladder.climbed == 0 and ladder.due is None and not acted
+    assert ladder.skip_to(0) and acted == [1]
+
+
+def test_a_rung_whose_action_raises_still_keeps_its_wait():
+    def fails():
+        raise OSError("no such process")
+
+    acted = []
+    ladder = StopLadder("test", [Rung("fails", fails, 60.0), Rung("next", lambda: acted.append(1))],
+                        done=lambda: False)
+    with pytest.raises(OSError):
+        ladder.start(now=100.0)
+    assert ladder.climbed == 1 and ladder.due == 160.0
+    ladder.on_time(130.0)
+    assert not acted   # the next rung waits for the failed one's time
+    ladder.on_time(160.0)
+    assert acted == [1]
+
+
+def test_a_rung_due_while_another_thread_climbs_waits_for_that_climbs_time():
+    """The stop button (another thread) climbs while the reading thread's loop
+    looks at what is due: the loop sees the new rung's time, never the old one."""
+    import threading
+
+    entered, release, acted = threading.Event(), threading.Event(), []
+
+    def slow_stop():   # an in-band stop being sent
+        entered.set()
+        release.wait(30)
+
+    ladder = StopLadder("test", [Rung("a plain wait", None, 0.0), Rung("the stop", slow_stop, 60.0),
+                                 Rung("SIGKILL", lambda: acted.append("SIGKILL"))], done=lambda: False)
+    ladder.start()                     # the first rung's wait (none) is over at once
+    pressing = threading.Thread(target=ladder.climb)
+    pressing.start()
+    assert entered.wait(30)
+    looking = threading.Thread(target=lambda: ladder.on_time(time.monotonic()))
+    looking.start()
+    looking.join(0.5)                  # without the ladder's lock it climbed to SIGKILL by now
+    release.set()
+    pressing.join(30)
+    looking.join(30)
+    assert not acted and ladder.climbed == 2 and ladder.due > time.monotonic() + 50

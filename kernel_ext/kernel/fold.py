@@ -159,11 +159,12 @@ class RunFold:
             self._sink(event)
         elif isinstance(event, ev.RunStarted):
             self._sink(event)
-            self._flush_early()
+            self.flush_early()
         else:
             self._early.append(event)
 
-    def _flush_early(self) -> None:
+    def flush_early(self) -> None:
+        """What a restart's attempt said before its "started", now (once)."""
         if self._early is not None:
             early, self._early, self.emit = self._early, None, self._sink
             for event in early:
@@ -377,7 +378,7 @@ class RunFold:
     # -- the outcome --------------------------------------------------------------------
     def outcome(self) -> Outcome:
         """The attempt's outcome (emitted as :class:`events.RunFinished` too)."""
-        self._flush_early()   # a restart whose ranks never all started: what they said still counts
+        self.flush_early()   # a restart whose ranks never all started: what they said still counts
         completed = completed_cell(self.session_cell, self.ranks, self.results, self.failures, self.unfinished,
                                    self.forced, self.session, self.reason)
         reason = (None if completed else StopReason.INTERRUPT if self.interrupted else

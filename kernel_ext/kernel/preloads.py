@@ -13,16 +13,9 @@ import os
 import warnings
 from typing import Optional
 
-from ..environment import environ_now, import_time_changes, rank_base_environment
+from ..environment import environ_snapshot, import_time_changes, rank_base_environment
 
 log = logging.getLogger("accel_magics.launcher")
-
-
-def _raw_environ() -> dict:
-    """The kernel's environment as os.environ keeps it (its encoded dict,
-    compared without decoding every entry), or a copy where it keeps none."""
-    data = getattr(os.environ, "_data", None)
-    return data if isinstance(data, dict) else dict(os.environ)
 
 
 class Preloads:
@@ -96,14 +89,14 @@ class ImportEnvironment:
         and they keep the launcher's environment, and how to get the new one.
         ``reads``: the names looked up, if not those the launcher said."""
         reads = self.reads if reads is None else reads
-        raw = _raw_environ()
+        raw, decoded = environ_snapshot()   # one snapshot: what is stored as unchanged is what was compared
         if self._as_last_found_unchanged(reads, raw):
             self.warned = None
             return False
-        changed = import_time_changes(self.at_start, rank_base_environment(environ_now()), reads)
+        changed = import_time_changes(self.at_start, rank_base_environment(decoded), reads)
         if not changed:
             self.warned = None
-            self._unchanged = (self.at_start, set(reads) if isinstance(reads, set) else reads, dict(raw))
+            self._unchanged = (self.at_start, set(reads) if isinstance(reads, set) else reads, raw)
             return False
         names = ", ".join(changed)
         if not live:

@@ -74,6 +74,7 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
                 messages.close()
                 messages = handle.messages(heartbeat)
     finally:
+        fold.flush_early()   # a restart's lines from before its "started" reach the view, however it ends
         messages.close()
         handle.close()
     return fold.outcome()
@@ -111,6 +112,13 @@ class RunControl:
             unsent, self._unsent = self._unsent, 0
         for _ in range(unsent):
             handle.interrupt()
+
+    def detach(self, handle: Attempt) -> None:
+        """``handle``'s attempt is over: a stop from now on waits for the next
+        attempt's :meth:`attach` (a restart's), or finds that none starts."""
+        with self._lock:
+            if self.handle is handle:
+                self.handle = None
 
     def stop(self) -> None:
         """First call: stacks, then the ranks are stopped; later calls escalate (see ``Attempt.interrupt``)."""
@@ -173,6 +181,8 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
             try:
                 outcome = collect(handle, cfg, attempt, emit, heartbeat, held=held)
             finally:
+                if control is not None:
+                    control.detach(handle)
                 placement.done(handle)
         res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
         if res is not None:

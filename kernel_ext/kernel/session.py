@@ -199,6 +199,9 @@ class DistributedSession:
             log.info("session %s: cell %s", self.id, label)
             try:
                 for attempt in range(self.max_restarts + 1):
+                    if attempt and control is not None and control.stop_requested:   # stopped while it restarted
+                        raise RunInterrupted({}, [], message=f"interrupted before attempt {attempt + 1} started: "
+                                             f"the session was restarted, and {label} did not run again")
                     self.completed = None
                     try:
                         return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
@@ -317,6 +320,9 @@ class DistributedSession:
                 self._forget()
                 self.ranks.ended_under(exc)
                 raise SessionLostError("its supervisor ended during the cell", exc) from None
+            finally:
+                if control is not None:
+                    control.detach(handle)
 
     def push_names(self, names: list[str]) -> None:
         """The kernel's values of ``names`` replace the session's (see the module doc)."""
