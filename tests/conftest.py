@@ -123,8 +123,11 @@ class LoadedKernel(KernelSession):
         self.wait_quiet()
         assert self.launcher_pid() == self.zygote, "the launcher was restarted"
         # A run's store stops listening right after the run reports "finished".
+        # Only a port beyond those of the kernel's start is a leak: one of
+        # those may close meanwhile (a port of the kernel process itself went
+        # from the 7 at its start to 6, in CI beside busy loops).
         try:
-            wait_until(lambda: listening_ports({self.pid} | descendants(self.pid)) == self.base_ports, 10,
+            wait_until(lambda: listening_ports({self.pid} | descendants(self.pid)) <= self.base_ports, 10,
                        "every port of finished runs to close")
         except AssertionError as exc:   # which process listens where: the leak's story
             raise AssertionError(f"{exc}\n{self.ports_by_process()}") from None
