@@ -31,9 +31,13 @@ from accel_magics.kernel_ext.timing import STACK_ASK_WAIT
 pytestmark = pytest.mark.timeout(90)
 
 
+_IN_BODY = mmap.mmap(-1, 1)   # shared with the forked test process: 1 once the body's frame is on the stack
+
+
 def _churn_and_recurse() -> None:
     """What crashed faulthandler's signal handler: threads that come and go
     while others push and pop frames and raise."""
+    _IN_BODY[0] = 1
     def deep(n: int) -> int:
         if n % 7 == 0:
             try:
@@ -68,12 +72,14 @@ def _hold_the_gil_in_native_code() -> None:
         pause()                        # a signal's handler ends a pause
 
 
-def _rank_like(body) -> RankProcess:
+def _rank_like(body, in_body: bool = False) -> RankProcess:
     """A process set up as worker.wait_and_run sets up a rank: faulthandler on
-    SIGUSR1 for the fallback, the heartbeat thread on the ask pipe."""
+    SIGUSR1 for the fallback, the heartbeat thread on the ask pipe.
+    ``in_body``: returned only once ``body`` has marked itself running (a
+    stack asked for before that has none of its frames)."""
+    _IN_BODY[0] = 0
     st_r, st_w = os.pipe()
     ask_r, ask_w = os.pipe()
-    in_body_r, in_body_w = os.pipe()
     set_nonblocking(ask_w)
     counter = liveness.new_counter()
     pid = os.fork()
@@ -81,24 +87,20 @@ def _rank_like(body) -> RankProcess:
         try:
             os.close(st_r)
             os.close(ask_w)
-            os.close(in_body_r)
             faulthandler.register(signal.SIGUSR1, file=st_w, all_threads=True, chain=False)
             liveness.start(counter, ask_r, st_w)
-            os.write(in_body_w, b"1")   # the body's frames are on the main thread from here
             body()
         finally:
             os._exit(0)
     os.close(st_w)
     os.close(ask_r)
-    os.close(in_body_w)
-    try:   # a stack asked for before the body ran has none of its frames (CI beside busy loops)
-        assert select.select([in_body_r], [], [], 20)[0] and os.read(in_body_r, 1) == b"1", "the body never started"
-    finally:
-        os.close(in_body_r)
     deadline = time.monotonic() + 20
     while liveness.read(counter) == 0 and time.monotonic() < deadline:   # set up: it has its spec
         time.sleep(0.005)
     assert liveness.read(counter) > 0, "the heartbeat never started"
+    while in_body and _IN_BODY[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not in_body or _IN_BODY[0] == 1, "the body never started"
     return RankProcess(local=0, rank=0, pid=pid, fds={"st": st_r}, ask=ask_w, beat=counter)
 
 
@@ -137,7 +139,7 @@ def _death(r: RankProcess) -> str:
 
 
 def test_stacks_asked_of_a_rank_whose_threads_come_and_go_never_crash_it():
-    r = _rank_like(_churn_and_recurse)
+    r = _rank_like(_churn_and_recurse, in_body=True)
     try:
         r.ask_stacks(time.monotonic())
         first = _read_dumps(r, "_churn_and_recurse")
@@ -297,7 +299,7 @@ def test_a_rank_that_answers_gets_no_signal():
     """It began a dump (counted in the shared page), so the fallback never
     doubles it, even before the dump's bytes are read: the ask waits again,
     and ends once the dump is in."""
-    r = _rank_like(_churn_and_recurse)
+    r = _rank_like(_churn_and_recurse, in_body=True)
     try:
         r.ask_stacks(time.monotonic())
         assert r.asked_at is not None and signal.SIGUSR1 not in r.sent
