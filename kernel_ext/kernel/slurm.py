@@ -613,7 +613,10 @@ class SlurmRun(Attempt):
         if self.peers_told and not self._presses:   # those stops were the kernel's, for a failure
             reasons = [StopReason.REMOTE_FAILED if r == StopReason.INTERRUPT else r for r in reasons]
         reason = StopReason.merged(reasons)
-        if reason == StopReason.TERMINATED:   # SIGTERM from outside: scancel of the job, its time limit?
+        # SIGTERM from outside: scancel of the job, its time limit?  Slurm signals
+        # every process of the step, so a rank can take it before its supervisor
+        # and be reported failed ("killed by SIGTERM"): a failure asks too.
+        if reason in (StopReason.TERMINATED, StopReason.FAILED):
             how = job_ended(self.agents.alloc["job"])
             if how is not None:
                 raise SlurmJobGone(self.agents.alloc["job"], how)
