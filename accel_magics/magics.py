@@ -38,6 +38,7 @@ from .config_display import ConfigFormDisplays
 from .defaults import LaunchDefaults, LaunchOptionTraits, flags_of
 from .node_lines import other_node_lines
 from .presenter import Presenter, expected_ranks
+from . import rank_prompt
 from .state import MagicsState
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -264,7 +265,7 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         try:
             try:
                 result = execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
-                                 log_dir=presenter.log_dir, excerpt=presenter.excerpt)
+                                 log_dir=presenter.log_dir, excerpt=presenter.excerpt, ask=rank_prompt.ask)
             finally:
                 presenter.finish()
         finally:

@@ -25,6 +25,7 @@ from accel_magics.kernel_ext.kernel.session import DistributedSession, SessionGo
 
 from .magics import CELL_MODES, LAUNCH_OPTION_NAMES, parse_options, return_names_of, launch_options
 from .slurm_magic import check_agents_free, start_session
+from . import rank_prompt
 
 #: Options a session fixes when it starts: a session cell cannot change them (the table says which).
 SESSION_FIXED = options.SESSION_FIXED
@@ -136,7 +137,8 @@ def _runner(session, payload, label: str, presenter, timeout):
         try:
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                     log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control,
-                                    on_restart=lambda line: print(f"accel_magics: {line}", flush=True))
+                                    on_restart=lambda line: print(f"accel_magics: {line}", flush=True),
+                                    ask=rank_prompt.ask if control is None else None)
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:

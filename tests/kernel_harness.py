@@ -27,6 +27,7 @@ class CellResult:
     reply: dict = field(default_factory=dict)
     live: list = field(default_factory=list)   # texts of the live display's updates
     execution_count: Optional[int] = None
+    prompts: list = field(default_factory=list)   # the input_requests' prompts, in order (run(stdin=...))
 
     @property
     def error_text(self) -> str:
@@ -60,20 +61,27 @@ class KernelSession:
         return self._last_pid
 
     def run(self, code: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
-            ) -> CellResult:
+            stdin=None) -> CellResult:
         """Execute ``code``.  ``on_output(text)`` is called on each stream message
         with all the cell's stream text so far (not the chunk: two ranks' lines
         may come in one message or in two, and a test that waits for both must
         not depend on which), and on each display message with that display's
-        text (a live view's text is already its whole state)."""
-        return self.result_of(self.submit(code), timeout, on_output)
+        text (a live view's text is already its whole state).
 
-    def submit(self, code: str) -> str:
+        ``stdin``: a function ``stdin(prompt)``: each ``input_request`` is
+        answered with what it returns, as a frontend's input box is (the
+        prompts are in :attr:`CellResult.prompts`); False: the cell runs as
+        nbclient runs one, with allow_stdin off; None: jupyter_client's
+        default (allow_stdin on, nothing answered)."""
+        allow = None if stdin is None else stdin is not False
+        return self.result_of(self.submit(code, allow_stdin=allow), timeout, on_output, stdin or None)
+
+    def submit(self, code: str, allow_stdin: Optional[bool] = None) -> str:
         """Send ``code`` for execution without waiting: its msg_id, for :meth:`result_of`."""
-        return self.kc.execute(code, store_history=True)
+        return self.kc.execute(code, store_history=True, allow_stdin=allow_stdin)
 
     def result_of(self, msg_id: str, timeout: float = 60, on_output: Optional[Callable[[str], bool]] = None,
-                  ) -> CellResult:
+                  stdin: Optional[Callable[[str], Optional[str]]] = None) -> CellResult:
         """The result of the cell sent as ``msg_id`` (see :meth:`run`)."""
         res = CellResult(status="")
         deadline = time.monotonic() + timeout
@@ -82,6 +90,9 @@ class KernelSession:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"cell did not finish within {timeout}s; stdout so far:\n{res.stdout}")
+            if stdin is not None:
+                self._answer_stdin(stdin, res)
+                left = min(left, 0.05)
             try:
                 msg = self.kc.get_iopub_msg(timeout=left)
             except queue.Empty:
@@ -117,6 +128,20 @@ class KernelSession:
             # UsageError is printed on stderr, not published as an error message.
             res.error = {k: res.reply.get(k) for k in ("ename", "evalue", "traceback")}
         return res
+
+    def _answer_stdin(self, stdin: Callable[[str], Optional[str]], res: CellResult) -> None:
+        """Answer every input_request waiting now, as a frontend's input box does."""
+        while True:
+            try:
+                msg = self.kc.get_stdin_msg(timeout=0)
+            except queue.Empty:
+                return
+            if msg["msg_type"] != "input_request":
+                continue
+            prompt = msg["content"]["prompt"]
+            res.prompts.append(prompt)
+            answer = stdin(prompt)
+            self.kc.input(answer if answer is not None else "")
 
     def pump(self, timeout: float = 0.1) -> list:
         """Read what iopub has now (waiting up to ``timeout`` for the first)

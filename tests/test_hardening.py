@@ -911,12 +911,12 @@ def test_init_process_group_again_in_later_session_cells(clean_kernel):
 
 @pytest.mark.parametrize("code, shown", [
     ("import torch.distributed as dist\ndist.init_process_group('no_such_backend')\n", "init_process_group"),
-    ("answer = input('n? ')\n", "a rank has no standard input")])
+    ("answer = input('n? ')\n", "EOFError")])
 def test_a_rank_traceback_has_no_frames_of_ours_between_the_users(clean_kernel, code, shown):
     """Hostile pass: tracebacks showed accel_magics' frames in the middle of
     the user's (rank/pg_guard.py around init_process_group, rank/worker.py
     for stdin)."""
-    res = clean_kernel.run("%%distributed -n 2 --output text\n" + code, timeout=60)
+    res = clean_kernel.run("%%distributed -n 2 --output text\n" + code, timeout=60, stdin=False)
     assert res.error is not None and res.error["ename"] == "DistributedRunError", res.error_text
     text = res.error_text
     assert shown in text and 'File "Cell In[' in text, text

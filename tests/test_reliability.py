@@ -96,10 +96,13 @@ def test_binary_garbage_and_very_long_lines(clean_kernel):
     assert clean_kernel.ok("print(1)").stdout == "1\n"
 
 
-def test_reading_stdin_is_a_clear_error(clean_kernel):
-    res = clean_kernel.run("%%distributed -n 2 --output text --timeout 30\nname = input('name? ')\n")
+def test_reading_stdin_where_the_frontend_takes_none_is_end_of_input_said_so(clean_kernel):
+    """As nbclient runs a notebook (allow_stdin off): the rank's input() reads
+    end of file, and the cell says why."""
+    res = clean_kernel.run("%%distributed -n 2 --output text --timeout 30\nname = input('name? ')\n", stdin=False)
     assert res.error["ename"] == "DistributedRunError"
-    assert "a rank has no standard input" in res.error["evalue"]
+    assert "EOFError" in res.error["evalue"], res.error_text
+    assert "this frontend takes no input" in res.stderr and "(name?)" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -69,6 +69,9 @@ class DistributedRunError(ReportedError, RuntimeError):
                                              "still waited for it")
         elif root.kind == "node_gone":   # a whole node, not one of its ranks
             head = root.summary
+        elif root.summary.split(":", 1)[0].strip() in ("BdbQuit", "bdb.BdbQuit"):
+            head = (f"rank {root.rank} quit its debugger (q): the run was stopped on every rank, as a "
+                    f"script that raised BdbQuit is. To leave the debugger and let the run go on, use c (continue)")
         else:
             head = f"rank {root.rank} failed: {root.summary}"
         if len(failing) > 1:

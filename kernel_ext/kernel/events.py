@@ -226,6 +226,30 @@ class Resources:
 
 
 @dataclass
+class InputRequested:
+    """A rank reads its stdin (``input()``, a ``breakpoint()``'s pdb): it is
+    paused until the kernel answers (the notebook's input box), and its peers
+    wait for it as they would under a terminal."""
+    rank: int
+    prompt: str
+
+
+@dataclass
+class InputAnswered:
+    """What was typed for a rank (None: end of input, ``why`` says why): the
+    transcript of a debugger session, in the record and the text view."""
+    rank: int
+    prompt: str
+    line: Optional[str]
+    why: str = ""
+
+    def text(self) -> str:
+        if self.line is None:
+            return f"[rank {self.rank}] {self.prompt}<end of input: {self.why or 'none given'}>"
+        return f"[rank {self.rank}] {self.prompt}{self.line}"
+
+
+@dataclass
 class Quiet:
     """Ranks use no CPU and print nothing after a peer finished the cell, but
     are not stuck (they sleep, wait for a subprocess or a socket): the run goes

@@ -145,7 +145,7 @@ class RunFold:
             Kind.RESOURCES: self._resources,
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
-            Kind.SESSION_LOST: self._session_lost,
+            Kind.SESSION_LOST: self._session_lost, Kind.INPUT_REQUEST: self._input_request,
         }
         self.rank_handlers = {
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
@@ -188,6 +188,9 @@ class RunFold:
                 log.debug("run %s: a message of unknown kind %r ignored", self.run_id, msg.get("kind"))
             return
         handler(msg)
+
+    def _input_request(self, msg: dict) -> None:
+        self.emit(ev.InputRequested(msg["rank"], msg.get("prompt", "")))
 
     def _heartbeat(self, msg: dict) -> None:
         self.emit(ev.Heartbeat())

@@ -80,6 +80,14 @@ class Attempt(abc.ABC):
     def close(self) -> None:
         """The attempt is over for the kernel: release what it holds."""
 
+    def answer(self, request: dict, line: Optional[str], why: str = "", paused: float = 0.0) -> None:
+        """Answer a rank's ``input_request`` with ``line`` (None: end of input,
+        ``why`` says why); ``paused``: the seconds the kernel took to answer (a
+        deadline of the kernel's moves by as much).  A placement whose ranks
+        cannot ask leaves this as it is: its supervisors answer end of input."""
+        log.warning("run %s: an answer for rank %s has no way to its rank on this placement", self.run_id,
+                    request.get("rank"))
+
 
 class SessionAttempt(abc.ABC):
     """A session's ranks on some placement, as the kernel sees them: started

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import events as ev
 from ..environment import LaunchConfig
@@ -45,13 +45,20 @@ class RunResult:
     finished: Optional[ev.RunFinished] = None
 
 
+#: How the kernel answers a rank that reads its stdin: ``ask(rank, prompt)``
+#: returns the line typed, or raises EOFError (its message says why) for end of input.
+Ask = Callable[[int, str], str]
+
+
 def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat: Optional[float],
-            held: Optional[Deferred] = None) -> Outcome:
+            held: Optional[Deferred] = None, ask: Optional[Ask] = None) -> Outcome:
     """Drive one attempt to its end: its messages folded (:class:`fold.RunFold`)
     into events and its outcome.  The stop button (``KeyboardInterrupt`` here)
     stops every rank (stacks first), and reading goes on until the placement
     reports them all gone.  ``held``: the interrupt held since the run was
-    sent (see :func:`sigint_deferred`), raised here, where it stops the run."""
+    sent (see :func:`sigint_deferred`), raised here, where it stops the run.
+    ``ask``: answers the ranks' questions (their stdin), one at a time, in
+    the order they came; None answers end of input."""
     fold = RunFold(handle.run_id, handle.ranks, attempt=attempt, max_restarts=cfg.max_restarts,
                    world_size=cfg.world_size, num_nodes=cfg.num_nodes, node_rank=cfg.node_rank,
                    master_addr=cfg.master_addr, master_port=handle.master_port, node_of=handle.node_of,
@@ -65,6 +72,8 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
                     deferred.deliver(always_restore=True)
                 for msg in messages:
                     fold.feed(msg)
+                    if msg.get("kind") == "input_request":
+                        answer(handle, msg, ask, emit)
                     if fold.must_stop():   # it cannot end by itself: stopped as by the button
                         handle.interrupt()
                 break
@@ -78,6 +87,25 @@ def collect(handle, cfg: LaunchConfig, attempt: int, emit: EventSink, heartbeat:
         messages.close()
         handle.close()
     return fold.outcome()
+
+
+def answer(handle, request: dict, ask: Optional[Ask], emit: EventSink) -> None:
+    """A rank's question, asked with ``ask`` and answered through ``handle``;
+    the exchange goes to the views (the debugger session's transcript).  A
+    press while asking propagates: it is the run's stop."""
+    rank, prompt = request.get("rank"), request.get("prompt", "")
+    began = time.monotonic()
+    line: Optional[str] = None
+    why = ""
+    if ask is None:
+        why = "this run's ranks take no input where it is read"
+    else:
+        try:
+            line = ask(rank, prompt)
+        except EOFError as exc:
+            why = str(exc) or "end of input"
+    emit(ev.InputAnswered(rank, prompt, line, why))
+    handle.answer(request, line, why, time.monotonic() - began)
 
 
 def press(handle) -> None:
@@ -135,7 +163,7 @@ class RunControl:
 def execute(placement, cfg: LaunchConfig, payload: Payload,
             on_event: Optional[EventSink] = None, heartbeat: Optional[float] = None,
             log_dir: str = "", excerpt: Optional[tuple[int, int]] = None,
-            control: Optional[RunControl] = None, events=None) -> RunResult:
+            control: Optional[RunControl] = None, events=None, ask: Optional[Ask] = None) -> RunResult:
     """Run ``payload`` with ``cfg`` on ``placement`` (a :class:`placement.Placement`,
     or a :class:`Launcher`: this machine); see the module doc.
 
@@ -152,18 +180,20 @@ def execute(placement, cfg: LaunchConfig, payload: Payload,
     keeps a head and a tail needs; the log has everything); None for every line.
     ``control``: lets another thread stop the run; ``events``: the run's own
     socket (see ``Launcher.channel``), for a run read outside the main thread.
+    ``ask``: answers a rank that reads its stdin (see :func:`collect`).
     """
     if isinstance(placement, Launcher):
         placement = LocalPlacement(placement)
     try:
         with RunLog(log_dir):
             return _attempts(placement, cfg, payload, on_event or (lambda event: None), heartbeat, log_dir,
-                             excerpt, control, events)
+                             excerpt, control, events, ask)
     finally:
         payload.release()
 
 
-def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, excerpt, control, events) -> RunResult:
+def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, excerpt, control, events,
+              ask: Optional[Ask] = None) -> RunResult:
     started = time.time()
     for attempt in range(cfg.max_restarts + 1):
         if control is not None and control.stop_requested:
@@ -179,7 +209,7 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
             if control is not None:
                 control.attach(handle)
             try:
-                outcome = collect(handle, cfg, attempt, emit, heartbeat, held=held)
+                outcome = collect(handle, cfg, attempt, emit, heartbeat, held=held, ask=ask)
             finally:
                 if control is not None:
                     control.detach(handle)

@@ -104,6 +104,7 @@ class RunHandle(Attempt):
             Rung("SIGKILL to its supervisor and ranks", self.force_kill)], done=lambda: self.finished, log=log)
         self._why = "it did not answer"
         self._reason = "interrupt"
+        self._answers = None   # (socket, address): the ranks' stdin (see answer)
         try:
             self._pidfd = os.pidfd_open(supervisor_pid)
         except (AttributeError, OSError):
@@ -263,7 +264,30 @@ class RunHandle(Attempt):
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def answer(self, request: dict, line: Optional[str], why: str = "", paused: float = 0.0) -> None:
+        """See :meth:`Attempt.answer`: sent signed with the run's key to the
+        socket the supervisor named (in the launcher's private directory)."""
+        if self.timeout_at is not None:
+            self.timeout_at += paused
+        address = request.get("reply_to") or ""
+        if not address.startswith("ipc://"):
+            return
+        if self._answers is None or self._answers[1] != address:
+            self._close_answers()
+            sock = self.launcher.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._answers = (sock, address)
+        self.session.send(self._answers[0], "input_reply", {"rank": request.get("rank"), "seq": request.get("seq"),
+                                                            "line": line, "why": why})
+
+    def _close_answers(self) -> None:
+        if self._answers is not None:
+            self._answers[0].close(linger=0)
+            self._answers = None
+
     def close(self) -> None:
+        self._close_answers()
         self._pidfd_close()
 
     def __del__(self) -> None:

@@ -187,7 +187,7 @@ class DistributedSession:
 
     def run_cell(self, payload: Payload, label: str, on_event=None, heartbeat: Optional[float] = None,
                  log_dir: str = "", excerpt=None, timeout: Optional[float] = None,
-                 control: Optional[RunControl] = None, on_restart=None) -> RunResult:
+                 control: Optional[RunControl] = None, on_restart=None, ask=None) -> RunResult:
         """Run one cell on the session's ranks; its result, or the error that
         tells its story (with whether the session lives on).  With
         ``--max_restarts``, a session lost under the cell (a rank died, its
@@ -205,7 +205,7 @@ class DistributedSession:
                     self.completed = None
                     try:
                         return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
-                                                  excerpt=excerpt, timeout=timeout, control=control,
+                                                  excerpt=excerpt, timeout=timeout, control=control, ask=ask,
                                                   attempt=attempt)
                     except SessionLostError as exc:
                         if attempt >= self.max_restarts or not _restartable(exc, control):
@@ -241,7 +241,7 @@ class DistributedSession:
         self.held.clear()
 
     def _run_cell_now(self, payload, label, emit, *, heartbeat, log_dir, excerpt, timeout, control,
-                      attempt: int = 0) -> RunResult:
+                      attempt: int = 0, ask=None) -> RunResult:
         """run_cell's work, with the session held for this cell."""
         self.check()
         started = time.time()
@@ -254,7 +254,7 @@ class DistributedSession:
         try:
             outcome = self._send_and_collect(handle, {"op": "cell", "run_id": run_id, "payload": payload,
                                                       "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt},
-                                             cfg, emit, heartbeat, control, attempt)
+                                             cfg, emit, heartbeat, control, attempt, ask)
             if outcome.completed:   # from here a press is after the cell's end (see run_cell)
                 self.completed = label
             with sigint_deferred() as held:   # the session's books are kept whole
@@ -295,7 +295,7 @@ class DistributedSession:
             self.current = self.current_control = None
 
     def _send_and_collect(self, handle: Attempt, cell: dict, cfg: LaunchConfig, emit, heartbeat,
-                          control: Optional[RunControl], attempt: int = 0):
+                          control: Optional[RunControl], attempt: int = 0, ask=None):
         """Send the cell, then read it to its end (its :class:`Outcome`).
 
         A press from the moment the cell is on its way is held until the
@@ -314,7 +314,7 @@ class DistributedSession:
             if control is not None:
                 control.attach(handle)
             try:
-                return collect(handle, cfg, attempt, emit, heartbeat, held=held)
+                return collect(handle, cfg, attempt, emit, heartbeat, held=held, ask=ask)
             except LauncherError as exc:
                 self.lost = str(exc)
                 self._forget()

@@ -38,6 +38,7 @@ from . import bounded_traceback, rank_bars, script_end, startup
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
+from .rank_stdin import RankStdin
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
 _event_fd: Optional[int] = None
@@ -166,24 +167,6 @@ def dumps_result(value) -> bytes:
     return buf.getvalue()
 
 
-class _NoStdin(io.TextIOBase):
-    """stdin of a rank: reading it is an error that says why, not a hang."""
-
-    def readable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return 0  # /dev/null underneath, for code that reads the fd directly
-
-    def read(self, size: int = -1) -> str:
-        raise EOFError(
-            "a rank has no standard input: input() and sys.stdin cannot be used inside %%distributed. "
-            "Set the value in an ordinary cell and use the variable in this one."
-        )
-
-    readline = read
-
-
 def _setup_stdio(out_fd: int) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -191,7 +174,7 @@ def _setup_stdio(out_fd: int) -> None:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
-    sys.stdin = _NoStdin()
+    sys.stdin = RankStdin(emit, None)   # its go pipe once it runs (run_rank)
     # Live like a terminal, fast under a flood of prints (rank_stdio).
     sys.stdout = RankStdout(1)
     sys.stderr = RankStderr(2, sys.stdout)
@@ -304,6 +287,8 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
     code = 1
     try:
         _event_fd, _local_rank, _rank_pid = event_fd, local_rank, os.getpid()
+        if isinstance(sys.stdin, RankStdin):
+            sys.stdin = sys.__stdin__ = RankStdin(emit, release_fd)   # answers come on the go pipe
         code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else _execute(spec, local_rank)
     except BaseException as exc:  # the harness itself failed: say so, never hang
         try:
@@ -878,6 +863,8 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         if frame is None:   # the session's end is its script's end: its threads, its atexit handlers
             script_end.end()
             return 0
+        if isinstance(frame, dict):   # an answer to a question of a cell that was stopped meanwhile
+            continue
         _interrupt_pending, _cell_begun = False, True
         _steps, _stop_wanted, _stop_step = 0, False, None
         cell = pickle.loads(frame)

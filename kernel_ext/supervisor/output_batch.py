@@ -164,6 +164,16 @@ class OutputBatch:
         self.bytes += len(line)
         self._progress_sent = b""
 
+    def take_unfinished(self) -> bytes:
+        """The unfinished last line, taken out of what is shown (a prompt:
+        the rank reads its stdin after it); the log keeps it when a newline ends it."""
+        if self.cut:
+            return b""
+        line = bytes(self.pending)
+        self.log.append(line)
+        self.pending.clear()
+        return line
+
     def take_log(self) -> bytes:
         """The bytes for the rank's log since the last call (exact: every byte the
         rank wrote, in order, but the progress states that a newline did not end)."""

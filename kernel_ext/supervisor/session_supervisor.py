@@ -172,6 +172,7 @@ class SessionSupervisor(Supervisor):
             self.spec["run_id"] = self.cell["run_id"] if self.cell is not None else self.session_id
             return
         self.cell = content
+        self.input.reset()
         self.spec["run_id"] = content["run_id"]
         self.spec["payload"] = content["payload"]
         self.cell_sources[content["payload"].filename] = content["payload"].source

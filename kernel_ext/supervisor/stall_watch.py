@@ -63,6 +63,9 @@ class StallWatch:
         if self.run.stopping is not None:
             self.stall_check = None
             return
+        if self.run.input.paused():   # a rank at a breakpoint: its peers wait for it, as under a terminal
+            self.stall_judged = now
+            return
         quiet = self._quiet_ranks(now)
         if quiet is None:
             return

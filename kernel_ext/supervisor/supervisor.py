@@ -35,6 +35,7 @@ from .outbox import Outbox
 from .output_pump import OutputPump
 from ..process_tree import kill_orphans
 from .nodes import Nodes
+from .rank_input import RankInput
 from .rank_process import RankProcess
 from .rank_set import RankSet
 from .stall_watch import StallWatch
@@ -94,6 +95,7 @@ class Supervisor:
         self.pump = OutputPump(self.rank_set, self.send)
         self.nodes = Nodes(self)
         self.stall = StallWatch(self, self.rank_set)
+        self.input = RankInput(self)   # the ranks' stdin, from the notebook's input box
         # The one event loop's tables (a session's supervisor adds to them):
         # what a ready selector key of each kind means (a rank's pipes aside),
         # and what each signal means.
@@ -139,6 +141,7 @@ class Supervisor:
                 pass
         finally:
             self.logs.close()
+            self.input.close()
             error_file.remove(self.spec)
             try:
                 if self.outbox is not None:
@@ -309,6 +312,10 @@ class Supervisor:
         if self.started_due is not None and now >= self.started_due:
             self._say_started()
         self.nodes.on_time(now)
+        if self.input.paused() or self.input.pause_total:   # a rank's pause at its prompt is not the run's time
+            paused = self.input.take_pause()
+            if self.timeout_deadline is not None:
+                self.timeout_deadline += paused
         self.stall.on_time(now)
         if self.timeout_deadline is not None and now >= self.timeout_deadline:
             self.timeout_deadline = None
@@ -351,11 +358,18 @@ class Supervisor:
         if not data:
             return False
         for frame in r.frames.feed(data):
-            self._on_rank_event(r, pickle.loads(frame))
+            event = pickle.loads(frame)
+            if event.get("kind") == "input_request":   # whatever the policy: the kernel is asked
+                self.input.ask(r, event)
+                continue
+            if event.get("kind") in ("result", "failed"):   # its cell ended: no question of it is open
+                self.input.forget(r)
+            self._on_rank_event(r, event)
         return True
 
     def _reap(self) -> None:
         for r, status in self.rank_set.reaped():
+            self.input.forget(r)
             self._on_rank_exit(r, status)
 
     def _read_events(self, r: RankProcess) -> None:

@@ -33,6 +33,8 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
                        cell after ``rounds`` rounds of the world's init (a kernel per node)
 ``supervisor_error``   ``traceback``, ``message``
 ``session_lost``       ``lost``: why the session's ranks are gone
+``input_request``      ``rank``, ``prompt``, ``seq``, ``reply_to``: the rank reads its stdin; the answer goes
+                       to ``reply_to`` signed with the run's key (supervisor/rank_input.py)
 ``finished``           ``reason`` (a :class:`StopReason` or None), ``elapsed``; ``session``
                        ("alive", "lost", "stopped"), ``lost``; ``forced`` (the kernel
                        killed it: why); ``terminated_on`` (nodes whose supervisor got SIGTERM)
@@ -80,6 +82,7 @@ class Kind(_Text):
     REMOTE_DEPARTED = "remote_departed"
     SUPERVISOR_ERROR = "supervisor_error"
     SESSION_LOST = "session_lost"
+    INPUT_REQUEST = "input_request"  # a rank reads its stdin: the kernel answers (rank_stdin.py)
     FINISHED = "finished"
     BATCH = "batch"
 
