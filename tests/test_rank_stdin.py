@@ -119,3 +119,35 @@ def test_a_session_cell_breakpoint_keeps_the_session(clean_kernel):
         assert "[rank 0] z 7" in res.stdout and "[rank 1] z 8" in res.stdout, res.stdout
     finally:
         k.ok("%distributed_session stop")
+
+
+def test_the_stop_button_at_a_prompt_stops_the_run(clean_kernel):
+    """The input box is open for rank 1; the stop button ends the run on every
+    rank (the kernel's input() raises KeyboardInterrupt: the run's stop)."""
+    k = clean_kernel
+    stopped = {}
+
+    def press_stop(prompt):
+        stopped["prompt"] = prompt
+        k.interrupt()   # the frontend's stop button while its input box waits
+        return None
+
+    res = k.run(BREAK_ON_RANK_1, timeout=90, stdin=press_stop)
+    assert stopped.get("prompt") == "(Pdb rank 1) "
+    assert res.status == "error" and res.error["ename"] in ("RunInterrupted", "KeyboardInterrupt"), res.error_text
+    assert k.ok("print('next')").stdout == "next\n"
+
+
+def test_a_peer_failing_while_a_rank_waits_at_its_prompt_ends_the_run(clean_kernel):
+    """Rank 0 fails while rank 1 is at its prompt: when the answer comes the
+    run has ended with rank 0's failure; the late answer goes nowhere."""
+    k = clean_kernel
+
+    def late(prompt):
+        return "c"
+
+    res = k.run("%%distributed -n 2 --output text --timeout 60\nimport os\n"
+                "if os.environ['RANK'] == '1':\n    breakpoint()\nelse:\n    raise ValueError('rank 0 fails')\n",
+                timeout=90, stdin=late)
+    assert res.status == "error" and "rank 0 failed: ValueError: rank 0 fails" in res.error["evalue"], res.error_text
+    assert k.ok("print('next')").stdout == "next\n"
