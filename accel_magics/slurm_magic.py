@@ -18,6 +18,7 @@ from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
 from accel_magics.kernel_ext.kernel.slurm import (AgentGone, SlurmAgents, SlurmError, SlurmPlacement, allocation,
                                                   describe_allocation, job_ended)
 
+from . import rank_prompt
 from .defaults import flags_of
 from .magics import PLACEMENT_CELLS, return_names_of
 
@@ -157,7 +158,8 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
 
 def _execute(agents, cfg, payload, presenter, control):
     return execute(SlurmPlacement(agents), cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
-                   log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control)
+                   log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control,
+                   ask=rank_prompt.ask if control is None else None)   # a background run's ranks: end of input
 
 
 def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:

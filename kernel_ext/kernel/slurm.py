@@ -632,7 +632,7 @@ class SlurmRun(Attempt):
               Kind.EXIT: "_merge_rank", Kind.RELEASED: "_merge_rank", Kind.STARTED: "_merge_started",
               Kind.FINISHED: "_merge_finished", Kind.SUPERVISOR_ERROR: "_merge_as_is",
               Kind.WAITING: "_merge_as_is", Kind.RENDEZVOUS_FAILED: "_merge_as_is", Kind.STALLED: "_merge_as_is",
-              Kind.QUIET: "_merge_as_is"}
+              Kind.QUIET: "_merge_as_is", Kind.INPUT_REQUEST: "_merge_rank"}
 
     def _session_state(self) -> dict:
         """A session cell on every node: lost if it is lost on any node (why, there),
@@ -739,6 +739,20 @@ class SlurmRun(Attempt):
             self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id, "closed": True})
         except Exception:
             pass
+
+    def answer(self, request: dict, line: Optional[str], why: str = "", paused: float = 0.0) -> None:
+        """See :meth:`Attempt.answer`: through the rank's node agent (the
+        allocation's authenticated channel), which passes it to the
+        supervisor's socket signed with the run's key."""
+        if self.timeout_at is not None:
+            self.timeout_at += paused
+        try:
+            self.agents.send(request["node"], {"op": "answer", "run_id": self.run_id, **self.route,
+                                               "reply_to": request.get("reply_to"),
+                                               "content": {"rank": request.get("rank"), "seq": request.get("seq"),
+                                                           "line": line, "why": why}})
+        except LauncherError:
+            pass   # the node is gone: its ranks with it
 
     def interrupt(self) -> None:
         """The stop button, from any thread (a background run's ``h.stop()``):

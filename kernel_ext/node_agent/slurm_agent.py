@@ -110,6 +110,39 @@ class SessionPart:
             self.cells = None
 
 
+class Answers:
+    """The kernel's answers to ranks of this node that read their stdin
+    (supervisor/rank_input.py): each to the socket its supervisor named, which
+    must be one of this node's launcher's (``in-<pid>`` in its private
+    directory), signed with the run's (or the session's) key."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.socks: dict = {}
+
+    def forward(self, private_dir: str, signer, msg: dict) -> None:
+        address = msg.get("reply_to") or ""
+        prefix = f"ipc://{private_dir}/in-"
+        if not address.startswith(prefix) or not address[len(prefix):].isdigit():
+            log.warning("an answer for %r, not a supervisor's socket of this node: dropped", address)
+            return
+        sock = self.socks.get(address)
+        if sock is None:
+            sock = self.socks[address] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(AGENT_SEND_WAIT * 1000))
+            sock.connect(address)
+        try:
+            signer.send(sock, "input_reply", msg.get("content") or {})
+        except zmq.Again:   # its supervisor is gone: so is the question
+            pass
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close(linger=0)
+        self.socks.clear()
+
+
 class Agent:
     def __init__(self, address: str, events: str, key: bytes, ident: str) -> None:
         self.node = int(os.environ.get("SLURM_NODEID", "0"))
@@ -133,6 +166,7 @@ class Agent:
         # a key derived from the allocation's for each run: this agent only starts,
         # stops and watches them, and is never a hop on their output.
         self.launcher = Launcher(report_to=events, report_keys=keys)
+        self.answers = Answers(self.ctx)   # to ranks that read their stdin
         self.handle = None          # the run in progress on this node
         self.run_id = None
         self.run_closed = False     # the kernel closed that run (it has every node's "finished", or gave up)
@@ -216,6 +250,7 @@ class Agent:
             handle.kill()
         if self.part is not None:
             self.part.close_channel()
+        self.answers.close()
         self.launcher.close()
         self.sock.close(linger=500)
 
@@ -231,8 +266,8 @@ class Agent:
         getattr(self, self._OPS.get(op, "_ignore"))(msg)
 
     _OPS = {"run": "_start_run", "port": "_port", "interrupt": "_interrupt", "peers_ended": "_peers_ended",
-            "kill": "_kill", "shutdown": "_shutdown"}
-    _RUN_OPS = ("interrupt", "peers_ended", "kill")   # the run in progress: to it, by its id
+            "kill": "_kill", "shutdown": "_shutdown", "answer": "_answer"}
+    _RUN_OPS = ("interrupt", "peers_ended", "kill", "answer")   # the run in progress: to it, by its id
 
     def _ignore(self, msg: dict) -> None:
         """``ping`` (the kernel looks whether this agent is connected), an unknown op."""
@@ -255,11 +290,15 @@ class Agent:
     def _shutdown(self, msg: dict) -> None:
         self.stopping = True
 
+    def _answer(self, msg: dict) -> None:
+        self.answers.forward(self.launcher.dir, wire.signed_session(wire.derive_key(self.key, self.run_id)), msg)
+
     def _start_run(self, msg: dict) -> None:
         if self.handle is not None:   # the kernel starts a run only after the last one finished
             self.handle.kill()
             self.handle.close()
         self.handle, self.run_id, self.run_closed = None, msg["run_id"], False
+        self.answers.close()   # the last run's supervisors are gone
         try:
             cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
             # Every node got the run at once from one kernel: no count-in before the ranks start.
@@ -291,6 +330,8 @@ class Agent:
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
         elif op == "interrupt" and msg.get("run_id") == part.cell_id:
             part.recall()
+        elif op == "answer" and msg.get("run_id") == part.cell_id:
+            self.answers.forward(self.launcher.dir, part.signer, msg)
         elif op == "kill":
             part.handle.rank_pids = set(msg.get("pids", ()))
             part.handle.kill()

@@ -7,7 +7,8 @@ as the prompt, tells the kernel (``input_request``: ``rank``, ``prompt``,
 
 The answers come on a PULL socket of the run's own, bound in the launcher's
 private (0700) directory at the first question: no port, nothing when no
-rank asks.  Every answer is verified with the run's key before it is
+rank asks.  On a Slurm node the kernel's answer reaches that socket through
+the node's agent (its authenticated channel to the kernel).  Every answer is verified with the run's key before it is
 unpickled, as a session's cells are, and one that answers no open question
 is dropped.
 
@@ -73,15 +74,19 @@ class RankInput:
 
     # -- answers ------------------------------------------------------------------
     def _open(self) -> bool:
-        """The answers' socket, beside the run's events in the launcher's private directory."""
+        """The answers' socket, in the launcher's private directory (where the
+        run's error files go: on a Slurm node, that node's launcher's)."""
+        spec = getattr(self.run, "spec", {}) or {}
         events = getattr(self.run, "events_addr", "") or ""
-        if not events.startswith("ipc://"):
-            log.warning("a rank asked for input, but this run's channel (%s) is not local: answered end of file",
-                        events.split("://", 1)[0])
+        if spec.get("error_dir"):
+            directory = os.path.dirname(spec["error_dir"])
+        elif events.startswith("ipc://"):
+            directory = os.path.dirname(events[len("ipc://"):])
+        else:
+            log.warning("a rank asked for input, but this run has no private directory: answered end of input")
             return False
         import zmq
 
-        directory = os.path.dirname(events[len("ipc://"):])
         self.address = f"ipc://{directory}/in-{os.getpid()}"
         self.sock = self.run.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -90,7 +90,7 @@ class Kind(_Text):
 #: The kinds a batching supervisor sends at once, with what it holds: what
 #: the kernel waits on to end a cell or to know it cannot go on.
 SEND_NOW = frozenset(k.value for k in (Kind.FINISHED, Kind.SUPERVISOR_ERROR, Kind.SESSION_LOST,
-                                         Kind.RENDEZVOUS_FAILED))
+                                         Kind.RENDEZVOUS_FAILED, Kind.INPUT_REQUEST))
 
 
 def batch(messages: list) -> dict:
