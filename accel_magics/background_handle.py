@@ -18,7 +18,9 @@ from accel_magics.kernel_ext.kernel.errors import (DistributedRunError, Distribu
                                                    RunInterrupted, RunStopped, SessionLostError, WaitStopped)
 # The ladders' order: see timing.py.
 from accel_magics.kernel_ext.stop_ladder import Rung, StopLadder
-from accel_magics.kernel_ext.timing import BACKGROUND_STOP_POLL, BACKGROUND_STOP_WAIT as STOP_WAIT
+from accel_magics.kernel_ext.timing import BACKGROUND_STOP_POLL, BACKGROUND_STOP_WAIT as STOP_WAIT, DEBUG_FOLLOW
+
+from . import rank_prompt
 
 log = logging.getLogger("accel_magics.background")
 
@@ -87,6 +89,35 @@ class BackgroundCell:
         if not said:
             said.append("nothing to return (no --return names, and its last line is not an expression with a value)")
         return f"{self.label} done in {took}: " + "; ".join(said)
+
+    def debug(self) -> int:
+        """Answer the run's ranks that wait at a prompt (``breakpoint()``'s
+        pdb, ``input()``) in this cell's input box, one question after the
+        other, as a foreground cell would have asked them.  Waits for a first
+        question if none waits yet; returns (the number answered) once no
+        new question came within ``DEBUG_FOLLOW`` seconds of the last answer
+        (pdb's ``c``), or the run ended.  The stop button stops answering,
+        not the run (the rank still waits: ``debug()`` again, or ``stop()``)."""
+        questions = self._run.control.questions
+        answered = 0
+        try:
+            while True:
+                question = questions.next(DEBUG_FOLLOW if answered else None)
+                if question is None:
+                    break
+                try:
+                    line: Optional[str] = rank_prompt.ask(question[0], question[1])
+                except EOFError:
+                    line = None
+                questions.reply(question, line)
+                answered += 1
+        except KeyboardInterrupt:
+            waiting = ", ".join(f"rank {rank}" for rank, _ in questions.pending())
+            raise WaitStopped(f"stopped answering {self.label}" + (f"; {waiting} still waits at its prompt "
+                              "(.debug() again, or .stop())" if waiting else "")) from None
+        if not answered and self._run.done():
+            print(f"{self.label} has ended ({self.status}): no rank waits at a prompt")
+        return answered
 
     def stop(self) -> None:
         """Stop the run as the stop button would (stacks, then every rank
@@ -161,6 +192,9 @@ class BackgroundCell:
             running = time.monotonic() - began
             # As the cell's value it is shown once, at the start: its view tells how the run goes.
             how = "started (its view shows how it goes)" if running < 1 else f"running for {running:.1f}s"
+            paused = ", ".join(f"rank {rank}" for rank, _ in self._run.control.questions.pending())
+            if paused:
+                how += f"; {paused} waits at its prompt: .debug() answers it"
             return f"<background run {self.label}{where}: {how}; .wait() for its result, .stop() to stop it>"
         took = f"{(self._run.ended or began) - began:.1f}s"
         if status == "done":

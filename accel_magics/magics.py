@@ -344,7 +344,8 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         try:
             events = self.state.launcher.channel(zmq.PULL, f"bg{time.monotonic_ns()}")
             return execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
-                           log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events)
+                           log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events,
+                           ask=control.questions.ask)   # answered by the handle's debug()
         finally:
             payload.release()
             if events is not None:

@@ -138,7 +138,7 @@ def _runner(session, payload, label: str, presenter, timeout):
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                     log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control,
                                     on_restart=lambda line: print(f"accel_magics: {line}", flush=True),
-                                    ask=rank_prompt.ask if control is None else None)
+                                    ask=rank_prompt.ask if control is None else control.questions.ask)
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:

@@ -159,7 +159,7 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
 def _execute(agents, cfg, payload, presenter, control):
     return execute(SlurmPlacement(agents), cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control,
-                   ask=rank_prompt.ask if control is None else None)   # a background run's ranks: end of input
+                   ask=rank_prompt.ask if control is None else control.questions.ask)   # background: h.debug()
 
 
 def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:

@@ -118,6 +118,7 @@ BACKGROUND_STOP_WAIT = 30.0  # h.stop(): how long it waits for the run to end
 WAIT_TICK = 0.25          # while a cell waits (for the launcher, for the session), how often its view moves on
 CELL_HEARTBEAT = 0.25     # while a cell runs and nothing comes, how often its view moves on (its elapsed time)
 BACKGROUND_STOP_POLL = 0.1  # h.stop(): seconds between looks whether the run ended
+DEBUG_FOLLOW = 1.0        # h.debug(): after an answer, how long it waits for the rank's next question (pdb's n, s)
 BACKGROUND_END_WAIT = 30.0  # the kernel's end, a session's stop: how long each stopped background run gets to end
 SUPERVISOR_LOOK = 0.5     # no pidfd for a run's supervisor (Linux < 5.3): seconds between looks whether it is alive
 FORCED_GONE_DRAIN = 0.2   # ... its messages' drain when the kernel killed it (nothing more is coming)

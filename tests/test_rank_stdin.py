@@ -151,3 +151,54 @@ def test_a_peer_failing_while_a_rank_waits_at_its_prompt_ends_the_run(clean_kern
                 timeout=90, stdin=late)
     assert res.status == "error" and "rank 0 failed: ValueError: rank 0 fails" in res.error["evalue"], res.error_text
     assert k.ok("print('next')").stdout == "next\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_breakpoint_held_120_s_with_a_gloo_collective_pending_does_not_time_out(clean_kernel):
+    """Issue 47's acceptance: rank 1 paused 120 s at its prompt while rank 0
+    waits in an all_reduce (gloo), under --timeout 30 and the stall check;
+    then c, and both ranks finish with the sum."""
+    k = clean_kernel
+    paused = {}
+
+    def hold(prompt):
+        paused.setdefault("at", time.monotonic())
+        left = 120 - (time.monotonic() - paused["at"])
+        if left > 0:
+            time.sleep(left)   # the pause under test: a user reading the frames for two minutes
+        return "c"
+
+    res = k.run("%%distributed -n 2 --output text --timeout 30 --stall_timeout 10\n"
+                "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                "if dist.get_rank() == 1:\n    breakpoint()\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n",
+                timeout=300, stdin=hold)
+    assert res.status == "ok", res.error_text + res.stdout
+    assert res.stdout.count("sum 2.0") == 2 and res.prompts == ["(Pdb rank 1) "], res.stdout
+
+
+def test_a_background_runs_breakpoint_is_answered_by_its_handles_debug(clean_kernel):
+    """A --background cell returns at once; rank 1 stops at breakpoint();
+    the handle's repr says so, h.debug() asks in its own cell's input box,
+    and h.wait() then gives rank 0's value."""
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text\nimport os\nz = 7\n"
+         "if os.environ['RANK'] == '1':\n    breakpoint()\nz * 6")
+    k.ok("h = _")
+    res = k.run("h.debug()", timeout=90, stdin=answers("p z", "c"))
+    assert res.status == "ok" and res.result == "2", res.error_text + res.stdout
+    assert res.prompts == ["(Pdb rank 1) "] * 2, res.prompts
+    assert k.ok("h.wait()").result == "42"
+    assert "has ended (done)" in k.ok("h.debug()").stdout
+
+
+def test_stopping_a_background_run_at_a_prompt_ends_it(clean_kernel):
+    k = clean_kernel
+    k.ok("%%distributed -n 2 --background --output text\nimport os\n"
+         "if os.environ['RANK'] == '1':\n    breakpoint()\nprint('after')")
+    k.ok("h = _")
+    wait_for = time.monotonic() + 60
+    while "waits at its prompt" not in (k.ok("repr(h)").result or ""):
+        assert time.monotonic() < wait_for, "rank 1's prompt was never shown in the handle's repr"
+    assert "stopped In[" in k.ok("h.stop()").stdout
+    assert k.ok("h.status").result == "'stopped'"

@@ -49,6 +49,7 @@ class BackgroundRun:
         except BaseException as exc:   # kept for wait(): it raises there, in the notebook
             self.error = exc
         finally:
+            self.control.questions.close("the run has ended")
             self.ended = time.monotonic()
             with self._lock:
                 self._done.set()

@@ -120,11 +120,67 @@ def press(handle) -> None:
             continue
 
 
-class RunControl:
-    """Stops a run from another thread (a background run's handle): the run
-    in flight is interrupted as by the stop button; no further attempt starts."""
+class Questions:
+    """A background run's ranks' questions (their stdin), held for the
+    notebook: the run's thread asks (:meth:`ask`, the engine's ``ask``) and
+    waits; a cell answers (:meth:`next`, :meth:`reply`: the handle's
+    ``debug()``).  Closed when the run ends or is stopped: every question
+    waiting, and every later one, gets end of input."""
 
     def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: list[list] = []   # [rank, prompt, answer or None, answered]
+        self._closed = ""
+
+    def ask(self, rank: int, prompt: str) -> str:
+        question = [rank, prompt, None, False]
+        with self._cond:
+            if self._closed:
+                raise EOFError(self._closed)
+            self._waiting.append(question)
+            self._cond.notify_all()
+            while not question[3] and not self._closed:
+                self._cond.wait()
+            if question in self._waiting:
+                self._waiting.remove(question)
+            if not question[3] or question[2] is None:
+                raise EOFError(self._closed or "end of input, typed in h.debug()")
+            return question[2]
+
+    def next(self, timeout: Optional[float]) -> Optional[list]:
+        """The oldest question not answered yet, waiting up to ``timeout``
+        seconds (None: until one comes or the run ends); None if none."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or any(not q[3] for q in self._waiting), timeout)
+            return next((q for q in self._waiting if not q[3]), None)
+
+    def reply(self, question: list, line: Optional[str]) -> None:
+        with self._cond:
+            question[2], question[3] = line, True
+            self._cond.notify_all()
+
+    def pending(self) -> list:
+        """(rank, prompt) of each question waiting now."""
+        with self._cond:
+            return [(q[0], q[1]) for q in self._waiting if not q[3]]
+
+    def close(self, why: str) -> None:
+        with self._cond:
+            self._closed = why
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._closed)
+
+
+class RunControl:
+    """Stops a run from another thread (a background run's handle): the run
+    in flight is interrupted as by the stop button; no further attempt starts.
+    ``questions``: its ranks' questions, for the notebook to answer."""
+
+    def __init__(self) -> None:
+        self.questions = Questions()
         self.handle: Optional[Attempt] = None
         self.stop_requested = False
         self._unsent = 0   # stops asked before there was a handle: attach() sends them
@@ -150,6 +206,7 @@ class RunControl:
 
     def stop(self) -> None:
         """First call: stacks, then the ranks are stopped; later calls escalate (see ``Attempt.interrupt``)."""
+        self.questions.close("the run was stopped")
         with self._lock:
             self.stop_requested = True
             handle = self.handle
