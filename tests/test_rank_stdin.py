@@ -5,6 +5,7 @@ Each test answers the kernel's input_requests as a frontend does
 (``KernelSession.run(stdin=...)``)."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -202,3 +203,15 @@ def test_stopping_a_background_run_at_a_prompt_ends_it(clean_kernel):
         assert time.monotonic() < wait_for, "rank 1's prompt was never shown in the handle's repr"
     assert "stopped In[" in k.ok("h.stop()").stdout
     assert k.ok("h.status").result == "'stopped'"
+
+
+def test_pdb_lists_the_cell_and_stops_at_a_line_breakpoint_set_in_it(clean_kernel):
+    """l shows the notebook cell's lines; b 8 sets a breakpoint on a line of
+    the cell, c stops there (the cell is in linecache under pdb's name for it)."""
+    res = clean_kernel.run(BREAK_ON_RANK_1 + "w = z + 1\nprint('w', w)\n", timeout=90,
+                           stdin=answers("l", "b 8", "c", "p w", "c"))
+    assert res.status == "ok", res.error_text + res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rank 1] ")]
+    assert "[rank 1]   5  \t    breakpoint()" in lines, res.stdout   # l: the cell's own lines
+    assert any(re.fullmatch(r"\[rank 1\] Breakpoint 1 at .*Cell In\[\d+\]:8", ln) for ln in lines), res.stdout
+    assert "[rank 1] 8" in lines and "[rank 1] w 8" in lines, res.stdout

@@ -17,7 +17,6 @@ import faulthandler
 import functools
 import io
 import itertools
-import linecache
 import os
 import pickle
 import select
@@ -39,6 +38,7 @@ from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
 from .rank_stdin import RankStdin
+from ..wire.payload import cache_source
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
 _event_fd: Optional[int] = None
@@ -619,9 +619,7 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
         except OSError:
             pass
     sys.path[:] = payload.sys_path or sys.path
-    linecache.cache[payload.filename] = (
-        len(payload.source), None, payload.source.splitlines(True), payload.filename,
-    )
+    cache_source(payload.filename, payload.source)
     try:
         body, last = _compile_cell(payload.source, payload.filename)
         loaded = payload.load_into(ns)

@@ -34,6 +34,17 @@ from ..environment import cpu_count
 from ..sigint import sigint_deferred
 
 
+
+def cache_source(filename: str, text: str) -> None:
+    """A notebook cell's source in ``linecache`` as ``filename`` ("Cell In[3]":
+    tracebacks, pdb's ``l``) and as pdb names it (its absolute path from the
+    working directory, since it has no angle brackets): ``b 7`` then finds the line."""
+    import linecache
+
+    entry = (len(text), None, text.splitlines(True), filename)
+    linecache.cache[filename] = entry
+    linecache.cache[os.path.abspath(filename)] = entry
+
 class PayloadError(Exception):
     """The cell cannot be shipped; the message says which name and what to do."""
 
@@ -65,7 +76,7 @@ class Payload:
             return set(loaded)
         shipped, definitions, sources = loaded
         for filename, text in sources.items():
-            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+            cache_source(filename, text)
         namespace.update(definitions)
         namespace.update(shipped)
         return set(definitions) | set(shipped)
