@@ -10,16 +10,15 @@ said once in the cell's output.
 from __future__ import annotations
 
 import builtins
-import re
 import sys
 
-_TOOL_PROMPT = re.compile(r"\(([A-Za-z][\w-]{0,15})\) ?")   # (Pdb) , (ipdb) , (Pdb++)...
+from accel_magics.kernel_ext.kernel.events import DEBUGGER_PROMPT
 
 
 def tagged(prompt: str, rank: int) -> str:
     """``prompt`` as the input box shows it: a debugger's ``(Pdb) `` becomes
     ``(Pdb rank 1) ``; any other is led by ``[rank 1] ``."""
-    found = _TOOL_PROMPT.fullmatch(prompt)
+    found = DEBUGGER_PROMPT.fullmatch(prompt)
     if found:
         return f"({found.group(1)} rank {rank}) "
     return f"[rank {rank}] {prompt}"

@@ -86,6 +86,8 @@ class RunRecord:
                     self.bar_lines.setdefault(event.rank, set()).add(event.terminal_line)
             else:
                 kept[event.id] = event     # open: its latest state, shown below the lines
+        elif isinstance(event, ev.InputAnswered):   # the debugger session's transcript, in order with the output
+            self.logs.setdefault(event.rank, _RankLog()).add(event.transcript())
         elif isinstance(event, ev.Quiet):   # a colleague reading the record learns it too
             self.notes.append(f"[accel_magics] {event.text()}")
         elif isinstance(event, ev.RankExited) and event.failure is not None:

@@ -165,6 +165,15 @@ class TextView:
         if self._throttled(e.rank):
             self.live.write([f"[rank {e.rank}] {e.terminal_line}"])
 
+    def on_InputRequested(self, e: ev.InputRequested) -> None:
+        """A rank waits at its prompt: its lines so far are shown now (pdb's
+        ``> file(line)`` among them), before the kernel waits in the input box."""
+        self.live.refresh()
+
+    def on_InputAnswered(self, e: ev.InputAnswered) -> None:
+        """The debugger session's transcript: the prompt and what was typed."""
+        self.live.write([e.text()])
+
     def on_RankExited(self, e: ev.RankExited) -> None:
         if e.failure is not None and e.failure.kind in ("signal", "exit"):
             self.live.write([f"[rank {e.rank}] {e.failure.summary}"])

@@ -916,3 +916,79 @@ def test_a_background_cells_out_shows_the_final_state():
             saved = "\n".join(o.get("data", {}).get("text/plain", "") if o.get("output_type") != "stream"
                               else o.get("text", "") for o in cell.outputs)
         assert "'ok'" in saved and "started" not in saved, saved
+
+
+# -- issue 47, item 3: a rank paused at its breakpoint ---------------------------------
+
+PAUSE_CELL = (
+    "%%distributed -n 2 --timeout 120\n"
+    "import os\n"
+    "z = 7\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    breakpoint()\n"
+    "print('done', z)\n"
+)
+ROWS_JS = """c => [...c.querySelectorAll('.accel-magics-run .accel-magics-row')].map(r => ({
+    label: r.querySelector('.accel-magics-label').innerText.trim(),
+    line: (r.querySelector('.accel-magics-latest') || {}).innerText || '',
+    height: r.getBoundingClientRect().height}))"""
+
+
+def _asked(page, cell, n: int) -> str:
+    """The cell's ``n``-th question's prompt, once its input box is there (an
+    answered one stays in the output area, with what was typed)."""
+    page.wait_for_function("c => c.querySelectorAll('.jp-Stdin-input').length >= %d" % n, arg=cell.element_handle())
+    return cell.locator(".jp-Stdin-prompt").nth(n - 1).inner_text().strip()
+
+
+def _answer(cell, n: int, line: str) -> None:
+    box = cell.locator(".jp-Stdin-input").nth(n - 1)
+    box.fill(line)
+    box.press("Enter")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("app", ["jupyterlab", "notebook"])
+def test_a_breakpoint_asks_in_the_input_box_and_the_view_shows_the_paused_rank(app):
+    """Issue 47, items 2 and 3: rank 1's breakpoint() asks in the cell's input
+    box ("(Pdb rank 1)"); meanwhile its row says it is paused and where
+    (rank 0's says done), both rows one line high; its pane shows pdb's
+    answers; the record keeps the debugger session."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(app)
+    name = "lab" if app == "jupyterlab" else "nb7"
+    _write_notebook(lab, "pause.ipynb", ("%load_ext accel_magics", PAUSE_CELL))
+    with _lab_page(lab, {"width": 1200, "height": 1000}, f"failure-pause-{name}.png") as page:
+        page.goto(lab.url("pause.ipynb"))
+        _wait_kernel(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+        _run_cell(page, 1)
+        cell = page.locator(CELL).nth(1)
+        assert _asked(page, cell, 1) == "(Pdb rank 1)"
+        page.wait_for_function("c => (%s)(c).some(r => /^rank 0 done/.test(r.label))" % ROWS_JS,
+                               arg=cell.element_handle())
+        rows = cell.evaluate(ROWS_JS)
+        assert [r["label"] for r in rows] == ["rank 0 done", "rank 1 paused"], rows
+        assert re.fullmatch(r"waits at its prompt \(Pdb\) in <module> \(Cell In\[2\]:5\) · type in the input box",
+                            rows[1]["line"]), rows
+        assert rows[0]["line"] == "done 7" and rows[0]["height"] == rows[1]["height"] < 40, rows
+        cell.screenshot(path=str(ARTIFACTS / f"23-paused-rank-{name}.png"))
+
+        _answer(cell, 1, "p z")
+        assert _asked(page, cell, 2) == "(Pdb rank 1)"    # asked again, after printing 7
+        cell.locator(".accel-magics-run .lm-TabBar-tab", has_text="rank 1").click()
+        pane = cell.locator(".accel-magics-run .widget-tab-contents .widget-html:visible").first
+        pane.filter(has_text="(Pdb) p z").wait_for()
+        assert pane.inner_text().strip().endswith("(Pdb) p z\n7"), pane.inner_text()
+        assert "rank 1 paused" in [r["label"] for r in cell.evaluate(ROWS_JS)]
+        cell.screenshot(path=str(ARTIFACTS / f"24-paused-rank-pane-{name}.png"))
+
+        _answer(cell, 2, "c")
+        _wait_done(page, 1)
+        summary = cell.locator(".accel-magics-summary")
+        summary.wait_for()
+        text = summary.inner_text()
+        assert "(Pdb) p z\n7\n(Pdb) c\ndone 7" in text and "paused" not in text, text
+        assert cell.locator(".accel-magics-run").count() == 0
+        cell.screenshot(path=str(ARTIFACTS / f"25-paused-rank-record-{name}.png"))

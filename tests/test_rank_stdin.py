@@ -36,7 +36,35 @@ def test_breakpoint_on_rank_1_prompts_in_the_notebook_and_continues(clean_kernel
     assert res.prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "], res.prompts
     assert "[rank 1] 7" in res.stdout.splitlines(), res.stdout
     assert "[rank 0] done 7" in res.stdout and "[rank 1] done 7" in res.stdout, res.stdout
+    # The record keeps the debugger session, in order with the rank's output (issue 47, item 3).
+    rank_1 = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
+    asked = rank_1.index("[rank 1] (Pdb) p z")
+    assert rank_1[asked:] == ["[rank 1] (Pdb) p z", "[rank 1] 7", "[rank 1] (Pdb) c", "[rank 1] done 7"], rank_1
+    assert any(re.fullmatch(r"\[rank 1\] > .+\(5\)<module>\(\).*", line) for line in rank_1[:asked]), rank_1
     assert k.ok("print('next')").stdout == "next\n"
+
+
+def _widget_rows(res) -> list[str]:
+    """Every value the live view's rows took, in order."""
+    return [m["content"]["data"]["state"]["value"] for m in res.messages
+            if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"
+            and "accel-magics-row'" in str(m["content"]["data"].get("state", {}).get("value", ""))]
+
+
+def test_the_widget_view_shows_the_paused_rank_and_where_and_the_record_the_session(clean_kernel):
+    res = clean_kernel.run(BREAK_ON_RANK_1.replace("--output text", "--output widget"), timeout=90,
+                           stdin=answers("p z", "c"))
+    assert res.status == "ok", res.error_text + res.stdout + res.stderr
+    assert res.prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "], res.prompts
+    # Shown before the kernel waits in the input box (the second time it looks the same: no update).
+    paused = [v for v in _widget_rows(res) if ">paused</b>" in v]
+    assert paused, _widget_rows(res)
+    rank_1 = paused[0].split("rank 1 ", 1)[1]
+    assert re.search(r"waits at its prompt \(Pdb\) in &lt;module&gt; \([^/()]+:5\)", rank_1), rank_1
+    assert ">paused</b>" not in paused[0].split("rank 1 ", 1)[0]   # rank 0 is not
+    final = [m for m in res.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
+    assert "(Pdb) p z\n7\n(Pdb) c\ndone 7" in final["text/html"] and ">paused</b>" not in final["text/html"]
+    assert "[rank 1] (Pdb) p z" in final["text/plain"].splitlines(), final["text/plain"]
 
 
 def test_input_on_a_rank_returns_what_was_typed(clean_kernel):

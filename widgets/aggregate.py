@@ -11,9 +11,11 @@ from .rows import ATTENTION_ROWS, STATE_COLORS, STATE_ORDER, BarState, bar_html,
 
 def attention(states: dict, behind: set) -> list[int]:
     """The ranks the compact form shows on their own: failed (the root
-    cause among them), then behind; at most ``ATTENTION_ROWS``."""
+    cause among them), then paused at their prompt (where they stopped),
+    then behind; at most ``ATTENTION_ROWS``."""
     failed = sorted(r for r, s in states.items() if s.state == "failed")
-    return (failed + sorted(behind - set(failed)))[:ATTENTION_ROWS]
+    paused = sorted(r for r, s in states.items() if s.state == "paused")
+    return (failed + paused + sorted(behind - set(failed) - set(paused)))[:ATTENTION_ROWS]
 
 
 def groups(states: dict, behind: set) -> dict[str, list[int]]:
@@ -68,7 +70,7 @@ def extreme_bars_html(states: dict, color: str, final: bool = False) -> str:
 
 
 def usage_now_text(states: dict) -> str:
-    now = [s.usage for s in states.values() if s.usage is not None and s.state == "running"]
+    now = [s.usage for s in states.values() if s.usage is not None and s.state in ("running", "paused")]
     if not now:
         return ""
     gpu = [u[2] for u in now if u[2] is not None]

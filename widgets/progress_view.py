@@ -43,7 +43,8 @@ from accel_magics.kernel_ext.kernel.events import COMPACT_RANKS
 
 from .aggregate import aggregate_html, attention
 from .output import merged_lines, output_html, same_key
-from .rows import HEAD_LINES, STATE_COLORS, STYLE, BarState, RankState, parse_progress, plural, pre, row_html
+from .rows import (HEAD_LINES, STATE_COLORS, STYLE, BarState, RankState, parse_progress, paused_text, plural, pre,
+                   row_html)
 
 class RunView:
     """One run's live view. Call it with events; display :attr:`widget`."""
@@ -148,7 +149,7 @@ class RunView:
         for rank in e.ranks:
             state = self._rank(rank)
             state.expected = False
-            state.state, state.latest, state.failure, state.phase = "running", "", "", ""
+            state.state, state.latest, state.failure, state.phase, state.paused = "running", "", "", "", ""
             state.node = (getattr(e, "nodes", None) or {}).get(rank, "")
             state.bars.clear()
             self.behind.reset(rank)
@@ -156,14 +157,17 @@ class RunView:
     def on_Output(self, e) -> None:
         if self.status == "waiting":
             self.status = "running"
-        state = self._rank(e.rank)
-        lines = e.last_lines(self.max_lines)    # only what the panes can show
+        self._printed(self._rank(e.rank), e.text, e.last_lines(self.max_lines), e.count, e.omitted)
+
+    def _printed(self, state: RankState, text: str, lines: list, count: int, omitted: int = 0) -> None:
+        """Lines of the rank's output: ``text`` all ``count`` of them (less
+        ``omitted``), ``lines`` the last ones, what the panes can show."""
         room = HEAD_LINES - len(state.head)
-        if room > 0 and not e.omitted and state.count == len(state.head):   # the head: the first lines, in a row
-            state.head.extend(e.text.split("\n", room)[:room])
+        if room > 0 and not omitted and state.count == len(state.head):   # the head: the first lines, in a row
+            state.head.extend(text.split("\n", room)[:room])
         state.lines.extend(lines)
         state.seqs.extend([self._window] * len(lines))
-        state.count += e.count
+        state.count += count
         state.latest = state.latest_printed()
         state.pane_dirty = self._all_dirty = True
         # A carriage-return line that was then ended by a newline is printed text now.
@@ -204,6 +208,26 @@ class RunView:
                     del state.bars[key]
         self._set_bar(state, e.id, e.pos, e.fraction, e.text, e.n, e.total, e.closed)
         state.bars[e.id].closed = e.closed
+
+    def on_InputRequested(self, e) -> None:
+        """The rank waits at its prompt (a breakpoint's pdb, ``input()``): its
+        row says so, and where, until it is answered.  Shown now: the kernel
+        waits in the input box next, and refreshes nothing until it is answered."""
+        state = self._rank(e.rank)
+        if state.state in ("running", "starting"):
+            state.state = "paused"
+            state.paused = paused_text(e.prompt, state.lines)
+        self.refresh(force=True)
+
+    def on_InputAnswered(self, e) -> None:
+        """Answered: the exchange is a line of the rank's output (the debugger
+        session's transcript, in its pane and the record) and it runs again."""
+        state = self._rank(e.rank)
+        if state.state == "paused":
+            state.state = "running"
+        state.paused = ""
+        line = e.transcript()
+        self._printed(state, line, [line], 1)
 
     def expect(self, ranks, phase: str) -> None:
         """Before the run starts (the first cell waits for the launcher): a

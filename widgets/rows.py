@@ -5,15 +5,16 @@ the record (static HTML) uses them too."""
 from __future__ import annotations
 
 import html
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from accel_magics.kernel_ext.clip import clip
-from accel_magics.kernel_ext.kernel.events import bytes_text
+from accel_magics.kernel_ext.kernel.events import DEBUGGER_PROMPT, bytes_text
 
 STATE_COLORS = {"starting": "#888", "running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728",
-                "stopped": "#ff7f0e", "waiting": "#888"}
+                "stopped": "#ff7f0e", "waiting": "#888", "paused": "#9467bd"}
 
 PROGRESS_TAIL = 256   # progress is read from a line's last characters only: linear, bounded
 OPEN_RECORD_LINES = 20   # the record shows a rank's output open up to this many lines, collapsed beyond
@@ -45,8 +46,9 @@ STYLE = {
     "groups": "flex:2 1 200px;min-width:0;overflow-wrap:anywhere",
 }
 STYLE["aggregate"] = STYLE["row"]
-ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed first, then behind
-STATE_ORDER = ("failed", "stopped", "behind", "running", "waiting", "starting", "done")   # the aggregate's groups
+ATTENTION_ROWS = 4   # the compact form shows at most this many ranks' own rows unfolded: failed, paused, then behind
+# the aggregate's groups
+STATE_ORDER = ("failed", "stopped", "paused", "behind", "running", "waiting", "starting", "done")
 HEAD_LINES = 50   # the record keeps each rank's first lines too (the config, the first epoch, a warning)
 
 
@@ -55,6 +57,32 @@ def el(tag: str, part: str, body: str, extra: str = "", attrs: str = "") -> str:
     select) and its whole style inline (what survives a sanitizer)."""
     style = STYLE[part] + (";" + extra if extra else "")
     return f"<{tag} class='accel-magics-{part}' style='{style}'{attrs}>{body}</{tag}>"
+
+
+# pdb's location line, printed before its prompt: "> /path/train.py(12)step()",
+# with the return value after a "--Return--": "> /path/train.py(14)step()->None"
+_PDB_WHERE = re.compile(r"> (?P<file>.+)\((?P<line>\d+)\)(?P<func>[^()]*)\(\)(?:->.*)?")
+
+
+def paused_text(prompt: str, lines) -> str:
+    """What a rank's row says while it waits at its prompt: the prompt, and
+    for a debugger's prompt where it stopped (pdb's newest location line in
+    ``lines`` and the source line under it: "in step (train.py:12): loss.backward()",
+    the file's name without its directory)."""
+    shown = prompt.strip()
+    text = f"waits at its prompt {shown}" if shown else "waits for input"
+    if not DEBUGGER_PROMPT.fullmatch(prompt):
+        return text + " · type in the input box"
+    recent = list(lines)
+    for i in range(len(recent) - 1, -1, -1):
+        found = _PDB_WHERE.fullmatch(recent[i])
+        if found:
+            text += f" in {found['func']} ({found['file'].rpartition('/')[2]}:{found['line']})"
+            after = recent[i + 1] if i + 1 < len(recent) else ""
+            if after.startswith("-> "):
+                text += f": {after[3:].strip()}"
+            break
+    return text + " · type in the input box"
 
 
 def parse_progress(text: str) -> Optional[tuple[float, str]]:
@@ -108,6 +136,7 @@ class RankState:
     usage: Optional[tuple] = None                 # (CPU %, resident bytes, GPU bytes, GPU % busy), the latest sample
     peak_rss: int = 0
     peak_gpu: Optional[int] = None
+    paused: str = ""                              # while it waits at its prompt: what its row says (paused_text)
 
     def latest_printed(self) -> str:
         """The newest line the rank printed: not a finished bar's final line
@@ -151,21 +180,33 @@ def usage_html(s: RankState, final: bool, behind: bool) -> str:
 def row_html(s: RankState, final: bool = False, behind: bool = False) -> str:
     color = STATE_COLORS.get(s.state, "#888")
     bars = "".join(bar_html(b, color) for b in s.shown_bars(slots=not final))
-    latest = s.failure or s.latest
-    busy = "" if final or latest or s.state not in ("running", "starting") else s.phase
-    shown = clip(latest, 300, keep="head" if s.failure else "tail")   # an error's type leads it
     where = f" &middot; {html.escape(s.node)}" if s.node else ""
     return el("div", "row",
                el("span", "label", f"rank {s.rank}{where} <b style='color:{color}'>{html.escape(s.state)}</b>")
                + usage_html(s, final, behind)
                + (el("div", "bars", bars) if bars else "")
-               + (el("span", "latest", html.escape(busy + " …"), "font-style:italic",
-                      attrs=" title='what the rank is busy with before it prints'") if busy else "")
-               # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
-               # a failure's line wraps, whole: an error cut by the window's width lost its type's name
-               + (el("span", "latest", html.escape(shown),
-                      "white-space:normal;overflow-wrap:break-word" if s.failure else "",
-                      attrs=f" title='{html.escape(shown, quote=True)}'") if latest else ""))
+               + line_html(s, final, color))
+
+
+def line_html(s: RankState, final: bool, color: str) -> str:
+    """The row's line: its failure, where it waits at its prompt (paused),
+    its latest printed line, or what it is busy with before it prints; one
+    place, so the row keeps its height from one to the other."""
+    latest = s.failure or s.latest
+    if s.state == "paused" and not final:   # whole in the tooltip
+        return el("span", "latest", html.escape(s.paused), f"font-style:italic;color:{color};opacity:1",
+                  attrs=f" title='{html.escape(s.paused, quote=True)}'")
+    if latest:
+        # a span, not <code>: JupyterLab greys a record's <code> (an empty one was a grey bar)
+        # a failure's line wraps, whole: an error cut by the window's width lost its type's name
+        shown = clip(latest, 300, keep="head" if s.failure else "tail")   # an error's type leads it
+        wrap = "white-space:normal;overflow-wrap:break-word" if s.failure else ""
+        return el("span", "latest", html.escape(shown), wrap,
+                  attrs=f" title='{html.escape(shown, quote=True)}'")
+    if not final and s.state in ("running", "starting") and s.phase:
+        return el("span", "latest", html.escape(s.phase + " …"), "font-style:italic",
+                  attrs=" title='what the rank is busy with before it prints'")
+    return ""
 
 
 def plural(n: int, word: str) -> str:

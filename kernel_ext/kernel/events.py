@@ -225,6 +225,11 @@ class Resources:
     ranks: dict
 
 
+#: A debugger's prompt, as a rank's unfinished line before it reads its stdin:
+#: ``(Pdb) ``, ``(ipdb) ``, ``(Pdb++) ``.
+DEBUGGER_PROMPT = re.compile(r"\(([A-Za-z][\w-]{0,15})\) ?")
+
+
 @dataclass
 class InputRequested:
     """A rank reads its stdin (``input()``, a ``breakpoint()``'s pdb): it is
@@ -243,10 +248,14 @@ class InputAnswered:
     line: Optional[str]
     why: str = ""
 
-    def text(self) -> str:
+    def transcript(self) -> str:
+        """The exchange as a terminal shows it: the prompt and what was typed."""
         if self.line is None:
-            return f"[rank {self.rank}] {self.prompt}<end of input: {self.why or 'none given'}>"
-        return f"[rank {self.rank}] {self.prompt}{self.line}"
+            return f"{self.prompt}<end of input: {self.why or 'none given'}>"
+        return f"{self.prompt}{self.line}"
+
+    def text(self) -> str:
+        return f"[rank {self.rank}] {self.transcript()}"
 
 
 @dataclass
