@@ -970,7 +970,8 @@ def test_a_breakpoint_asks_in_the_input_box_and_the_view_shows_the_paused_rank(a
                                arg=cell.element_handle())
         rows = cell.evaluate(ROWS_JS)
         assert [r["label"] for r in rows] == ["rank 0 done", "rank 1 paused"], rows
-        assert re.fullmatch(r"waits at its prompt \(Pdb\) in <module> \(Cell In\[2\]:5\) · type in the input box",
+        assert re.fullmatch(r"waits at its prompt \(Pdb\) in <module> \(Cell In\[2\]:6\): print\('done', z\) · type "
+                            r"in the input box",
                             rows[1]["line"]), rows
         assert rows[0]["line"] == "done 7" and rows[0]["height"] == rows[1]["height"] < 40, rows
         cell.screenshot(path=str(ARTIFACTS / f"23-paused-rank-{name}.png"))

@@ -40,7 +40,9 @@ def test_breakpoint_on_rank_1_prompts_in_the_notebook_and_continues(clean_kernel
     rank_1 = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
     asked = rank_1.index("[rank 1] (Pdb) p z")
     assert rank_1[asked:] == ["[rank 1] (Pdb) p z", "[rank 1] 7", "[rank 1] (Pdb) c", "[rank 1] done 7"], rank_1
-    assert any(re.fullmatch(r"\[rank 1\] > .+\(5\)<module>\(\).*", line) for line in rank_1[:asked]), rank_1
+    # Stopped where a script would be: the line after breakpoint(), the cell's last.
+    assert rank_1[asked - 2:asked] == ["[rank 1] > " + rank_1[asked - 2].split("> ", 1)[1], '[rank 1] -> print("done", z)']
+    assert re.fullmatch(r"\[rank 1\] > .*Cell In\[\d+\]\(6\)<module>\(\)", rank_1[asked - 2]), rank_1
     assert k.ok("print('next')").stdout == "next\n"
 
 
@@ -60,7 +62,8 @@ def test_the_widget_view_shows_the_paused_rank_and_where_and_the_record_the_sess
     paused = [v for v in _widget_rows(res) if ">paused</b>" in v]
     assert paused, _widget_rows(res)
     rank_1 = paused[0].split("rank 1 ", 1)[1]
-    assert re.search(r"waits at its prompt \(Pdb\) in &lt;module&gt; \([^/()]+:5\)", rank_1), rank_1
+    assert re.search(r"waits at its prompt \(Pdb\) in &lt;module&gt; \([^/()]+:6\): print\(&quot;done&quot;, z\)",
+                     rank_1), rank_1
     assert ">paused</b>" not in paused[0].split("rank 1 ", 1)[0]   # rank 0 is not
     final = [m for m in res.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
     assert "(Pdb) p z\n7\n(Pdb) c\ndone 7" in final["text/html"] and ">paused</b>" not in final["text/html"]

@@ -210,14 +210,23 @@ def _prepare_torch(env: dict, local_rank: int, gpu_count: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
+#: Where the cell's trailing expression leaves its value (taken out at once).
+VALUE_NAME = "__accel_magics_value__"
+
+
 def _compile_cell(source: str, filename: str):
-    """Compile the cell; split off a trailing expression so its value can return."""
+    """Compile the cell as one code object, as a script is: (code, whether it
+    ends in an expression whose value it leaves in ``VALUE_NAME``).  One code
+    object, so pdb steps from a ``breakpoint()`` to the last line as in a
+    script (evaluated apart, the last line was a frame of its own and pdb
+    stopped at the body's return instead)."""
     tree = ast.parse(source, filename=filename, mode="exec")
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    body = compile(tree, filename, "exec")
-    return body, (compile(last, filename, "eval") if last is not None else None)
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return compile(tree, filename, "exec"), False
+    last = tree.body[-1]
+    keep = ast.copy_location(ast.Assign(targets=[ast.Name(VALUE_NAME, ast.Store())], value=last.value), last)
+    tree.body[-1] = ast.fix_missing_locations(keep)
+    return compile(tree, filename, "exec"), True
 
 
 def _warm_up() -> None:
@@ -232,10 +241,10 @@ def _warm_up() -> None:
     try:
         blob = cloudpickle.dumps({"x": 1}, protocol=5)
         cloudpickle.loads(blob)
-        body, last = _compile_cell("x = 1\nx", "<warm-up>")
+        body, _ = _compile_cell("x = 1\nx", "<warm-up>")
         ns = {"__builtins__": __builtins__}
         exec(body, ns)
-        eval(last, ns)
+        ns.pop(VALUE_NAME, None)
         pickle.loads(pickle.dumps({"kind": "result", "value": _pack_value(1), "returns": {}}))
         dict(os.environ)
         _new_modules(_modules_mark())
@@ -621,7 +630,7 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
     sys.path[:] = payload.sys_path or sys.path
     cache_source(payload.filename, payload.source)
     try:
-        body, last = _compile_cell(payload.source, payload.filename)
+        body, has_value = _compile_cell(payload.source, payload.filename)
         loaded = payload.load_into(ns)
     except BaseException as exc:   # e.g. a shipped value whose module this rank cannot import
         return _failure(exc, exc.__traceback__), 1
@@ -638,9 +647,9 @@ def _run_cell(payload, ns: dict, reports_values: bool, session: bool = False) ->
             if session and _interrupt_pending:
                 raise KeyboardInterrupt   # stopped before its code began
             exec(body, ns)
-            value = eval(last, ns) if last is not None else None
         finally:
             _in_cell = False
+            value = ns.pop(VALUE_NAME, None) if has_value else None
     except SystemExit as exc:
         event, code = _exit_event(exc)
         _hold(exc)
