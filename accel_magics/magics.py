@@ -186,6 +186,8 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         """Once per kernel, before its first run: what here can make runs fail
         (a small /dev/shm, ulimit -n, a CPU quota, no ptrace), one line each
         with its fix.  Never stops the run (see kernel_ext/doctor)."""
+        if self.risks.checked is not None:   # checked already: the defaults are not worked out again
+            return
         info = self.state.launcher.info or {}
         for warning in self.risks.once(cfg.num_processes, info.get("gpu_count", 0), info.get("native_stacks"),
                                        self.effective_defaults()["num_processes"]):
