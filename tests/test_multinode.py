@@ -97,6 +97,26 @@ def test_two_kernels_form_one_world_of_four(nodes):
         _quiet(node)
 
 
+def test_a_breakpoint_on_node_1_asks_in_node_1s_notebook_while_node_0_waits(nodes):
+    """Kernel per node: rank 3 stops at breakpoint(); its prompt comes to node
+    1's notebook (each kernel debugs its own ranks), node 0's ranks wait for it
+    in their all_reduce, and after c both cells end with the sum."""
+    port = _free_port()
+    pause = ("if dist.get_rank() == 3:\n    breakpoint()\n"
+             "dist.all_reduce(t)\nprint('again', t.item())\n")
+    second = nodes[1].submit(CELL.format(node=1, port=port, rdzv=60, extra=pause), allow_stdin=True)
+    first = nodes[0].start(CELL.format(node=0, port=port, rdzv=60, extra=pause))
+    typed = iter(["p dist.get_rank()", "c"])
+    out1 = nodes[1].result_of(second, timeout=120, stdin=lambda prompt: next(typed, ""))
+    out0 = nodes[0].collect(first)
+    assert out0["error"] is None and out1.status == "ok", (out0, out1.error_text)
+    assert out1.prompts == ["(Pdb rank 3) "] * 2, out1.prompts
+    assert "[rank 3] 3" in out1.stdout.splitlines(), out1.stdout
+    assert out0["stdout"].count("again 40.0") == 2 and out1.stdout.count("again 40.0") == 2, (out0, out1.stdout)
+    for node in nodes:
+        _quiet(node)
+
+
 def test_a_node_without_node_0_times_out_clearly(nodes):
     port = _free_port()
     started = time.monotonic()
