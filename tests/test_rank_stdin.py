@@ -5,7 +5,9 @@ Each test answers the kernel's input_requests as a frontend does
 (``KernelSession.run(stdin=...)``)."""
 from __future__ import annotations
 
+import html
 import re
+import sys
 import time
 
 import pytest
@@ -21,6 +23,12 @@ if os.environ["RANK"] == "1":
     breakpoint()
 print("done", z)
 """
+
+
+#: Where pdb stops after BREAK_ON_RANK_1's breakpoint(), as in a script: the
+#: next line before Python 3.13, the breakpoint() line itself from 3.13 on
+#: (pdb.set_trace() stops at its caller's line there).
+STOP_LINE = (5, "breakpoint()") if sys.version_info >= (3, 13) else (6, 'print("done", z)')
 
 
 def answers(*lines):
@@ -40,9 +48,10 @@ def test_breakpoint_on_rank_1_prompts_in_the_notebook_and_continues(clean_kernel
     rank_1 = [line for line in res.stdout.splitlines() if line.startswith("[rank 1] ")]
     asked = rank_1.index("[rank 1] (Pdb) p z")
     assert rank_1[asked:] == ["[rank 1] (Pdb) p z", "[rank 1] 7", "[rank 1] (Pdb) c", "[rank 1] done 7"], rank_1
-    # Stopped where a script would be: the line after breakpoint(), the cell's last.
-    assert rank_1[asked - 2:asked] == ["[rank 1] > " + rank_1[asked - 2].split("> ", 1)[1], '[rank 1] -> print("done", z)']
-    assert re.fullmatch(r"\[rank 1\] > .*Cell In\[\d+\]\(6\)<module>\(\)", rank_1[asked - 2]), rank_1
+    # Stopped where a script would be (STOP_LINE: Python's own choice of line).
+    line, source = STOP_LINE
+    assert rank_1[asked - 1] == f"[rank 1] -> {source}", rank_1
+    assert re.fullmatch(rf"\[rank 1\] > .*Cell In\[\d+\]\({line}\)<module>\(\)", rank_1[asked - 2]), rank_1
     assert k.ok("print('next')").stdout == "next\n"
 
 
@@ -62,8 +71,9 @@ def test_the_widget_view_shows_the_paused_rank_and_where_and_the_record_the_sess
     paused = [v for v in _widget_rows(res) if ">paused</b>" in v]
     assert paused, _widget_rows(res)
     rank_1 = paused[0].split("rank 1 ", 1)[1]
-    assert re.search(r"waits at its prompt \(Pdb\) in &lt;module&gt; \([^/()]+:6\): print\(&quot;done&quot;, z\)",
-                     rank_1), rank_1
+    line, source = STOP_LINE
+    assert re.search(rf"waits at its prompt \(Pdb\) in &lt;module&gt; \([^/()]+:{line}\): "
+                     + re.escape(html.escape(source)), rank_1), rank_1
     assert ">paused</b>" not in paused[0].split("rank 1 ", 1)[0]   # rank 0 is not
     final = [m for m in res.messages if m["msg_type"] == "display_data"][-1]["content"]["data"]
     assert "(Pdb) p z\n7\n(Pdb) c\ndone 7" in final["text/html"] and ">paused</b>" not in final["text/html"]
@@ -243,6 +253,6 @@ def test_pdb_lists_the_cell_and_stops_at_a_line_breakpoint_set_in_it(clean_kerne
                            stdin=answers("l", "b 8", "c", "p w", "c"))
     assert res.status == "ok", res.error_text + res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rank 1] ")]
-    assert "[rank 1]   5  \t    breakpoint()" in lines, res.stdout   # l: the cell's own lines
+    assert any(re.fullmatch(r"\[rank 1\]   5  (->)?\t    breakpoint\(\)", ln) for ln in lines), res.stdout   # l
     assert any(re.fullmatch(r"\[rank 1\] Breakpoint 1 at .*Cell In\[\d+\]:8", ln) for ln in lines), res.stdout
     assert "[rank 1] 8" in lines and "[rank 1] w 8" in lines, res.stdout
