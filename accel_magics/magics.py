@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import TraitError
 
 from accel_magics.kernel_ext.kernel import preflight
-from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import LaunchConfig
 from accel_magics.kernel_ext.kernel.launcher import Launcher
@@ -237,6 +237,7 @@ class DistributedMagics(LaunchOptionTraits, Magics):
                 from None
 
     def _distributed(self, args, line: str, cell: str, started: float):
+        self.state.release_held()   # a failed rank kept for %distributed_debug holds memory a new run may need
         if args.session:   # on the running session, wherever it is placed
             return CELL_MODES["session"](self, args, line, cell, started)
         name = self.placement_name(args.launcher)
@@ -266,6 +267,9 @@ class DistributedMagics(LaunchOptionTraits, Magics):
             try:
                 result = execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt, ask=rank_prompt.ask)
+            except DistributedRunError as exc:
+                self.state.held = exc.held   # for %distributed_debug
+                raise
             finally:
                 presenter.finish()
         finally:

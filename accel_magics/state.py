@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from accel_magics.kernel_ext.kernel import post_mortem
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT
 
@@ -27,6 +28,14 @@ class MagicsState:
         self.slurm_busy = None     # the background cell that uses them now (their sockets are its thread's)
         self.background_runs: set = set()
         self.returned: dict = {}   # name -> id() of the value a session cell's --return assigned
+        self.held = None           # the last failed run's ranks held for %distributed_debug (post_mortem.HeldRun)
+
+    # -- a failed run's held ranks ----------------------------------------------------
+    def release_held(self) -> None:
+        """Let the ranks held for a post-mortem go (the next cell: they hold memory, GPU memory too)."""
+        held, self.held = self.held, None
+        if held is not None:
+            post_mortem.release(self.launcher, held)
 
     # -- the Slurm allocation's node agents ------------------------------------
     def keep_agents(self, agents) -> None:

@@ -51,6 +51,7 @@ class Outcome:
     # completed, whatever stop came as it ended (its effect is in the session).
     completed: bool = False
     pressed: bool = False    # the stop button was pressed while the attempt was read
+    held: dict = field(default_factory=dict)   # rank -> its "held" message: failed, held for a post-mortem
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -137,6 +138,7 @@ class RunFold:
         self.deleted: set = set()
         self.interrupted = False   # the stop button was pressed during the attempt
         self.results: set[int] = set()   # ranks that reported this cell's result (they completed it)
+        self.held: dict[int, dict] = {}  # failed ranks held for a post-mortem: rank -> their "held" message
         self.handlers = {
             Kind.HEARTBEAT: self._heartbeat, Kind.STARTED: self._started, Kind.OUTPUT: self._output,
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
@@ -146,6 +148,7 @@ class RunFold:
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
             Kind.SESSION_LOST: self._session_lost, Kind.INPUT_REQUEST: self._input_request,
+            Kind.HELD: self._held,
         }
         self.rank_handlers = {
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
@@ -191,6 +194,9 @@ class RunFold:
 
     def _input_request(self, msg: dict) -> None:
         self.emit(ev.InputRequested(msg["rank"], msg.get("prompt", "")))
+
+    def _held(self, msg: dict) -> None:
+        self.held[msg["rank"]] = msg
 
     def _heartbeat(self, msg: dict) -> None:
         self.emit(ev.Heartbeat())
@@ -297,6 +303,7 @@ class RunFold:
     def _exit(self, msg: dict) -> None:
         rank = msg["rank"]
         self.exited.add(rank)
+        self.held.pop(rank, None)   # it ended before the run did: nothing is held
         failure = self.failures.get(rank)
         if failure is None and msg["exitcode"] == 0 and not msg["signal"] and rank not in self.departed:
             # os._exit(0), or an exit from native code, mid-cell (also when the stop
@@ -403,7 +410,8 @@ class RunFold:
                        self.rendezvous_error, self.departed, self.forced, self.stalled or self.stranded, session,
                        lost, self.assigned - self.deleted, self.deleted, self.terminated_on, self.master_port,
                        self.kinds, bool(self.in_world or any(self.rounds.values())), set(self.agreed),
-                       set(self.failed_joining), completed=completed, pressed=self.interrupted)
+                       set(self.failed_joining), completed=completed, pressed=self.interrupted,
+                       held=dict(self.held))
 
 
 # -- the outcome's parts: plain functions of what the fold recorded -------------------------

@@ -33,7 +33,7 @@ import cloudpickle
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
 from .. import PACKAGE_DIR, hooks, process_tree
-from . import bounded_traceback, rank_bars, script_end, startup
+from . import bounded_traceback, held, rank_bars, script_end, startup
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
@@ -289,7 +289,8 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
         _event_fd, _local_rank, _rank_pid = event_fd, local_rank, os.getpid()
         if isinstance(sys.stdin, RankStdin):
             sys.stdin = sys.__stdin__ = RankStdin(emit, release_fd)   # answers come on the go pipe
-        code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else _execute(spec, local_rank)
+        code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else \
+            _execute(spec, local_rank, release_fd)
     except BaseException as exc:  # the harness itself failed: say so, never hang
         try:
             emit(_failure(exc, exc.__traceback__, harness=True))
@@ -740,7 +741,9 @@ def _values(value, ns: dict, return_names) -> dict:
     return {"value": packed, "returns": returns, "missing": missing}
 
 
-def _execute(spec: dict, local_rank: int) -> int:
+def _execute(spec: dict, local_rank: int, go_fd: Optional[int] = None) -> int:
+    """Run the cell once, report it, and end as a script does; a failed
+    rank of a run with a hold is held for a post-mortem first (held.py)."""
     main = _enter_rank(spec, local_rank)
     event, code = _run_cell(spec["payload"], main.__dict__, local_rank == 0)
     if _in_forked_child(event):
@@ -752,6 +755,8 @@ def _execute(spec: dict, local_rank: int) -> int:
     else:
         rank_bars.flush()
         emit(event)        # the failure first: the run stops the other ranks at once
+        if event["kind"] == "failed":   # frames alive until %distributed_debug, the next cell or the hold's end
+            held.hold(_held, spec.get("debug_hold") or 0, go_fd, emit)
         _release()
         script_end.end()   # then as a script that raised: its threads, its atexit handlers (bounded:
                            # the supervisor kills it RANK_GRACE after the stop)

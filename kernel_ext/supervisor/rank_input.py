@@ -10,7 +10,9 @@ private (0700) directory at the first question: no port, nothing when no
 rank asks.  On a Slurm node the kernel's answer reaches that socket through
 the node's agent (its authenticated channel to the kernel).  Every answer is verified with the run's key before it is
 unpickled, as a session's cells are, and one that answers no open question
-is dropped.
+is dropped.  The same socket takes the kernel's word about a failed rank held
+for a post-mortem (``{"op": "debug"}``, ``{"op": "release"}``: one_shot.py),
+signed the same way.
 
 While a rank waits for an answer the run is paused, as a terminal's user
 pausing at a breakpoint pauses a torchrun job: ``--timeout`` and the stall
@@ -50,7 +52,7 @@ class RankInput:
         """``r`` reads its stdin: its output so far goes first, then the question."""
         self.run.pump.catch_up(r)
         prompt = strip_escapes(r.output.take_unfinished()).decode("utf-8", "replace")[-PROMPT_CHARS:]
-        if self.address is None and not self._open():
+        if not self.open():
             self._answer(r, event.get("seq"), None, "this run cannot take input (see the supervisor's log)")
             return
         if not self.waiting:
@@ -73,9 +75,12 @@ class RankInput:
         return total
 
     # -- answers ------------------------------------------------------------------
-    def _open(self) -> bool:
+    def open(self) -> bool:
         """The answers' socket, in the launcher's private directory (where the
-        run's error files go: on a Slurm node, that node's launcher's)."""
+        run's error files go: on a Slurm node, that node's launcher's), bound
+        once; False where this run cannot have one."""
+        if self.address is not None:
+            return True
         spec = getattr(self.run, "spec", {}) or {}
         events = getattr(self.run, "events_addr", "") or ""
         if spec.get("error_dir"):
@@ -105,6 +110,9 @@ class RankInput:
                 content = wire.verified_content(self._verifier, frames)
             except Exception:
                 continue   # not signed with the run's key: never unpickled
+            if "op" in content:   # for the run, not an answer: a held rank's post-mortem (one_shot.py)
+                self.run.on_op(content)
+                continue
             waiting = self.waiting.get(content.get("rank"))
             if waiting is None or waiting[1] != content.get("seq"):
                 continue   # no such question open (answered, or its rank was stopped)

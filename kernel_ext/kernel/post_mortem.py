@@ -1,0 +1,131 @@
+"""The kernel's side of a failed rank held for a post-mortem (``%distributed_debug``).
+
+When a rank of a one-shot run fails and the run holds it (``--debug_hold``:
+rank/held.py, supervisor/one_shot.py), the run's :class:`DistributedRunError`
+carries a :class:`HeldRun`: what the kernel needs to reach the held ranks
+after the cell has ended: the run's id and key, its supervisor, the socket
+that supervisor takes the kernel's word on.  :func:`debug` opens one held
+rank's post-mortem and reads it to its end (the rank's messages still come
+on the launcher's socket under the run's id, as during the cell), answering
+its questions as a cell's are (``ask``: the notebook's input box);
+:func:`release` lets every held rank go (the next cell does, so a held rank
+never holds GPU memory that a new run needs).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .. import wire
+from ..process_tree import running
+from ..timing import HELD_SEND_WAIT
+from .errors import LauncherError, ranks_text
+from .run_handle import RunHandle
+
+log = logging.getLogger("accel_magics.kernel.post_mortem")
+
+
+@dataclass
+class HeldRun:
+    """The failed ranks of one run that are held for a post-mortem."""
+    run_id: str
+    key: bytes
+    supervisor_pid: int
+    ranks: dict            # rank -> the address its supervisor takes the kernel's word on
+    root: Optional[int]    # the root cause's rank
+    seconds: float         # how long they are held from ``since`` (the run's --debug_hold)
+    since: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        """Seconds the hold has left (0: it ended, the ranks were let go)."""
+        return max(0.0, self.since + self.seconds - time.monotonic())
+
+    def alive(self) -> bool:
+        return bool(self.ranks) and self.left() > 0 and running(self.supervisor_pid)
+
+    def default_rank(self) -> int:
+        """The root cause's rank where it is held, else the first held."""
+        return self.root if self.root in self.ranks else min(self.ranks)
+
+    def hint(self) -> str:
+        """What the cell's error says after its report."""
+        first = self.default_rank()
+        others = sorted(set(self.ranks) - {first})
+        text = (f"%distributed_debug opens a post-mortem (pdb) in rank {first}'s failing frame, in this "
+                f"notebook's input box, for the next {self.seconds:g} s (--debug_hold)")
+        if others:
+            text += f"; %distributed_debug --rank N for {ranks_text(others, '')}"
+        return text + ". The next %%distributed cell lets the failed rank(s) go."
+
+
+def held_run(handle, outcome) -> Optional[HeldRun]:
+    """The held ranks of a failed attempt (None: none), from its outcome and its handle."""
+    if not outcome.held or not isinstance(handle, RunHandle):
+        return None
+    root = outcome.finished.root_cause
+    seconds = min(float(msg.get("seconds") or 0) for msg in outcome.held.values())
+    return HeldRun(handle.run_id, handle.session.key, handle.supervisor_pid,
+                   {rank: msg.get("reply_to", "") for rank, msg in outcome.held.items()},
+                   root.rank if root is not None else None, seconds)
+
+
+#: How a post-mortem's output is shown: ``show(rank, text)``; ``ask(rank, prompt)``: see run.Ask.
+Show = Callable[[int, str], None]
+
+
+def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], show: Show) -> dict:
+    """Open ``rank``'s post-mortem and read it to its end: its output goes to
+    ``show``, its questions are asked with ``ask``.  Returns the supervisor's
+    ``held_end`` (how the rank ended).  A press (KeyboardInterrupt) lets the
+    rank go and propagates; the rank is no longer held afterwards either way."""
+    address = held.ranks[rank]
+    handle = RunHandle(launcher, held.run_id, held.key, held.supervisor_pid, 0, None)
+    linger = 0.0
+    try:
+        handle.tell(address, {"op": "debug", "rank": rank})
+        for msg in handle.messages():
+            kind = msg.get("kind")
+            if kind == "output" and msg.get("rank") == rank and msg.get("text"):
+                show(rank, msg["text"])
+            elif kind == "input_request":
+                line: Optional[str] = None
+                why = ""
+                try:
+                    line = ask(msg["rank"], msg.get("prompt", ""))
+                except EOFError as exc:
+                    why = str(exc) or "end of input"
+                handle.answer(msg, line, why)
+            elif kind == "held_end" and msg.get("rank") in (rank, None):
+                return msg
+        raise LauncherError(f"the run of rank {rank} ended without a word about it")   # a "finished": not its own
+    except KeyboardInterrupt:
+        handle.tell(address, {"op": "release", "rank": rank})   # the stop ends the post-mortem and the rank
+        linger = HELD_SEND_WAIT
+        raise
+    except LauncherError as exc:
+        raise LauncherError(f"rank {rank}'s post-mortem ended: its supervisor is gone ({exc})") from None
+    finally:
+        held.ranks.pop(rank, None)
+        handle.close(linger)
+
+
+def release(launcher, held: Optional[HeldRun]) -> None:
+    """Let every held rank of ``held`` go (each ends as a script that raised)."""
+    if held is None or not held.ranks or not running(held.supervisor_pid):
+        return
+    import zmq
+
+    signer = wire.signed_session(held.key)
+    for address in set(held.ranks.values()):
+        if not address.startswith("ipc://"):
+            continue
+        sock = launcher.ctx.socket(zmq.PUSH)
+        try:
+            sock.connect(address)
+            signer.send(sock, "run_op", {"op": "release", "rank": None})
+        finally:
+            sock.close(linger=int(HELD_SEND_WAIT * 1000))
+    held.ranks.clear()
+    log.info("run %s: its held ranks were let go", held.run_id)

@@ -1,0 +1,146 @@
+"""``%distributed_debug``: a post-mortem (pdb) of a failed rank, held as it
+failed, in the notebook's input box (issue 47, item 1).
+
+Each test answers the kernel's input_requests as a frontend does
+(``KernelSession.run(stdin=...)``).  The failed rank prints its pid, and each
+test waits for that process to end where the rank must be let go: a held
+rank is kept on purpose, so ``clean_kernel``'s leak check lets it go first
+(``%distributed_debug --release``) and cannot tell."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from kernel_harness import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+FAIL_ON_RANK_1 = """%%distributed -n 2 --output text --timeout 60{flags}
+import os
+
+def f(x):
+    y = x * 2
+    raise ValueError("no good")
+
+if os.environ["RANK"] == "1":
+    print("pid", os.getpid())
+    f(21)
+"""
+
+
+def failing_cell(k, flags: str = "") -> tuple:
+    """Run the cell in which rank 1 fails: (its result, rank 1's pid)."""
+    res = k.run(FAIL_ON_RANK_1.format(flags=flags), timeout=90)
+    assert res.status == "error" and res.error["ename"] == "DistributedRunError", res.error_text + res.stdout
+    assert "rank 1 failed: ValueError: no good" in res.error["evalue"], res.error_text
+    found = re.search(r"^\[rank 1\] pid (\d+)$", res.stdout, re.M)
+    assert found, res.stdout
+    return res, int(found.group(1))
+
+
+def alive(pid: int) -> bool:
+    """The process is there and not a zombie (its supervisor reaps it at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 15) -> None:
+    wait_until(lambda: not alive(pid), timeout, f"the failed rank (pid {pid}) to end")
+
+
+def answers(*lines):
+    """A frontend that types ``lines`` one per prompt (then end of input: "")."""
+    left = list(lines)
+    return lambda prompt: left.pop(0) if left else ""
+
+
+def held_ranks(k) -> str:
+    """What the kernel says is held, asked without touching it (a rank no run has)."""
+    res = k.run("%distributed_debug --rank 99", timeout=30)
+    assert res.status == "error", res.stdout
+    return res.error["evalue"]
+
+
+def test_post_mortem_of_the_failed_rank_shows_its_frame_and_q_ends_it(clean_kernel):
+    k = clean_kernel
+    res, pid = failing_cell(k)
+    assert "%distributed_debug opens a post-mortem (pdb) in rank 1's failing frame" in res.error_text, \
+        res.error_text
+    assert k.ok("print('an ordinary cell between')").stdout == "an ordinary cell between\n"   # it keeps the rank
+    assert alive(pid)
+    dbg = k.run("%distributed_debug", timeout=90, stdin=answers("p y", "w", "q"))
+    assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
+    assert dbg.prompts == ["(Pdb rank 1) "] * 3, dbg.prompts
+    lines = dbg.stdout.splitlines()
+    assert "[rank 1] 42" in lines, dbg.stdout
+    # The failing frame and its caller, named as the notebook names the cell, with their lines.
+    cell = re.search(r"^\[rank 1\] > (Cell In\[\d+\])\(6\)f\(\)$", dbg.stdout, re.M)
+    assert cell, dbg.stdout
+    assert f"[rank 1]   {cell.group(1)}(10)<module>()" in lines and "[rank 1] -> f(21)" in lines, dbg.stdout
+    assert '[rank 1] -> raise ValueError("no good")' in lines, dbg.stdout
+    assert "rank 1's post-mortem ended" in dbg.stdout, dbg.stdout
+    wait_gone(pid)
+    again = k.run("%distributed_debug", timeout=30)
+    assert again.status == "error" and "no failed rank is held" in again.error["evalue"], again.error_text
+    assert k.ok("print('next')").stdout == "next\n"
+
+
+def test_the_next_distributed_cell_lets_a_held_rank_go(clean_kernel):
+    k = clean_kernel
+    _, pid = failing_cell(k)
+    assert "held: 1." in held_ranks(k)
+    started = time.monotonic()
+    res = k.ok("%%distributed -n 2 --output text\nprint('after')\n", timeout=60)
+    assert "[rank 0] after" in res.stdout and "[rank 1] after" in res.stdout, res.stdout
+    assert time.monotonic() - started < 30   # it did not wait out the hold
+    wait_gone(pid)
+    assert "no failed rank is held" in held_ranks(k)
+
+
+def test_a_session_cell_lets_a_held_rank_go(clean_kernel):
+    """A session cell starts no run (no launcher dispatch that would end the
+    old one): the kernel's own word lets the held rank go."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2", timeout=90)
+    try:
+        _, pid = failing_cell(k)
+        assert "held: 1." in held_ranks(k)
+        res = k.ok("%%distributed --session --output text\nprint('in the session')\n", timeout=60)
+        assert "[rank 0] in the session" in res.stdout, res.stdout
+        wait_gone(pid)
+        assert "no failed rank is held" in held_ranks(k)
+    finally:
+        k.ok("%distributed_session stop", timeout=60)
+
+
+def test_a_held_rank_is_let_go_at_the_end_of_its_hold(clean_kernel):
+    k = clean_kernel
+    res, pid = failing_cell(k, " --debug_hold 3")
+    ended = time.monotonic()
+    assert "for the next 3 s (--debug_hold)" in res.error_text, res.error_text
+    assert "held: 1." in held_ranks(k) and alive(pid)
+    wait_gone(pid, 30)
+    assert time.monotonic() - ended > 1.5, "let go before its hold ended"
+    assert "no failed rank is held" in held_ranks(k)
+
+
+def test_debug_hold_0_holds_nothing(clean_kernel):
+    k = clean_kernel
+    res, pid = failing_cell(k, " --debug_hold 0")
+    assert "%distributed_debug" not in res.error_text, res.error_text
+    wait_gone(pid)
+    assert "no failed rank is held" in held_ranks(k)
+
+
+def test_release_lets_it_go_without_a_cell_of_the_run(clean_kernel):
+    k = clean_kernel
+    _, pid = failing_cell(k)
+    assert k.ok("%distributed_debug --release").stdout == ""
+    wait_gone(pid)
+    assert "no failed rank is held" in held_ranks(k)
