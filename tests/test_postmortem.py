@@ -138,9 +138,32 @@ def test_debug_hold_0_holds_nothing(clean_kernel):
     assert "no failed rank is held" in held_ranks(k)
 
 
-def test_release_lets_it_go_without_a_cell_of_the_run(clean_kernel):
+def test_release_lets_it_go_and_it_ends_as_a_script_that_raised(clean_kernel, tmp_path):
+    """Held, the rank has not ended: its atexit handlers run once it is let
+    go (``%distributed_debug --release``), as a script's after pdb's post-mortem."""
     k = clean_kernel
-    _, pid = failing_cell(k)
+    mark = tmp_path / "atexit-1"
+    _, pid = failing_cell(k, f"\nimport atexit, os\nif os.environ['RANK'] == '1':\n"
+                             f"    atexit.register(lambda: open({str(mark)!r}, 'w').write('ran'))")
+    assert alive(pid) and not mark.exists()
     assert k.ok("%distributed_debug --release").stdout == ""
     wait_gone(pid)
+    assert mark.read_text() == "ran"
     assert "no failed rank is held" in held_ranks(k)
+
+
+def test_the_view_shows_a_held_rank_as_failed_and_held():
+    """A held rank's exit comes after the run: the view takes its failure from
+    RankHeld, not a row left "running"."""
+    from accel_magics.kernel_ext.kernel import events as ev
+    from accel_magics.widgets.progress_view import RunView
+
+    view = RunView(log_dir="")
+    view(ev.RunStarted("r", 0, 0, 2, 1, 0, [0, 1], "127.0.0.1", 29500))
+    view(ev.RankExited(0, 0, None, False))
+    view(ev.RankHeld(1, 300.0, ev.RankFailure(1, "exception", "ValueError: no good")))
+    view(ev.RunFinished("r", "failed", 1.0, ev.RankFailure(1, "exception", "ValueError: no good")))
+    rows = view.rows.value
+    assert "ValueError: no good (held for %distributed_debug)" in rows, rows
+    assert "running" not in rows, rows
+    view.close()

@@ -197,6 +197,7 @@ class RunFold:
 
     def _held(self, msg: dict) -> None:
         self.held[msg["rank"]] = msg
+        self.emit(ev.RankHeld(msg["rank"], msg.get("seconds", 0.0), self.failures.get(msg["rank"])))
 
     def _heartbeat(self, msg: dict) -> None:
         self.emit(ev.Heartbeat())

@@ -13,6 +13,7 @@ never holds GPU memory that a new run needs).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Callable, Optional
 from .. import wire
 from ..process_tree import running
 from ..timing import HELD_SEND_WAIT
-from .errors import LauncherError, ranks_text
+from .errors import DistributedRunError, LauncherError, ranks_text
 from .run_handle import RunHandle
 
 log = logging.getLogger("accel_magics.kernel.post_mortem")
@@ -71,6 +72,19 @@ def held_run(handle, outcome) -> Optional[HeldRun]:
                    root.rank if root is not None else None, seconds)
 
 
+@contextlib.contextmanager
+def noted(handle, outcome):
+    """A :class:`DistributedRunError` raised inside says how to reach the held
+    ranks (``held``) and, after its report, that they can be inspected."""
+    try:
+        yield
+    except DistributedRunError as exc:
+        exc.held = held_run(handle, outcome)
+        if exc.held is not None:
+            exc.after = exc.held.hint()
+        raise
+
+
 #: How a post-mortem's output is shown: ``show(rank, text)``; ``ask(rank, prompt)``: see run.Ask.
 Show = Callable[[int, str], None]
 
@@ -90,13 +104,7 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
             if kind == "output" and msg.get("rank") == rank and msg.get("text"):
                 show(rank, msg["text"])
             elif kind == "input_request":
-                line: Optional[str] = None
-                why = ""
-                try:
-                    line = ask(msg["rank"], msg.get("prompt", ""))
-                except EOFError as exc:
-                    why = str(exc) or "end of input"
-                handle.answer(msg, line, why)
+                _answer(handle, msg, ask)
             elif kind == "held_end" and msg.get("rank") in (rank, None):
                 return msg
         raise LauncherError(f"the run of rank {rank} ended without a word about it")   # a "finished": not its own
@@ -109,6 +117,17 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
     finally:
         held.ranks.pop(rank, None)
         handle.close(linger)
+
+
+def _answer(handle: RunHandle, request: dict, ask: Callable[[int, str], str]) -> None:
+    """A held rank's question (its pdb prompt), asked and answered (EOFError: end of input)."""
+    line: Optional[str] = None
+    why = ""
+    try:
+        line = ask(request["rank"], request.get("prompt", ""))
+    except EOFError as exc:
+        why = str(exc) or "end of input"
+    handle.answer(request, line, why)
 
 
 def release(launcher, held: Optional[HeldRun]) -> None:

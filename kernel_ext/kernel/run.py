@@ -271,13 +271,8 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
                 if control is not None:
                     control.detach(handle)
                 placement.done(handle)
-        try:
+        with post_mortem.noted(handle, outcome):   # a failed rank may be held for %distributed_debug
             res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
-        except DistributedRunError as exc:   # a failed rank may be held for %distributed_debug: how to reach it
-            exc.held = post_mortem.held_run(handle, outcome)
-            if exc.held is not None:
-                exc.after = exc.held.hint()
-            raise
         if res is not None:
             placement.learn_modules(res.new_modules)
             return res

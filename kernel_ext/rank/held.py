@@ -32,9 +32,7 @@ NOT_HELD = ("BdbQuit", "KeyboardInterrupt", "SystemExit")
 
 def hold(exc: Optional[BaseException], seconds: float, go_fd: Optional[int], emit: Callable[[dict], bool]) -> None:
     """Hold the failed rank (see the module doc); returns once it may end."""
-    if not seconds or seconds <= 0 or go_fd is None or exc is None or type(exc).__name__ in NOT_HELD:
-        return
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None   # the cell's frames on
+    tb = _held_traceback(exc) if seconds and seconds > 0 and go_fd is not None else None
     if tb is None:
         return
     for stream in (sys.stdout, sys.stderr):
@@ -46,6 +44,13 @@ def hold(exc: Optional[BaseException], seconds: float, go_fd: Optional[int], emi
         return
     if wanted(go_fd, time.monotonic() + seconds + RANK_GRACE):   # the supervisor's word first: it keeps the time
         post_mortem(tb)
+
+
+def _held_traceback(exc: Optional[BaseException]):
+    """The cell's frames of ``exc`` (not the harness's), or None: nothing to hold."""
+    if exc is None or type(exc).__name__ in NOT_HELD or exc.__traceback__ is None:
+        return None
+    return exc.__traceback__.tb_next
 
 
 def wanted(go_fd: int, deadline: float) -> bool:

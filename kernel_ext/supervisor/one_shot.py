@@ -50,7 +50,7 @@ class OneShotSupervisor(Supervisor):
         if remote:
             self.nodes.remote_check = time.monotonic() + REMOTE_CHECK
         self.stall.begin(time.monotonic(), stall=not remote and bool(self.spec.get("stall_timeout")))
-        self._serve_until(lambda: all(r.reported or r.held_until is not None for r in self.ranks))
+        self._serve_until(self._all_told)
         if not together:
             self.nodes.finish()
         self.logs.close()   # complete on disk before the kernel hears "finished"
@@ -74,6 +74,10 @@ class OneShotSupervisor(Supervisor):
         self._reap_rest()
         if self.rank_set.all_gone():
             tell(self.status_fd, RunState.RANKS_GONE)   # else the launcher waits for this process's exit
+
+    def _all_told(self) -> bool:
+        """Every rank is reported, or held for a post-mortem (its exit comes after "finished")."""
+        return all(r.reported or r.held_until is not None for r in self.ranks)
 
     def _reap_rest(self) -> None:
         """After "finished": let the parked ranks go, wait (bounded) for every
@@ -112,20 +116,25 @@ class OneShotSupervisor(Supervisor):
         """The kernel's word about the held ranks (``rank``: one, None: all):
         ``debug`` opens a post-mortem, ``release`` lets the rank go."""
         op, rank = content.get("op"), content.get("rank")
-        held = [r for r in self.rank_set.held() if rank is None or r.rank == rank]
-        if op == "debug" and not any(r.let_go_at is None for r in held):
-            self.send({"kind": "held_end", "rank": rank, "gone": True})   # nothing to debug: the kernel stops waiting
-            return
-        for r in held:
-            if op == "debug" and r.let_go_at is None and not r.debugging and r.go is not None:
-                try:
-                    wire.write_frame(r.go, {"debug": True})
-                except OSError:
-                    continue   # it is gone: its exit says so
-                r.debugging = True
-                self.logs.note(r.rank, "--- post-mortem opened (%distributed_debug) ---")
-            elif op == "release" and r.let_go_at is None:
+        held = [r for r in self.rank_set.held() if (rank is None or r.rank == rank) and r.let_go_at is None]
+        if op == "release":
+            for r in held:
                 self._let_go(r, "the kernel let it go")
+        elif op == "debug" and not any([self._open_post_mortem(r) for r in held]):
+            self.send({"kind": "held_end", "rank": rank, "gone": True})   # nothing to debug: the kernel stops waiting
+
+    def _open_post_mortem(self, r: RankProcess) -> bool:
+        """Tell a held rank to open its post-mortem (rank/held.py); False: it cannot."""
+        if not r.debugging:
+            if r.go is None:
+                return False
+            try:
+                wire.write_frame(r.go, {"debug": True})
+            except OSError:   # gone: its exit says so
+                return False
+            r.debugging = True
+            self.logs.note(r.rank, "--- post-mortem opened (%distributed_debug) ---")
+        return True
 
     def _let_go(self, r: RankProcess, why: str) -> None:
         """EOF at its go pipe: a held rank ends as a script that raised (a
@@ -142,18 +151,22 @@ class OneShotSupervisor(Supervisor):
         until the user ends it (or the kernel lets it go)."""
         while self.rank_set.held():
             now = time.monotonic()
-            due = [self.pump.due]
-            for r in self.rank_set.held():
-                if r.let_go_at is None and not r.debugging and now >= r.held_until:
-                    self._let_go(r, "its hold (--debug_hold) ended")
-                if r.let_go_at is not None and now >= r.let_go_at:
-                    log.info("%s: held rank %s did not end after it was let go: SIGKILL", self._what(), r.rank)
-                    r.signal_group(signal.SIGKILL)
-                    r.let_go_at = now + REAP_WAIT   # reaped before then (else killed again)
-                due.append(r.let_go_at if r.let_go_at is not None else None if r.debugging else r.held_until)
-            due = [d for d in due if d is not None]
+            due = [d for d in [self.pump.due, *(self._held_due(r, now) for r in self.rank_set.held())]
+                   if d is not None]
             self.poll(max(0.0, min(due) - now) if due else None)
             self.pump.on_time(time.monotonic())
+
+    def _held_due(self, r: RankProcess, now: float) -> Optional[float]:
+        """What is due for a held rank now (let go, killed), and when it is next (None: nothing)."""
+        if r.let_go_at is None and not r.debugging and now >= r.held_until:
+            self._let_go(r, "its hold (--debug_hold) ended")
+        if r.let_go_at is not None and now >= r.let_go_at:
+            log.info("%s: held rank %s did not end after it was let go: SIGKILL", self._what(), r.rank)
+            r.signal_group(signal.SIGKILL)
+            r.let_go_at = now + REAP_WAIT   # reaped before then (else killed again)
+        if r.let_go_at is not None:
+            return r.let_go_at
+        return None if r.debugging else r.held_until
 
     def _held_exit(self, r: RankProcess, status: int) -> None:
         """A held rank exited after "finished": what it printed, then ``held_end``."""
