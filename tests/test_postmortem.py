@@ -167,3 +167,36 @@ def test_the_view_shows_a_held_rank_as_failed_and_held():
     assert "ValueError: no good (held for %distributed_debug)" in rows, rows
     assert "running" not in rows, rows
     view.close()
+
+
+def test_several_held_ranks_the_root_cause_first_and_the_others_named():
+    from accel_magics.kernel_ext.kernel.post_mortem import HeldRun
+
+    held = HeldRun("r", b"k", 1, {0: "ipc://x", 2: "ipc://x"}, root=2, seconds=300)
+    assert held.default_rank() == 2
+    assert held.hint() == ("%distributed_debug opens a post-mortem (pdb) in rank 2's failing frame, in this notebook's "
+                           "input box, for the next 300 s (--debug_hold); %distributed_debug --rank N for rank(s) 0. "
+                           "The next %%distributed cell lets the failed rank(s) go.")
+    assert HeldRun("r", b"k", 1, {3: "ipc://x"}, root=1, seconds=5).default_rank() == 3   # the root was not held
+
+
+def test_the_stop_button_in_a_post_mortem_ends_it_and_the_rank(clean_kernel):
+    """A press while the post-mortem runs (here a command of the user's that
+    takes long) ends %distributed_debug; the rank is let go, and killed a
+    grace later if it does not end; the kernel goes on."""
+    k = clean_kernel
+    _, pid = failing_cell(k)
+    pressed = []
+
+    def press(text):
+        if "[rank 1] busy" in text and not pressed:
+            pressed.append(time.monotonic())
+            k.km.interrupt_kernel()
+
+    res = k.run("%distributed_debug", timeout=60, stdin=answers("print('busy'); import time; time.sleep(120)"),
+                on_output=press)
+    assert pressed and res.status == "error" and res.error["ename"] == "KeyboardInterrupt", res.error_text + res.stdout
+    wait_gone(pid, 15)
+    assert time.monotonic() - pressed[0] < 15
+    assert "no failed rank is held" in held_ranks(k)
+    assert k.ok("print('next')").stdout == "next\n"
