@@ -251,6 +251,8 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         try:
             with self.state.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
                 cfg = self.launch_config(args)
+            if not self.takes_input():   # nobody could type at a post-mortem (nbclient): a failed rank ends at once
+                cfg.debug_hold = 0
             return_names = return_names_of(args.return_names)
             self.preflight_check()
             self.warn_machine(cfg)
@@ -275,6 +277,11 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         finally:
             payload.release()   # also when interrupted before the run started
         return self.deliver(result)
+
+    def takes_input(self) -> bool:
+        """Whether this cell's frontend answers input() (not nbconvert, papermill, nbval: allow_stdin off)."""
+        kernel = getattr(self.shell, "kernel", None)
+        return kernel is None or bool(getattr(kernel, "_allow_stdin", True))
 
     def placement_name(self, given) -> str:
         """The placement a cell runs on: ``--launcher``, else the default set, else the built-in one."""

@@ -200,3 +200,15 @@ def test_the_stop_button_in_a_post_mortem_ends_it_and_the_rank(clean_kernel):
     assert time.monotonic() - pressed[0] < 15
     assert "no failed rank is held" in held_ranks(k)
     assert k.ok("print('next')").stdout == "next\n"
+
+
+def test_a_frontend_that_takes_no_input_holds_nothing(clean_kernel):
+    """nbclient, papermill, nbval (allow_stdin off) can never answer a
+    post-mortem: the failed rank ends at once, as with --debug_hold 0."""
+    k = clean_kernel
+    res = k.run(FAIL_ON_RANK_1.format(flags=""), timeout=90, stdin=False)
+    assert res.status == "error" and "rank 1 failed: ValueError: no good" in res.error["evalue"], res.error_text
+    assert "%distributed_debug" not in res.error_text, res.error_text
+    pid = int(re.search(r"^\[rank 1\] pid (\d+)$", res.stdout, re.M).group(1))
+    wait_gone(pid)
+    assert "no failed rank is held" in held_ranks(k)

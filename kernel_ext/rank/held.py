@@ -55,12 +55,11 @@ def _held_traceback(exc: Optional[BaseException]):
 
 def wanted(go_fd: int, deadline: float) -> bool:
     """Wait for the supervisor's word: True for a post-mortem, False for the end (EOF, or the deadline)."""
+    poller = select.poll()   # not select(): the fd may be past FD_SETSIZE in a rank that opened many files
+    poller.register(go_fd, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        ready, _, _ = select.select([go_fd], [], [], left)
-        if not ready:
+        if left <= 0 or not poller.poll(left * 1000):
             return False
         frame = wire.read_frame(go_fd)
         if frame is None:
