@@ -10,8 +10,6 @@ and the rank.  The next ``%%distributed`` cell lets a held rank go.
 """
 from __future__ import annotations
 
-import sys
-
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -20,12 +18,6 @@ from accel_magics.kernel_ext.kernel import post_mortem
 
 from . import rank_prompt
 from .magics import parse_options
-
-
-def show(rank: int, text: str) -> None:
-    """A held rank's output, as the text view shows a rank's lines."""
-    sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-    sys.stdout.flush()
 
 
 @magics_class
@@ -61,7 +53,7 @@ class DebugMagics(Magics):
         if rank not in held.ranks:
             raise UsageError(f"rank {rank} is not held; held: {', '.join(map(str, sorted(held.ranks)))}.")
         try:
-            end = post_mortem.debug(self.state.launcher, held, rank, rank_prompt.ask, show)
+            end = post_mortem.debug(self.state.launcher, held, rank, rank_prompt.ask, rank_prompt.show)
         finally:
             if not held.ranks:
                 self.state.held = None

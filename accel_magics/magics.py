@@ -357,6 +357,12 @@ class DistributedMagics(LaunchOptionTraits, Magics):
             return execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                            log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events,
                            ask=control.questions.ask)   # answered by the handle's debug()
+        except DistributedRunError as exc:
+            if exc.held is not None:   # its socket stays open for the held ranks' post-mortem (h.debug())
+                exc.held.channel = events
+                self.state.keep_held(exc.held)
+                events = None
+            raise
         finally:
             payload.release()
             if events is not None:

@@ -212,3 +212,57 @@ def test_a_frontend_that_takes_no_input_holds_nothing(clean_kernel):
     pid = int(re.search(r"^\[rank 1\] pid (\d+)$", res.stdout, re.M).group(1))
     wait_gone(pid)
     assert "no failed rank is held" in held_ranks(k)
+
+
+def test_a_background_run_s_failed_rank_opens_in_its_handle_s_debug(clean_kernel, tmp_path):
+    """A --background run that failed: h.wait() raises its error, which says
+    that h.debug() can inspect the held rank; h.debug() opens the post-mortem
+    in this cell's input box (the run's own socket, kept open for it)."""
+    k = clean_kernel
+    pidfile = tmp_path / "pid"
+    k.ok("%%distributed -n 2 --output text --background --timeout 60\nimport os\n\n"
+         "def f(x):\n    y = x * 2\n    raise ValueError('no good')\n\n"
+         f"if os.environ['RANK'] == '1':\n    open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n    f(21)\n",
+         timeout=90)
+    k.ok("h = _")
+    res = k.run("h.wait()", timeout=90)
+    assert res.status == "error" and res.error["ename"] == "DistributedRunError", res.error_text
+    assert "its handle's .debug() opens a post-mortem (pdb) in rank 1's failing frame" in res.error_text, \
+        res.error_text
+    pid = int(pidfile.read_text())
+    assert alive(pid)
+    dbg = k.run("n = h.debug()\nprint('answered', n)", timeout=90, stdin=answers("p y", "q"))
+    assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
+    assert "[rank 1] 42" in dbg.stdout.splitlines() and "answered 2" in dbg.stdout, dbg.stdout
+    wait_gone(pid)
+    assert k.ok("h.debug()").stdout.endswith("no rank waits at a prompt\n")
+
+
+def test_release_lets_a_background_run_s_held_rank_go(clean_kernel, tmp_path):
+    """What the next cell does for a foreground run's held rank it does for a
+    background run's (``%distributed_debug --release`` is that step alone)."""
+    k = clean_kernel
+    pidfile = tmp_path / "pid"
+    k.ok("%%distributed -n 2 --output text --background --timeout 60\nimport os\n"
+         f"if os.environ['RANK'] == '1':\n    open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+         "    raise ValueError('no good')\n", timeout=90)
+    k.ok("h = _")
+    assert k.run("h.wait()", timeout=90).status == "error"
+    pid = int(pidfile.read_text())
+    assert alive(pid)
+    k.ok("%distributed_debug --release")
+    wait_gone(pid)
+
+
+def test_stop_on_a_failed_background_run_lets_its_held_rank_go(clean_kernel, tmp_path):
+    k = clean_kernel
+    pidfile = tmp_path / "pid"
+    k.ok("%%distributed -n 2 --output text --background --timeout 60\nimport os\n"
+         f"if os.environ['RANK'] == '1':\n    open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+         "    raise ValueError('no good')\n", timeout=90)
+    k.ok("h = _")
+    assert k.run("h.wait()", timeout=90).status == "error"
+    pid = int(pidfile.read_text())
+    assert alive(pid)
+    assert "held for .debug() were let go" in k.ok("h.stop()").stdout
+    wait_gone(pid)

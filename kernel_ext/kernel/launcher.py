@@ -549,7 +549,8 @@ class Launcher:
                         events_addr=self.events_addr, grace=grace, log_dir=log_dir, excerpt=excerpt, extra=extra)
         if events is not None:
             spec["events_addr"] = events[1]
-            spec["debug_hold"] = 0   # a session, a background run: their reader is not the cell's (not yet)
+        if extra.get("session"):
+            spec["debug_hold"] = 0   # a session's ranks are not held (not yet)
         rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
         reply = self._dispatch(run_id, cfg.num_processes, spec, key)
         if reply is None:   # it did not answer: a fresh launcher gets the run

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,6 +39,10 @@ class HeldRun:
     root: Optional[int]    # the root cause's rank
     seconds: float         # how long they are held from ``since`` (the run's --debug_hold)
     since: float = field(default_factory=time.monotonic)
+    launcher: object = field(default=None, repr=False, compare=False)   # the kernel's launcher, its context
+    # A background run's own socket (sock, address), read here, closed (its file removed) with the hold;
+    # None: the launcher's shared socket (a foreground run's).
+    channel: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def left(self) -> float:
         """Seconds the hold has left (0: it ended, the ranks were let go)."""
@@ -54,11 +59,24 @@ class HeldRun:
         """What the cell's error says after its report."""
         first = self.default_rank()
         others = sorted(set(self.ranks) - {first})
-        text = (f"%distributed_debug opens a post-mortem (pdb) in rank {first}'s failing frame, in this "
+        how, other = ("its handle's .debug()", ".debug(rank=N)") if self.channel is not None else \
+            ("%distributed_debug", "%distributed_debug --rank N")
+        text = (f"{how} opens a post-mortem (pdb) in rank {first}'s failing frame, in this "
                 f"notebook's input box, for the next {self.seconds:g} s (--debug_hold)")
         if others:
-            text += f"; %distributed_debug --rank N for {ranks_text(others, '')}"
+            text += f"; {other} for {ranks_text(others, '')}"
         return text + ". The next %%distributed cell lets the failed rank(s) go."
+
+    def close(self) -> None:
+        """No rank is held any more: its own socket (if any) is closed, its file removed."""
+        self.ranks.clear()
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel[0].close(linger=0)
+            try:
+                os.unlink(channel[1][len("ipc://"):])
+            except OSError:
+                pass
 
 
 def held_run(handle, outcome) -> Optional[HeldRun]:
@@ -67,9 +85,11 @@ def held_run(handle, outcome) -> Optional[HeldRun]:
         return None
     root = outcome.finished.root_cause
     seconds = min(float(msg.get("seconds") or 0) for msg in outcome.held.values())
+    own = handle.pull is not handle.launcher.pull   # a background run's socket: kept open with the hold
     return HeldRun(handle.run_id, handle.session.key, handle.supervisor_pid,
                    {rank: msg.get("reply_to", "") for rank, msg in outcome.held.items()},
-                   root.rank if root is not None else None, seconds)
+                   root.rank if root is not None else None, seconds, launcher=handle.launcher,
+                   channel=(handle.pull, "") if own else None)
 
 
 @contextlib.contextmanager
@@ -95,7 +115,8 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
     ``held_end`` (how the rank ended).  A press (KeyboardInterrupt) lets the
     rank go and propagates; the rank is no longer held afterwards either way."""
     address = held.ranks[rank]
-    handle = RunHandle(launcher, held.run_id, held.key, held.supervisor_pid, 0, None)
+    pull = held.channel[0] if held.channel is not None else None
+    handle = RunHandle(launcher, held.run_id, held.key, held.supervisor_pid, 0, None, pull=pull)
     linger = 0.0
     try:
         handle.tell(address, {"op": "debug", "rank": rank})
@@ -117,6 +138,8 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
     finally:
         held.ranks.pop(rank, None)
         handle.close(linger)
+        if not held.ranks:
+            held.close()
 
 
 def _answer(handle: RunHandle, request: dict, ask: Callable[[int, str], str]) -> None:
@@ -132,7 +155,10 @@ def _answer(handle: RunHandle, request: dict, ask: Callable[[int, str], str]) ->
 
 def release(launcher, held: Optional[HeldRun]) -> None:
     """Let every held rank of ``held`` go (each ends as a script that raised)."""
-    if held is None or not held.ranks or not running(held.supervisor_pid):
+    if held is None:
+        return
+    if not held.ranks or not running(held.supervisor_pid):
+        held.close()
         return
     import zmq
 
@@ -146,5 +172,5 @@ def release(launcher, held: Optional[HeldRun]) -> None:
             signer.send(sock, "run_op", {"op": "release", "rank": None})
         finally:
             sock.close(linger=int(HELD_SEND_WAIT * 1000))
-    held.ranks.clear()
+    held.close()
     log.info("run %s: its held ranks were let go", held.run_id)
