@@ -281,3 +281,67 @@ def test_a_held_rank_never_outlives_its_kernel():
         wait_gone(pid, 30)
     finally:
         k.shutdown()
+
+
+SESSION_FAIL = """%%distributed --session --output text --timeout 60
+import os
+
+def f(x):
+    y = x * 2
+    raise ValueError("no good")
+
+if os.environ["RANK"] == "1":
+    f(21)
+"""
+
+
+def test_a_session_cell_s_failed_rank_opens_its_post_mortem_until_the_next_cell(clean_kernel):
+    """A session's ranks live on at their prompt: the one that failed keeps
+    the cell's frames until the session's next cell; %distributed_debug opens
+    them; q ends the post-mortem, not the rank (the session goes on)."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2", timeout=90)
+    try:
+        res = k.run(SESSION_FAIL, timeout=90)
+        assert res.status == "error" and res.error["ename"] == "DistributedRunError", res.error_text
+        assert ("%distributed_debug opens a post-mortem (pdb) in rank 1's failing frame, in this notebook's input "
+                "box, until the session's next cell") in res.error_text, res.error_text
+        dbg = k.run("%distributed_debug", timeout=90, stdin=answers("p y", "q"))
+        assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
+        assert dbg.prompts == ["(Pdb rank 1) "] * 2, dbg.prompts
+        assert "[rank 1] 42" in dbg.stdout.splitlines(), dbg.stdout
+        assert "no failed rank is held" in held_ranks(k)   # it was the only one
+        res = k.ok("%%distributed --session --output text\nprint('alive', os.environ['RANK'])\n", timeout=60)
+        assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
+        k.run(SESSION_FAIL, timeout=90)
+        assert "held: 1." in held_ranks(k)
+        k.ok("%%distributed --session --output text\nprint('next')\n", timeout=60)   # the next cell ends the hold
+        assert "no failed rank is held" in held_ranks(k)
+    finally:
+        k.ok("%distributed_session stop", timeout=60)
+
+
+def test_the_stop_button_in_a_session_rank_s_post_mortem_brings_it_back_to_its_prompt(clean_kernel):
+    """A press while a session rank's post-mortem runs a long command: the
+    command is interrupted (SIGINT, as at a terminal), the post-mortem reads
+    end of input, the rank is back at its prompt and the session goes on."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2", timeout=90)
+    try:
+        k.run(SESSION_FAIL, timeout=90)
+        pressed = []
+
+        def press(text):
+            if "[rank 1] busy" in text and not pressed:
+                pressed.append(time.monotonic())
+                k.km.interrupt_kernel()
+
+        res = k.run("%distributed_debug", timeout=60, stdin=answers("print('busy'); import time; time.sleep(120)"),
+                    on_output=press)
+        assert pressed and res.status == "error" and res.error["ename"] == "KeyboardInterrupt", \
+            res.error_text + res.stdout
+        assert time.monotonic() - pressed[0] < 15
+        res = k.ok("%%distributed --session --output text\nprint('alive', os.environ['RANK'])\n", timeout=60)
+        assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
+    finally:
+        k.ok("%distributed_session stop", timeout=60)

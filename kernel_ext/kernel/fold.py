@@ -223,6 +223,8 @@ class RunFold:
 
     def _rank_failed(self, rank: int, event: dict) -> None:
         self.failures[rank] = failure_of_exception(rank, event)
+        if event.get("held"):   # a session's rank keeps the cell's frames until its next cell
+            self.held[rank] = {"rank": rank, "seconds": None, "reply_to": ""}
 
     def _rank_result(self, rank: int, event: dict) -> None:
         self.results.add(rank)
@@ -304,7 +306,8 @@ class RunFold:
     def _exit(self, msg: dict) -> None:
         rank = msg["rank"]
         self.exited.add(rank)
-        self.held.pop(rank, None)   # it ended before the run did: nothing is held
+        if not self.session_cell:   # a one-shot rank ended before the run did: nothing is held
+            self.held.pop(rank, None)   # (a session's "exit" is its rank back at its prompt)
         failure = self.failures.get(rank)
         if failure is None and msg["exitcode"] == 0 and not msg["signal"] and rank not in self.departed:
             # os._exit(0), or an exit from native code, mid-cell (also when the stop

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from .. import wire
 from ..process_tree import running
-from ..timing import HELD_SEND_WAIT
+from ..timing import HELD_SEND_WAIT, SESSION_STOP_WAIT, WAIT_TICK
 from .errors import DistributedRunError, LauncherError, ranks_text
 from .run_handle import RunHandle
 
@@ -43,12 +43,18 @@ class HeldRun:
     # A background run's own socket (sock, address), read here, closed (its file removed) with the hold;
     # None: the launcher's shared socket (a foreground run's).
     channel: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # A session cell's (kernel.session.DistributedSession): its ranks live on at their prompt, each
+    # keeping the cell's frames until the session's next cell; the kernel's word goes on its cells socket.
+    session: object = field(default=None, repr=False, compare=False)
+    cells_run: int = -1    # a session's: its cells run by then (the next cell ends the hold)
 
     def left(self) -> float:
         """Seconds the hold has left (0: it ended, the ranks were let go)."""
         return max(0.0, self.since + self.seconds - time.monotonic())
 
     def alive(self) -> bool:
+        if self.session is not None:   # until the session's next cell (or its end)
+            return bool(self.ranks) and self.session.alive and self.session.cells_run == self.cells_run
         return bool(self.ranks) and self.left() > 0 and running(self.supervisor_pid)
 
     def default_rank(self) -> int:
@@ -61,8 +67,10 @@ class HeldRun:
         others = sorted(set(self.ranks) - {first})
         how, other = ("its handle's .debug()", ".debug(rank=N)") if self.channel is not None else \
             ("%distributed_debug", "%distributed_debug --rank N")
+        until = "until the session's next cell" if self.session is not None else \
+            f"for the next {self.seconds:g} s (--debug_hold)"
         text = (f"{how} opens a post-mortem (pdb) in rank {first}'s failing frame, in this "
-                f"notebook's input box, for the next {self.seconds:g} s (--debug_hold)")
+                f"notebook's input box, {until}")
         if others:
             text += f"; {other} for {ranks_text(others, '')}"
         return text + ". The next %%distributed cell lets the failed rank(s) go."
@@ -105,6 +113,13 @@ def noted(handle, outcome):
         raise
 
 
+def held_in_session(session, run_id: str, outcome) -> HeldRun:
+    """A session cell's failed ranks, each keeping the cell's frames at its prompt."""
+    root = outcome.finished.root_cause
+    return HeldRun(run_id, session.ranks.key, session.ranks.supervisor_pid, {rank: "" for rank in outcome.held},
+                   root.rank if root is not None else None, 0.0, session=session, cells_run=session.cells_run)
+
+
 #: How a post-mortem's output is shown: ``show(rank, text)``; ``ask(rank, prompt)``: see run.Ask.
 Show = Callable[[int, str], None]
 
@@ -114,21 +129,15 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
     ``show``, its questions are asked with ``ask``.  Returns the supervisor's
     ``held_end`` (how the rank ended).  A press (KeyboardInterrupt) lets the
     rank go and propagates; the rank is no longer held afterwards either way."""
+    if held.session is not None:
+        return _debug_in_session(held, rank, ask, show)
     address = held.ranks[rank]
     pull = held.channel[0] if held.channel is not None else None
     handle = RunHandle(launcher, held.run_id, held.key, held.supervisor_pid, 0, None, pull=pull)
     linger = 0.0
     try:
         handle.tell(address, {"op": "debug", "rank": rank})
-        for msg in handle.messages():
-            kind = msg.get("kind")
-            if kind == "output" and msg.get("rank") == rank and msg.get("text"):
-                show(rank, msg["text"])
-            elif kind == "input_request":
-                _answer(handle, msg, ask)
-            elif kind == "held_end" and msg.get("rank") in (rank, None):
-                return msg
-        raise LauncherError(f"the run of rank {rank} ended without a word about it")   # a "finished": not its own
+        return _read(handle, rank, ask, show)
     except KeyboardInterrupt:
         handle.tell(address, {"op": "release", "rank": rank})   # the stop ends the post-mortem and the rank
         linger = HELD_SEND_WAIT
@@ -140,6 +149,52 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
         handle.close(linger)
         if not held.ranks:
             held.close()
+
+
+def _read(handle: RunHandle, rank: int, ask, show: Show) -> dict:
+    """A post-mortem's messages to its end (``held_end``): output shown, questions answered."""
+    for msg in handle.messages():
+        kind = msg.get("kind")
+        if kind == "output" and msg.get("rank") == rank and msg.get("text"):
+            show(rank, msg["text"])
+        elif kind == "input_request":
+            _answer(handle, msg, ask)
+        elif kind == "held_end" and msg.get("rank") in (rank, None):
+            return msg
+    raise LauncherError(f"the run of rank {rank} ended without a word about it")   # a "finished": not its own
+
+
+def _debug_in_session(held: HeldRun, rank: int, ask, show: Show) -> dict:
+    """The post-mortem of a session's rank at its prompt (see debug): the
+    kernel's word goes on the session's cells socket, the rank's messages come
+    on its events socket.  A press stops it (end of input, SIGINT to a long
+    command); a rank not back at its prompt within SESSION_STOP_WAIT ends the
+    session (a cell sent to it then could be read as an answer)."""
+    ranks = held.session.ranks
+    handle = ranks.cell(held.run_id, None)
+    try:
+        ranks.send("debug", {"op": "debug", "rank": rank})
+        return _read(handle, rank, ask, show)
+    except KeyboardInterrupt:
+        ranks.send("release", {"op": "release", "rank": rank})
+        if not _back(handle, rank, time.monotonic() + SESSION_STOP_WAIT):
+            held.session.stop()
+            print(f"accel_magics: rank {rank} did not come back from its post-mortem within {SESSION_STOP_WAIT:g} s; "
+                  "the session was stopped", flush=True)
+        raise
+    finally:
+        held.ranks.pop(rank, None)
+        handle.close()
+
+
+def _back(handle: RunHandle, rank: int, deadline: float) -> bool:
+    """Whether ``rank`` is back at its prompt (``held_end``) by ``deadline``."""
+    for msg in handle.messages(heartbeat=WAIT_TICK):
+        if msg.get("kind") == "held_end" and msg.get("rank") == rank:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+    return False
 
 
 def _answer(handle: RunHandle, request: dict, ask: Callable[[int, str], str]) -> None:

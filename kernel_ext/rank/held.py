@@ -32,7 +32,7 @@ NOT_HELD = ("BdbQuit", "KeyboardInterrupt", "SystemExit")
 
 def hold(exc: Optional[BaseException], seconds: float, go_fd: Optional[int], emit: Callable[[dict], bool]) -> None:
     """Hold the failed rank (see the module doc); returns once it may end."""
-    tb = _held_traceback(exc) if seconds and seconds > 0 and go_fd is not None else None
+    tb = held_traceback(exc) if seconds and seconds > 0 and go_fd is not None else None
     if tb is None:
         return
     for stream in (sys.stdout, sys.stderr):
@@ -46,7 +46,7 @@ def hold(exc: Optional[BaseException], seconds: float, go_fd: Optional[int], emi
         post_mortem(tb)
 
 
-def _held_traceback(exc: Optional[BaseException]):
+def held_traceback(exc: Optional[BaseException]):
     """The cell's frames of ``exc`` (not the harness's), or None: nothing to hold."""
     if exc is None or type(exc).__name__ in NOT_HELD or exc.__traceback__ is None:
         return None

@@ -591,6 +591,7 @@ liveness.defer_in(_unraisable_hook.__code__)
 _in_cell = False
 _cell_begun = False
 _interrupt_pending = False
+_in_post_mortem = False   # a session rank in a post-mortem (_session_post_mortem)
 
 # The stop in a session's training loop.  DDP ranks meet in an all-reduce every
 # step; a KeyboardInterrupt that lands on one rank before the step's
@@ -769,6 +770,8 @@ def _on_session_sigint(signum, frame) -> None:
     _after_optimizer_step), kept for it if the code has not begun; at the prompt
     (between cells) it is ignored."""
     global _interrupt_pending, _stop_wanted
+    if _in_post_mortem:   # a command typed at a post-mortem's prompt: back to the prompt, as pdb does
+        raise KeyboardInterrupt
     if _in_cell and frame is not None and frame.f_code is _run_cell.__code__:
         # Handled between the cell's code and its report (its last expression
         # just returned): the cell completed.  Raised here, a cell that had
@@ -861,13 +864,19 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
     signal.signal(signal.SIGINT, _on_session_sigint)
     _install_step_hook()
     emit({"kind": "session_ready"})
+    kept = None   # a failed cell's traceback, for a post-mortem until the next cell (held.py)
     while True:
         frame = wire.read_frame(go_fd)
         if frame is None:   # the session's end is its script's end: its threads, its atexit handlers
+            _release()
             script_end.end()
             return 0
-        if isinstance(frame, dict):   # an answer to a question of a cell that was stopped meanwhile
+        if isinstance(frame, dict):   # a post-mortem asked for; or an answer to a question of a stopped cell
+            if frame.get("debug"):
+                kept = _session_post_mortem(kept)
             continue
+        kept = None
+        _release()   # the last cell's frames (kept for a post-mortem) are finalized before this one runs
         _interrupt_pending, _cell_begun = False, True
         _steps, _stop_wanted, _stop_step = 0, False, None
         cell = pickle.loads(frame)
@@ -878,9 +887,29 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         if _in_forked_child(event):   # it never reads the next cell
             return code
         event["cell"] = cell["run_id"]
+        kept = held.held_traceback(_held) if event["kind"] == "failed" and cell.get("debug_hold") else None
+        if kept is not None:
+            event["held"] = True   # the kernel may open its post-mortem until the next cell
         _emit_last(event)
-        _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
+        if kept is None:
+            _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
         _cell_begun = False
+
+
+def _session_post_mortem(kept) -> None:
+    """A session rank at its prompt: pdb's post-mortem of its last failed
+    cell (a SIGINT ends a long command of it, as at a terminal), then the
+    cell's frames are let go; None (nothing is kept after it)."""
+    global _in_post_mortem
+    if kept is not None:
+        _in_post_mortem = True
+        try:
+            held.post_mortem(kept)
+        finally:
+            _in_post_mortem = False
+        _release()
+    emit({"kind": "held_end", "gone": kept is None})
+    return None
 
 
 def _pack_value(value) -> dict:

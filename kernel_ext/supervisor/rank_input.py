@@ -46,6 +46,7 @@ class RankInput:
         self.paused_since: Optional[float] = None
         self.pause_total = 0.0
         self._verifier = None
+        self.refused: set[int] = set()   # ranks whose questions get end of input (a stopped post-mortem)
 
     # -- questions ------------------------------------------------------------
     def ask(self, r: RankProcess, event: dict) -> None:
@@ -54,6 +55,9 @@ class RankInput:
         prompt = strip_escapes(r.output.take_unfinished()).decode("utf-8", "replace")[-PROMPT_CHARS:]
         if not self.open():
             self._answer(r, event.get("seq"), None, "this run cannot take input (see the supervisor's log)")
+            return
+        if r.rank in self.refused:
+            self._answer(r, event.get("seq"), None, "the post-mortem was stopped")
             return
         if not self.waiting:
             self.paused_since = time.monotonic()
@@ -130,6 +134,13 @@ class RankInput:
         except OSError:   # it is gone: its exit says so
             pass
 
+    def refuse(self, r: RankProcess, why: str) -> None:
+        """End of input for ``r``: its open question now, its next ones at once."""
+        self.refused.add(r.rank)
+        waiting = self.waiting.get(r.rank)
+        if waiting is not None:
+            self._answer(r, waiting[1], None, why)
+
     def forget(self, r: RankProcess) -> None:
         """``r`` exited or was stopped: its question is void."""
         if self.waiting.pop(r.rank, None) is not None and not self.waiting:
@@ -138,6 +149,7 @@ class RankInput:
     def reset(self) -> None:
         """A session's next cell: no question of the last one is open."""
         self.waiting.clear()
+        self.refused.clear()
         self.paused_since, self.pause_total = None, 0.0
 
     def _unpause(self) -> None:

@@ -148,12 +148,35 @@ class SessionSupervisor(Supervisor):
                 # cell's (it ended) is not this one's to stop.
                 if self.cell is not None and self.cell["run_id"] == content.get("run_id"):
                     self._recall("interrupt")
+            elif content.get("op") in ("debug", "release"):   # a failed cell's rank, at its prompt (held.py)
+                self._post_mortem_op(content)
             elif content.get("op") == "stop":
                 self.stop_id = content.get("run_id")
                 if self.cell is None:
                     self.ending = "stop"
                 else:   # the kernel stops a running cell first; if not, the stop wins
                     self._lose("the session was stopped while a cell was running")
+
+    def _post_mortem_op(self, content: dict) -> None:
+        """``debug``: a rank at its prompt opens the post-mortem of the cell that
+        failed on it (it kept the cell's frames); ``release``: its post-mortem
+        is stopped (its questions get end of input, a long command a SIGINT)."""
+        r = next((r for r in self.ranks if r.rank == content.get("rank")), None)
+        if content["op"] == "debug":
+            if r is None or self.cell is not None or r.debugging or r.go is None:
+                self.send({"kind": "held_end", "rank": content.get("rank"), "gone": True})
+                return
+            wire.write_frame(r.go, {"debug": True})
+            r.debugging = True
+            self.logs.note(r.rank, "--- post-mortem opened (%distributed_debug) ---")
+        elif r is not None and r.debugging:
+            asking = r.rank in self.input.waiting
+            self.input.refuse(r, "the post-mortem was stopped")
+            if not asking:   # busy in a command typed at the prompt: interrupted, as at a terminal
+                try:
+                    os.kill(r.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
 
     def _start_cell(self, content: dict) -> None:
         if self.cell is not None or self.ending is not None:
@@ -190,8 +213,8 @@ class SessionSupervisor(Supervisor):
             r.stack, r.native, r.done_time, r.cpu_seen, r.asked_at = bytearray(), "", 0.0, None, None
             r.last_output = time.monotonic()
         self.pump.set_excerpts(content.get("excerpt"))
-        frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"]},
-                             protocol=pickle.HIGHEST_PROTOCOL)
+        frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"],
+                              "debug_hold": bool(content.get("debug_hold"))}, protocol=pickle.HIGHEST_PROTOCOL)
         for r in self.ranks:
             try:
                 wire.write_frame(r.go, frame)
@@ -246,6 +269,11 @@ class SessionSupervisor(Supervisor):
         kind = event.get("kind")
         if kind in ("session_ready", "cell_started"):
             self._on_prompt_event(r, event)
+            return
+        if kind == "held_end":   # its post-mortem is over: back at its prompt
+            r.debugging = False
+            self.input.refused.discard(r.rank)
+            self.send({"kind": "held_end", "rank": r.rank, "gone": bool(event.get("gone"))})
             return
         if kind not in ("failed", "result"):
             self.send({"kind": "rank_event", "rank": r.rank, "event": event})
