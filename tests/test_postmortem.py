@@ -345,3 +345,24 @@ def test_the_stop_button_in_a_session_rank_s_post_mortem_brings_it_back_to_its_p
         assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
     finally:
         k.ok("%distributed_session stop", timeout=60)
+
+
+def test_release_lets_a_session_rank_drop_the_failed_cell_s_frames(clean_kernel, tmp_path):
+    """The frames a failed session cell's rank keeps (their memory, GPU memory
+    too) go at ``%distributed_debug --release``, not only at the next cell:
+    the object the failing frame held is finalized then."""
+    k = clean_kernel
+    mark = tmp_path / "finalized"
+    k.ok("%distributed_session start -n 2", timeout=90)
+    try:
+        res = k.run("%%distributed --session --output text --timeout 60\nimport os\n"
+                    "class Big:\n"
+                    f"    def __del__(self):\n        open({str(mark)!r}, 'w').write('gone')\n\n"
+                    "def f():\n    big = Big()\n    raise ValueError('no good')\n\n"
+                    "if os.environ['RANK'] == '1':\n    f()\n", timeout=90)
+        assert res.status == "error" and "held: 1." in held_ranks(k), res.error_text
+        assert not mark.exists()   # kept with the failing frame
+        k.ok("%distributed_debug --release")
+        wait_until(mark.exists, 15, "the failing frame's object to be finalized")
+    finally:
+        k.ok("%distributed_session stop", timeout=60)

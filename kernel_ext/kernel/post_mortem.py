@@ -215,6 +215,14 @@ def release(launcher, held: Optional[HeldRun]) -> None:
     if not held.ranks or not running(held.supervisor_pid):
         held.close()
         return
+    if held.session is not None:   # its ranks keep the frames until its next cell, or until told now
+        if held.alive():
+            try:
+                held.session.ranks.send("release", {"op": "release", "rank": None})
+            except LauncherError:   # the session is gone: so are the frames
+                pass
+        held.close()
+        return
     import zmq
 
     signer = wire.signed_session(held.key)

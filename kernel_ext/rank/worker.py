@@ -874,6 +874,9 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         if isinstance(frame, dict):   # a post-mortem asked for; or an answer to a question of a stopped cell
             if frame.get("debug"):
                 kept = _session_post_mortem(kept)
+            elif frame.get("drop") and kept is not None:   # let go without a post-mortem: its memory back now
+                kept = None
+                _release()
             continue
         kept = None
         _release()   # the last cell's frames (kept for a post-mortem) are finalized before this one runs

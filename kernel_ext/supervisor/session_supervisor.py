@@ -160,7 +160,13 @@ class SessionSupervisor(Supervisor):
     def _post_mortem_op(self, content: dict) -> None:
         """``debug``: a rank at its prompt opens the post-mortem of the cell that
         failed on it (it kept the cell's frames); ``release``: its post-mortem
-        is stopped (its questions get end of input, a long command a SIGINT)."""
+        is stopped (its questions get end of input, a long command a SIGINT);
+        ``release`` of no rank: every rank lets its kept frames go now."""
+        if content["op"] == "release" and content.get("rank") is None:   # every rank lets its kept frames go
+            for r in self.ranks:
+                if not r.debugging and r.go is not None and self.cell is None:
+                    wire.write_frame(r.go, {"drop": True})
+            return
         r = next((r for r in self.ranks if r.rank == content.get("rank")), None)
         if content["op"] == "debug":
             if r is None or self.cell is not None or r.debugging or r.go is None:
