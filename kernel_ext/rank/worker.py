@@ -872,11 +872,7 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
             script_end.end()
             return 0
         if isinstance(frame, dict):   # a post-mortem asked for; or an answer to a question of a stopped cell
-            if frame.get("debug"):
-                kept = _session_post_mortem(kept)
-            elif frame.get("drop") and kept is not None:   # let go without a post-mortem: its memory back now
-                kept = None
-                _release()
+            kept = _at_prompt(frame, kept)
             continue
         kept = None
         _release()   # the last cell's frames (kept for a post-mortem) are finalized before this one runs
@@ -897,6 +893,17 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         if kept is None:
             _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
         _cell_begun = False
+
+
+def _at_prompt(frame: dict, kept):
+    """The supervisor's word to a session rank at its prompt about the
+    frames it kept (``debug``: the post-mortem; ``drop``: let go now); what it keeps after."""
+    if frame.get("debug"):
+        return _session_post_mortem(kept)
+    if frame.get("drop") and kept is not None:   # its memory back now, not at the next cell
+        _release()
+        return None
+    return kept
 
 
 def _session_post_mortem(kept) -> None:
