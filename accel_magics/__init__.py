@@ -30,6 +30,7 @@ def load_ipython_extension(ip) -> None:
     from .kernel_ext import hooks
     from .magics import DistributedMagics
     from . import slurm_magic  # noqa: F401  (its cells: cell_modes.PLACEMENT_CELLS["slurm"])
+    from .debug_magic import DebugMagics
     from .doctor_magic import DoctorMagics
     from .session_magic import SessionMagics
     from .state import MagicsState
@@ -38,7 +39,8 @@ def load_ipython_extension(ip) -> None:
         return
     state = MagicsState()   # what the magics share: the launcher, the defaults set, the session, the Slurm agents
     magics = DistributedMagics(ip, state=state)   # its traits: the IPython config's defaults
-    _registered[:] = [magics, SessionMagics(ip, magics, state), DoctorMagics(ip, magics, state)]
+    _registered[:] = [magics, SessionMagics(ip, magics, state), DoctorMagics(ip, magics, state),
+                      DebugMagics(ip, state)]
     for instance in _registered:
         ip.register_magics(instance)
     ip.events.register("post_run_cell", magics.post_run_cell)

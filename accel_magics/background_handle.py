@@ -90,14 +90,26 @@ class BackgroundCell:
             said.append("nothing to return (no --return names, and its last line is not an expression with a value)")
         return f"{self.label} done in {took}: " + "; ".join(said)
 
-    def debug(self) -> int:
+    def debug(self, rank: Optional[int] = None) -> int:
         """Answer the run's ranks that wait at a prompt (``breakpoint()``'s
         pdb, ``input()``) in this cell's input box, one question after the
         other, as a foreground cell would have asked them.  Waits for a first
         question if none waits yet; returns (the number answered) once no
         new question came within ``DEBUG_FOLLOW`` seconds of the last answer
         (pdb's ``c``), or the run ended.  The stop button stops answering,
-        not the run (the rank still waits: ``debug()`` again, or ``stop()``)."""
+        not the run (the rank still waits: ``debug()`` again, or ``stop()``).
+
+        A run that failed with a rank held (``--debug_hold``): pdb's
+        post-mortem in that rank's failing frame (``rank``: another failed
+        rank), as ``%distributed_debug`` after a foreground cell; ``q`` ends
+        it and the rank."""
+        held = getattr(self._run.error, "held", None) if self._run.done() else None
+        if held is not None and held.alive():
+            return self._post_mortem(held, rank)
+        return self._answer_questions()
+
+    def _answer_questions(self) -> int:
+        """The questions of ranks at a prompt, one after the other (see debug)."""
         questions = self._run.control.questions
         answered = 0
         try:
@@ -119,6 +131,23 @@ class BackgroundCell:
             print(f"{self.label} has ended ({self.status}): no rank waits at a prompt")
         return answered
 
+    def _post_mortem(self, held, rank: Optional[int]) -> int:
+        """The post-mortem of a held rank of this run (see debug): the number of lines answered."""
+        from accel_magics.kernel_ext.kernel import post_mortem
+
+        rank = held.default_rank() if rank is None else rank
+        if rank not in held.ranks:
+            raise ValueError(f"rank {rank} of {self.label} is not held; held: {', '.join(map(str, sorted(held.ranks)))}")
+        answered = []
+
+        def ask(rank: int, prompt: str) -> str:
+            answered.append(rank)
+            return rank_prompt.ask(rank, prompt)
+
+        post_mortem.debug(held.launcher, held, rank, ask, rank_prompt.show)
+        print(f"{self.label}: rank {rank}'s post-mortem ended, and the rank with it.", flush=True)
+        return len(answered)
+
     def stop(self) -> None:
         """Stop the run as the stop button would (stacks, then every rank
         stopped; a session lives on if its ranks come back), wait until it
@@ -133,7 +162,13 @@ class BackgroundCell:
                 done=self._run.done, log=log).run(lambda seconds: self._run.wait(min(seconds, BACKGROUND_STOP_POLL))):
             pass
         # One line, so the cell that stopped it says what happened (it said nothing).
-        if already:
+        held = getattr(self._run.error, "held", None)
+        if already and held is not None and held.alive():   # it failed, a rank held for .debug(): let it go
+            from accel_magics.kernel_ext.kernel import post_mortem
+
+            post_mortem.release(held.launcher, held)
+            print(f"{self.label} had ended already ({self.status}); its failed rank(s) held for .debug() were let go")
+        elif already:
             print(f"{self.label} had ended already ({self.status}); nothing to stop")
         elif self.status == "stopped":
             print(f"stopped {self.label}; where each rank was is in its view; .wait() raises RunStopped")

@@ -59,6 +59,7 @@ def launch_config_of(values: dict) -> LaunchConfig:
         timeout=values.get("timeout"),
         rendezvous_timeout=options.value(values, "rendezvous_timeout"),
         stall_timeout=options.value(values, "stall_timeout"),
+        debug_hold=options.value(values, "debug_hold"),
         rendezvous_key=values.get("rendezvous_key"),
     )
 

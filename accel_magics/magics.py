@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import TraitError
 
 from accel_magics.kernel_ext.kernel import preflight
-from accel_magics.kernel_ext.kernel.errors import ReportedError, RunInterrupted
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, ReportedError, RunInterrupted
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import LaunchConfig
 from accel_magics.kernel_ext.kernel.launcher import Launcher
@@ -239,6 +239,7 @@ class DistributedMagics(LaunchOptionTraits, Magics):
                 from None
 
     def _distributed(self, args, line: str, cell: str, started: float):
+        self.state.release_held()   # a failed rank kept for %distributed_debug holds memory a new run may need
         if args.session:   # on the running session, wherever it is placed
             return CELL_MODES["session"](self, args, line, cell, started)
         name = self.placement_name(args.launcher)
@@ -252,6 +253,8 @@ class DistributedMagics(LaunchOptionTraits, Magics):
         try:
             with self.state.launcher.waiting(presenter.tick):   # the first cell waits for torch's import
                 cfg = self.launch_config(args)
+            if not self.takes_input():   # nobody could type at a post-mortem (nbclient): a failed rank ends at once
+                cfg.debug_hold = 0
             return_names = return_names_of(args.return_names)
             self.preflight_check()
             self.warn_machine(cfg)
@@ -268,11 +271,19 @@ class DistributedMagics(LaunchOptionTraits, Magics):
             try:
                 result = execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt, ask=rank_prompt.ask)
+            except DistributedRunError as exc:
+                self.state.held = exc.held   # for %distributed_debug
+                raise
             finally:
                 presenter.finish()
         finally:
             payload.release()   # also when interrupted before the run started
         return self.deliver(result)
+
+    def takes_input(self) -> bool:
+        """Whether this cell's frontend answers input() (not nbconvert, papermill, nbval: allow_stdin off)."""
+        kernel = getattr(self.shell, "kernel", None)
+        return kernel is None or bool(getattr(kernel, "_allow_stdin", True))
 
     def placement_name(self, given) -> str:
         """The placement a cell runs on: ``--launcher``, else the default set, else the built-in one."""
@@ -348,6 +359,12 @@ class DistributedMagics(LaunchOptionTraits, Magics):
             return execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                            log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control, events=events,
                            ask=control.questions.ask)   # answered by the handle's debug()
+        except DistributedRunError as exc:
+            if exc.held is not None:   # its socket stays open for the held ranks' post-mortem (h.debug())
+                exc.held.channel = events
+                self.state.keep_held(exc.held)
+                events = None
+            raise
         finally:
             payload.release()
             if events is not None:

@@ -24,6 +24,12 @@ def tagged(prompt: str, rank: int) -> str:
     return f"[rank {rank}] {prompt}"
 
 
+def show(rank: int, text: str) -> None:
+    """A rank's output outside its cell (a post-mortem's), as the text view shows a rank's lines."""
+    sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    sys.stdout.flush()
+
+
 def ask(rank: int, prompt: str) -> str:
     """The line the user types for ``rank``; EOFError when there is no one to type it."""
     from IPython.core.error import StdinNotImplementedError

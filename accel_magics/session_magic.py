@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from accel_magics.kernel_ext import options
-from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, ReportedError, WaitStopped
+from accel_magics.kernel_ext.kernel.errors import CompletedBeforeTheStop, DistributedRunError, ReportedError, WaitStopped
 from accel_magics.kernel_ext.kernel.events import bytes_text
 from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT, CELL_HEARTBEAT, WAIT_TICK
 from accel_magics.kernel_ext.wire.payload import NameCollector, parse
@@ -58,7 +58,7 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     presenter, payload, owned = _in_turn(magics, args, started, session, busy, lambda owned: magics.make_payload(
         source, return_names, defined=owned, share=not on_slurm))
     _say_which_names(magics, source, owned, session)
-    run = _runner(session, payload, label, presenter, timeout)
+    run = _runner(session, payload, label, presenter, timeout, hold=not args.background and magics.takes_input())
     if args.background:
         handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session,
                                          release=payload.release)
@@ -131,14 +131,15 @@ def _in_turn(magics, args, started: float, session, busy, payload_of):
         raise
 
 
-def _runner(session, payload, label: str, presenter, timeout):
-    """The cell's run on the session (``run(control)``; in a background run's thread too)."""
+def _runner(session, payload, label: str, presenter, timeout, hold: bool = False):
+    """The cell's run on the session (``run(control)``; in a background run's thread too).
+    ``hold``: a rank that fails keeps the cell's frames for ``%distributed_debug``."""
     def run(control=None):
         try:
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                     log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control,
                                     on_restart=lambda line: print(f"accel_magics: {line}", flush=True),
-                                    ask=rank_prompt.ask if control is None else control.questions.ask)
+                                    ask=rank_prompt.ask if control is None else control.questions.ask, hold=hold)
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:
@@ -150,6 +151,9 @@ def _in_foreground(magics, session, run):
     """Run it now; the notebook gets its result (and ``--return`` names)."""
     try:
         result = run()
+    except DistributedRunError as exc:
+        magics.state.held = exc.held   # a failed rank's frames, for %distributed_debug until the next cell
+        raise
     except KeyboardInterrupt as exc:   # a press as its view was finished: after the cell, if it completed
         if isinstance(exc, ReportedError) or session.completed is None:
             raise

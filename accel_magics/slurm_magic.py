@@ -171,7 +171,8 @@ def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:
         master_port=explicit.get("master_port"), max_restarts=options.value(explicit, "max_restarts"),
         mixed_precision=explicit.get("mixed_precision"), timeout=explicit.get("timeout"),
         rendezvous_timeout=options.value(explicit, "rendezvous_timeout"),
-        stall_timeout=0)   # each node sees only its ranks; the kernel sees them all (fold.must_stop)
+        stall_timeout=0,   # each node sees only its ranks; the kernel sees them all (fold.must_stop)
+        debug_hold=0)      # a held rank's post-mortem needs the local launcher's socket (not yet over the agents)
     validate(cfg, gpu_count=gpus, allow_oversubscribe=bool(explicit.get("oversubscribe")), check_port=False)
     return cfg
 

@@ -9,8 +9,10 @@ object, never through attributes of a Magics instance.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
+from accel_magics.kernel_ext.kernel import post_mortem
 from accel_magics.kernel_ext.kernel.launcher import Launcher
 from accel_magics.kernel_ext.timing import BACKGROUND_END_WAIT
 
@@ -27,6 +29,23 @@ class MagicsState:
         self.slurm_busy = None     # the background cell that uses them now (their sockets are its thread's)
         self.background_runs: set = set()
         self.returned: dict = {}   # name -> id() of the value a session cell's --return assigned
+        self.held = None           # the last failed run's ranks held for %distributed_debug (post_mortem.HeldRun)
+        self.held_background: list = []   # failed background runs' held ranks (their handles' debug())
+        self._held_lock = threading.Lock()   # a background run's thread adds to them
+
+    # -- a failed run's held ranks ----------------------------------------------------
+    def release_held(self) -> None:
+        """Let the ranks held for a post-mortem go (the next cell: they hold memory, GPU memory too)."""
+        with self._held_lock:
+            held = [self.held, *self.held_background]
+            self.held, self.held_background = None, []
+        for one in held:
+            post_mortem.release(self.launcher, one)
+
+    def keep_held(self, held) -> None:
+        """A background run's held ranks, let go with the others."""
+        with self._held_lock:
+            self.held_background.append(held)
 
     # -- the Slurm allocation's node agents ------------------------------------
     def keep_agents(self, agents) -> None:
@@ -64,4 +83,5 @@ class MagicsState:
         self.session = None
         if self.slurm_agents is not None:
             self.slurm_agents.close()
+        self.release_held()
         self.launcher.close()

@@ -38,6 +38,7 @@ class LaunchConfig:
     timeout: Optional[float] = None
     rendezvous_timeout: float = DEFAULTS["rendezvous_timeout"]   # how long nodes wait for each other
     stall_timeout: float = DEFAULTS["stall_timeout"]   # idle this long after another rank finished: stuck
+    debug_hold: float = DEFAULTS["debug_hold"]   # a failed rank is kept this long for %distributed_debug (0: not)
     rendezvous_key: Optional[str] = None   # kernel per node: signs the failures the nodes tell each other
     extra_env: dict = field(default_factory=dict)
 
@@ -134,6 +135,8 @@ def validate(cfg: LaunchConfig, *, gpu_count: int = 0, allow_oversubscribe: bool
     check_seconds("--rendezvous_timeout", cfg.rendezvous_timeout)
     if cfg.stall_timeout != 0:
         check_seconds("--stall_timeout", cfg.stall_timeout)
+    if cfg.debug_hold != 0:
+        check_seconds("--debug_hold", cfg.debug_hold)
     if cfg.timeout is not None:
         check_seconds("--timeout", cfg.timeout)
     if cfg.mixed_precision is not None and cfg.mixed_precision not in MIXED_PRECISION_CHOICES:

@@ -105,6 +105,7 @@ STOP_WAIT = 7.0           # after a stop, how long the supervisor gets to end th
 KILL_WAIT = 2.0           # after SIGUSR2, how long before the kernel SIGKILLs everything
 TIMEOUT_SLACK = 4.0       # past --timeout (or the rendezvous timeout), when the kernel steps in
 GONE_DRAIN = 2.0          # after the supervisor exited, how long its last messages may take
+HELD_SEND_WAIT = 1.0      # the kernel's word to a held rank's supervisor (let go): how long it may take to leave
 DISPATCH_WAIT = 15.0      # how long the launcher gets to answer a run (it takes milliseconds)
 PRELOAD_WAIT = 60.0       # how long it gets to import the modules it was asked to preload
 ESCAPED_KILL_WAIT = 2.0   # a launcher died: how long the kernel looks again for what its runs left (a process may fork as it is killed)

@@ -102,7 +102,15 @@ class LoadedKernel(KernelSession):
             descendants(self.pid) == {zygote} | spares | idle_ranks
 
     def wait_quiet(self, timeout: float = 10) -> None:
+        self.release_held()
         wait_until(self.idle_tree, timeout, "every process of finished runs to exit")
+
+    def release_held(self) -> None:
+        """Let go a failed rank the kernel keeps on purpose, for a post-mortem
+        (``%distributed_debug``, for ``--debug_hold`` seconds), as a user does
+        (``%distributed_debug --release``); not in the notebook's history."""
+        if self.km.is_alive():
+            self.result_of(self.kc.execute("%distributed_debug --release", store_history=False), timeout=30)
 
     def launcher_token(self) -> str:
         """The marker every process of this kernel's launcher carries in its environment."""

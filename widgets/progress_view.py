@@ -243,6 +243,14 @@ class RunView:
     def on_Phase(self, e) -> None:
         self._rank(e.rank).phase = e.text
 
+    def on_RankHeld(self, e) -> None:
+        """It failed; it is kept for %distributed_debug (its exit comes after the run)."""
+        state = self._rank(e.rank)
+        self.behind.ended(e.rank)
+        state.state = "failed"
+        if e.failure is not None:
+            state.failure = f"{e.failure.summary} (held for %distributed_debug)"
+
     def on_RankExited(self, e) -> None:
         state = self._rank(e.rank)
         self.behind.ended(e.rank)

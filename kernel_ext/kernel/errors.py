@@ -43,6 +43,9 @@ class ReportedError:
 class DistributedRunError(ReportedError, RuntimeError):
     """A run in which a rank failed; the message is the failing rank's own story."""
 
+    #: The failed ranks held for a post-mortem (post_mortem.HeldRun), or None.
+    held = None
+
     def __init__(self, root: RankFailure, failures: list[RankFailure], others: dict[int, str],
                  attempts: int = 1, stacks: Optional[dict[int, str]] = None,
                  departed: Optional[dict[int, str]] = None, in_setup: bool = False) -> None:

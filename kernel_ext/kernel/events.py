@@ -145,6 +145,15 @@ class RankExited:
 
 
 @dataclass
+class RankHeld:
+    """A rank failed and is held as it failed, for ``%distributed_debug``,
+    for at most ``seconds`` (it exits after the run, not before)."""
+    rank: int
+    seconds: float
+    failure: Optional[RankFailure] = None
+
+
+@dataclass
 class RankStacks:
     """Where a rank was (all Python threads) when the run was stopped."""
     rank: int

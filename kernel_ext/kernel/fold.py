@@ -51,6 +51,7 @@ class Outcome:
     # completed, whatever stop came as it ended (its effect is in the session).
     completed: bool = False
     pressed: bool = False    # the stop button was pressed while the attempt was read
+    held: dict = field(default_factory=dict)   # rank -> its "held" message: failed, held for a post-mortem
 
 
 def failure_of_exception(rank: int, event: dict) -> ev.RankFailure:
@@ -137,6 +138,7 @@ class RunFold:
         self.deleted: set = set()
         self.interrupted = False   # the stop button was pressed during the attempt
         self.results: set[int] = set()   # ranks that reported this cell's result (they completed it)
+        self.held: dict[int, dict] = {}  # failed ranks held for a post-mortem: rank -> their "held" message
         self.handlers = {
             Kind.HEARTBEAT: self._heartbeat, Kind.STARTED: self._started, Kind.OUTPUT: self._output,
             Kind.RANK_EVENT: self._rank_event, Kind.STACKS: self._stacks, Kind.EXIT: self._exit,
@@ -146,6 +148,7 @@ class RunFold:
             Kind.REMOTE_DEPARTED: self._remote_departed,
             Kind.SUPERVISOR_ERROR: self._supervisor_error, Kind.FINISHED: self._finished,
             Kind.SESSION_LOST: self._session_lost, Kind.INPUT_REQUEST: self._input_request,
+            Kind.HELD: self._held,
         }
         self.rank_handlers = {
             RankEvent.FAILED: self._rank_failed, RankEvent.RESULT: self._rank_result,
@@ -192,6 +195,10 @@ class RunFold:
     def _input_request(self, msg: dict) -> None:
         self.emit(ev.InputRequested(msg["rank"], msg.get("prompt", "")))
 
+    def _held(self, msg: dict) -> None:
+        self.held[msg["rank"]] = msg
+        self.emit(ev.RankHeld(msg["rank"], msg.get("seconds", 0.0), self.failures.get(msg["rank"])))
+
     def _heartbeat(self, msg: dict) -> None:
         self.emit(ev.Heartbeat())
 
@@ -216,6 +223,8 @@ class RunFold:
 
     def _rank_failed(self, rank: int, event: dict) -> None:
         self.failures[rank] = failure_of_exception(rank, event)
+        if event.get("held"):   # a session's rank keeps the cell's frames until its next cell
+            self.held[rank] = {"rank": rank, "seconds": None, "reply_to": ""}
 
     def _rank_result(self, rank: int, event: dict) -> None:
         self.results.add(rank)
@@ -297,6 +306,8 @@ class RunFold:
     def _exit(self, msg: dict) -> None:
         rank = msg["rank"]
         self.exited.add(rank)
+        if not self.session_cell:   # a one-shot rank ended before the run did: nothing is held
+            self.held.pop(rank, None)   # (a session's "exit" is its rank back at its prompt)
         failure = self.failures.get(rank)
         if failure is None and msg["exitcode"] == 0 and not msg["signal"] and rank not in self.departed:
             # os._exit(0), or an exit from native code, mid-cell (also when the stop
@@ -403,7 +414,8 @@ class RunFold:
                        self.rendezvous_error, self.departed, self.forced, self.stalled or self.stranded, session,
                        lost, self.assigned - self.deleted, self.deleted, self.terminated_on, self.master_port,
                        self.kinds, bool(self.in_world or any(self.rounds.values())), set(self.agreed),
-                       set(self.failed_joining), completed=completed, pressed=self.interrupted)
+                       set(self.failed_joining), completed=completed, pressed=self.interrupted,
+                       held=dict(self.held))
 
 
 # -- the outcome's parts: plain functions of what the fold recorded -------------------------

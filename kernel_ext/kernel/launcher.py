@@ -162,6 +162,8 @@ def run_spec(cfg: LaunchConfig, payload: Optional[Payload], *, run_id: str, port
         "node_rank": cfg.node_rank,
         "rdzv_timeout": cfg.rendezvous_timeout,
         "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
+        # A failed rank held for %distributed_debug: one node, the last attempt (another would wait for it).
+        "debug_hold": cfg.debug_hold if cfg.num_nodes == 1 and attempt >= cfg.max_restarts else 0,
         "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
         "grace": grace,
         "attempt": attempt,
@@ -547,6 +549,8 @@ class Launcher:
                         events_addr=self.events_addr, grace=grace, log_dir=log_dir, excerpt=excerpt, extra=extra)
         if events is not None:
             spec["events_addr"] = events[1]
+        if extra.get("session"):
+            spec["debug_hold"] = 0   # a session's ranks are not held (not yet)
         rdzv = cfg.rendezvous_timeout if cfg.num_nodes > 1 else None
         reply = self._dispatch(run_id, cfg.num_processes, spec, key)
         if reply is None:   # it did not answer: a fresh launcher gets the run

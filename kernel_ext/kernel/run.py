@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from . import events as ev
+from . import events as ev, post_mortem
 from ..environment import LaunchConfig
 from .errors import (DistributedRunError, DistributedStallError, DistributedTimeoutError, RendezvousError,
                      RunInterrupted, RunTerminated, forced_note, ranks_text)
@@ -271,7 +271,8 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
                 if control is not None:
                     control.detach(handle)
                 placement.done(handle)
-        res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
+        with post_mortem.noted(handle, outcome):   # a failed rank may be held for %distributed_debug
+            res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
         if res is not None:
             placement.learn_modules(res.new_modules)
             return res

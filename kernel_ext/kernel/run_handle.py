@@ -269,7 +269,12 @@ class RunHandle(Attempt):
         socket the supervisor named (in the launcher's private directory)."""
         if self.timeout_at is not None:
             self.timeout_at += paused
-        address = request.get("reply_to") or ""
+        self.tell(request.get("reply_to") or "", {"rank": request.get("rank"), "seq": request.get("seq"),
+                                                  "line": line, "why": why}, "input_reply")
+
+    def tell(self, address: str, content: dict, msg_type: str = "run_op") -> None:
+        """Send ``content`` signed with the run's key to the supervisor's input
+        socket at ``address`` (an answer; a held rank's ``debug`` or ``release``)."""
         if not address.startswith("ipc://"):
             return
         if self._answers is None or self._answers[1] != address:
@@ -278,16 +283,17 @@ class RunHandle(Attempt):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self._answers = (sock, address)
-        self.session.send(self._answers[0], "input_reply", {"rank": request.get("rank"), "seq": request.get("seq"),
-                                                            "line": line, "why": why})
+        self.session.send(self._answers[0], msg_type, content)
 
-    def _close_answers(self) -> None:
+    def _close_answers(self, linger: float = 0.0) -> None:
         if self._answers is not None:
-            self._answers[0].close(linger=0)
+            self._answers[0].close(linger=int(linger * 1000))
             self._answers = None
 
-    def close(self) -> None:
-        self._close_answers()
+    def close(self, linger: float = 0.0) -> None:
+        """Release what it holds; ``linger``: seconds what it sent last may
+        still take to leave (a supervisor that is gone never takes it)."""
+        self._close_answers(linger)
         self._pidfd_close()
 
     def __del__(self) -> None:

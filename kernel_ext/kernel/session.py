@@ -36,6 +36,8 @@ from ..wire.payload import Payload
 from ..gpu_memory import GpuMemory
 from ..process_tree import stat_fields
 from ..sigint import sigint_deferred
+from . import post_mortem
+from .local_placement import LocalSession
 from .run import RunControl, RunResult, collect, conclude
 # The ladders' order: see timing.py.
 from ..timing import SESSION_END_WAIT as STOP_WAIT, GONE_DRAIN, FORCE_AFTER
@@ -187,7 +189,7 @@ class DistributedSession:
 
     def run_cell(self, payload: Payload, label: str, on_event=None, heartbeat: Optional[float] = None,
                  log_dir: str = "", excerpt=None, timeout: Optional[float] = None,
-                 control: Optional[RunControl] = None, on_restart=None, ask=None) -> RunResult:
+                 control: Optional[RunControl] = None, on_restart=None, ask=None, hold: bool = False) -> RunResult:
         """Run one cell on the session's ranks; its result, or the error that
         tells its story (with whether the session lives on).  With
         ``--max_restarts``, a session lost under the cell (a rank died, its
@@ -206,7 +208,7 @@ class DistributedSession:
                     try:
                         return self._run_cell_now(payload, label, emit, heartbeat=heartbeat, log_dir=log_dir,
                                                   excerpt=excerpt, timeout=timeout, control=control, ask=ask,
-                                                  attempt=attempt)
+                                                  attempt=attempt, hold=hold)
                     except SessionLostError as exc:
                         if attempt >= self.max_restarts or not _restartable(exc, control):
                             raise
@@ -241,8 +243,11 @@ class DistributedSession:
         self.held.clear()
 
     def _run_cell_now(self, payload, label, emit, *, heartbeat, log_dir, excerpt, timeout, control,
-                      attempt: int = 0, ask=None) -> RunResult:
-        """run_cell's work, with the session held for this cell."""
+                      attempt: int = 0, ask=None, hold: bool = False) -> RunResult:
+        """run_cell's work, with the session held for this cell.  ``hold``: a
+        rank that fails keeps the cell's frames for a post-mortem until the
+        next cell (this machine's sessions: ``%distributed_debug``)."""
+        hold = hold and isinstance(self.ranks, LocalSession)
         self.check()
         started = time.time()
         run_id = uuid.uuid4().hex[:12]
@@ -253,7 +258,8 @@ class DistributedSession:
         self.current, self.current_control = label, control
         try:
             outcome = self._send_and_collect(handle, {"op": "cell", "run_id": run_id, "payload": payload,
-                                                      "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt},
+                                                      "timeout": timeout, "log_dir": log_dir, "excerpt": excerpt,
+                                                      "debug_hold": hold},
                                              cfg, emit, heartbeat, control, attempt, ask)
             if outcome.completed:   # from here a press is after the cell's end (see run_cell)
                 self.completed = label
@@ -287,6 +293,9 @@ class DistributedSession:
             except (DistributedRunError, RunInterrupted, DistributedTimeoutError, DistributedStallError) as exc:
                 stopped = isinstance(exc, (RunInterrupted, DistributedTimeoutError))
                 exc.after = ALIVE_NOTE + (apart_note(outcome, len(self.pids)) if stopped else "")
+                if isinstance(exc, DistributedRunError) and outcome.held:
+                    exc.held = post_mortem.held_in_session(self, run_id, outcome)
+                    exc.after += "\n" + exc.held.hint()
                 raise
             self.ranks.learn_modules(result.new_modules)
             return result

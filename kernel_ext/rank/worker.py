@@ -33,7 +33,7 @@ import cloudpickle
 from ..supervisor import native_stacks
 from . import liveness, pg_guard
 from .. import PACKAGE_DIR, hooks, process_tree
-from . import bounded_traceback, rank_bars, script_end, startup
+from . import bounded_traceback, held, rank_bars, script_end, startup
 from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
@@ -298,7 +298,8 @@ def run_rank(spec: dict, local_rank: int, event_fd: int, stack_fd: int, release_
         _event_fd, _local_rank, _rank_pid = event_fd, local_rank, os.getpid()
         if isinstance(sys.stdin, RankStdin):
             sys.stdin = sys.__stdin__ = RankStdin(emit, release_fd)   # answers come on the go pipe
-        code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else _execute(spec, local_rank)
+        code = _serve_session(spec, local_rank, release_fd) if spec.get("session") else \
+            _execute(spec, local_rank, release_fd)
     except BaseException as exc:  # the harness itself failed: say so, never hang
         try:
             emit(_failure(exc, exc.__traceback__, harness=True))
@@ -599,6 +600,7 @@ liveness.defer_in(_unraisable_hook.__code__)
 _in_cell = False
 _cell_begun = False
 _interrupt_pending = False
+_in_post_mortem = False   # a session rank in a post-mortem (_session_post_mortem)
 
 # The stop in a session's training loop.  DDP ranks meet in an all-reduce every
 # step; a KeyboardInterrupt that lands on one rank before the step's
@@ -749,7 +751,9 @@ def _values(value, ns: dict, return_names) -> dict:
     return {"value": packed, "returns": returns, "missing": missing}
 
 
-def _execute(spec: dict, local_rank: int) -> int:
+def _execute(spec: dict, local_rank: int, go_fd: Optional[int] = None) -> int:
+    """Run the cell once, report it, and end as a script does; a failed
+    rank of a run with a hold is held for a post-mortem first (held.py)."""
     main = _enter_rank(spec, local_rank)
     event, code = _run_cell(spec["payload"], main.__dict__, local_rank == 0)
     if _in_forked_child(event):
@@ -761,6 +765,8 @@ def _execute(spec: dict, local_rank: int) -> int:
     else:
         rank_bars.flush()
         emit(event)        # the failure first: the run stops the other ranks at once
+        if event["kind"] == "failed":   # frames alive until %distributed_debug, the next cell or the hold's end
+            held.hold(_held, spec.get("debug_hold") or 0, go_fd, emit)
         _release()
         script_end.end()   # then as a script that raised: its threads, its atexit handlers (bounded:
                            # the supervisor kills it RANK_GRACE after the stop)
@@ -773,6 +779,8 @@ def _on_session_sigint(signum, frame) -> None:
     _after_optimizer_step), kept for it if the code has not begun; at the prompt
     (between cells) it is ignored."""
     global _interrupt_pending, _stop_wanted
+    if _in_post_mortem:   # a command typed at a post-mortem's prompt: back to the prompt, as pdb does
+        raise KeyboardInterrupt
     if _in_cell and frame is not None and frame.f_code is _run_cell.__code__:
         # Handled between the cell's code and its report (its last expression
         # just returned): the cell completed.  Raised here, a cell that had
@@ -865,13 +873,18 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
     signal.signal(signal.SIGINT, _on_session_sigint)
     _install_step_hook()
     emit({"kind": "session_ready"})
+    kept = None   # a failed cell's traceback, for a post-mortem until the next cell (held.py)
     while True:
         frame = wire.read_frame(go_fd)
         if frame is None:   # the session's end is its script's end: its threads, its atexit handlers
+            _release()
             script_end.end()
             return 0
-        if isinstance(frame, dict):   # an answer to a question of a cell that was stopped meanwhile
+        if isinstance(frame, dict):   # a post-mortem asked for; or an answer to a question of a stopped cell
+            kept = _at_prompt(frame, kept)
             continue
+        kept = None
+        _release()   # the last cell's frames (kept for a post-mortem) are finalized before this one runs
         _interrupt_pending, _cell_begun = False, True
         _steps, _stop_wanted, _stop_step = 0, False, None
         cell = pickle.loads(frame)
@@ -882,9 +895,40 @@ def _serve_session(spec: dict, local_rank: int, go_fd: int) -> int:
         if _in_forked_child(event):   # it never reads the next cell
             return code
         event["cell"] = cell["run_id"]
+        kept = held.held_traceback(_held) if event["kind"] == "failed" and cell.get("debug_hold") else None
+        if kept is not None:
+            event["held"] = True   # the kernel may open its post-mortem until the next cell
         _emit_last(event)
-        _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
+        if kept is None:
+            _release()   # back at its prompt: what the failed cell's frames held is finalized before the next
         _cell_begun = False
+
+
+def _at_prompt(frame: dict, kept):
+    """The supervisor's word to a session rank at its prompt about the
+    frames it kept (``debug``: the post-mortem; ``drop``: let go now); what it keeps after."""
+    if frame.get("debug"):
+        return _session_post_mortem(kept)
+    if frame.get("drop") and kept is not None:   # its memory back now, not at the next cell
+        _release()
+        return None
+    return kept
+
+
+def _session_post_mortem(kept) -> None:
+    """A session rank at its prompt: pdb's post-mortem of its last failed
+    cell (a SIGINT ends a long command of it, as at a terminal), then the
+    cell's frames are let go; None (nothing is kept after it)."""
+    global _in_post_mortem
+    if kept is not None:
+        _in_post_mortem = True
+        try:
+            held.post_mortem(kept)
+        finally:
+            _in_post_mortem = False
+        _release()
+    emit({"kind": "held_end", "gone": kept is None})
+    return None
 
 
 def _pack_value(value) -> dict:

@@ -10,7 +10,9 @@ private (0700) directory at the first question: no port, nothing when no
 rank asks.  On a Slurm node the kernel's answer reaches that socket through
 the node's agent (its authenticated channel to the kernel).  Every answer is verified with the run's key before it is
 unpickled, as a session's cells are, and one that answers no open question
-is dropped.
+is dropped.  The same socket takes the kernel's word about a failed rank held
+for a post-mortem (``{"op": "debug"}``, ``{"op": "release"}``: one_shot.py),
+signed the same way.
 
 While a rank waits for an answer the run is paused, as a terminal's user
 pausing at a breakpoint pauses a torchrun job: ``--timeout`` and the stall
@@ -44,14 +46,18 @@ class RankInput:
         self.paused_since: Optional[float] = None
         self.pause_total = 0.0
         self._verifier = None
+        self.refused: set[int] = set()   # ranks whose questions get end of input (a stopped post-mortem)
 
     # -- questions ------------------------------------------------------------
     def ask(self, r: RankProcess, event: dict) -> None:
         """``r`` reads its stdin: its output so far goes first, then the question."""
         self.run.pump.catch_up(r)
         prompt = strip_escapes(r.output.take_unfinished()).decode("utf-8", "replace")[-PROMPT_CHARS:]
-        if self.address is None and not self._open():
+        if not self.open():
             self._answer(r, event.get("seq"), None, "this run cannot take input (see the supervisor's log)")
+            return
+        if r.rank in self.refused:
+            self._answer(r, event.get("seq"), None, "the post-mortem was stopped")
             return
         if not self.waiting:
             self.paused_since = time.monotonic()
@@ -73,9 +79,12 @@ class RankInput:
         return total
 
     # -- answers ------------------------------------------------------------------
-    def _open(self) -> bool:
+    def open(self) -> bool:
         """The answers' socket, in the launcher's private directory (where the
-        run's error files go: on a Slurm node, that node's launcher's)."""
+        run's error files go: on a Slurm node, that node's launcher's), bound
+        once; False where this run cannot have one."""
+        if self.address is not None:
+            return True
         spec = getattr(self.run, "spec", {}) or {}
         events = getattr(self.run, "events_addr", "") or ""
         if spec.get("error_dir"):
@@ -105,6 +114,9 @@ class RankInput:
                 content = wire.verified_content(self._verifier, frames)
             except Exception:
                 continue   # not signed with the run's key: never unpickled
+            if "op" in content:   # for the run, not an answer: a held rank's post-mortem (one_shot.py)
+                self.run.on_op(content)
+                continue
             waiting = self.waiting.get(content.get("rank"))
             if waiting is None or waiting[1] != content.get("seq"):
                 continue   # no such question open (answered, or its rank was stopped)
@@ -122,6 +134,13 @@ class RankInput:
         except OSError:   # it is gone: its exit says so
             pass
 
+    def refuse(self, r: RankProcess, why: str) -> None:
+        """End of input for ``r``: its open question now, its next ones at once."""
+        self.refused.add(r.rank)
+        waiting = self.waiting.get(r.rank)
+        if waiting is not None:
+            self._answer(r, waiting[1], None, why)
+
     def forget(self, r: RankProcess) -> None:
         """``r`` exited or was stopped: its question is void."""
         if self.waiting.pop(r.rank, None) is not None and not self.waiting:
@@ -130,6 +149,7 @@ class RankInput:
     def reset(self) -> None:
         """A session's next cell: no question of the last one is open."""
         self.waiting.clear()
+        self.refused.clear()
         self.paused_since, self.pause_total = None, 0.0
 
     def _unpause(self) -> None:

@@ -70,6 +70,10 @@ class RankProcess:
     stopped: bool = False              # brought back by the stop (KeyboardInterrupt), not failed
     reported_stack: bool = False       # its stack for this cell was sent
     in_cell: bool = False              # it said it began the current cell
+    # A failed one-shot rank held for a post-mortem (rank/held.py, one_shot.py).
+    held_until: Optional[float] = None   # held: until then, unless a post-mortem opens
+    debugging: bool = False              # its post-mortem is open (no limit but the user's q)
+    let_go_at: Optional[float] = None    # let go (EOF): SIGKILL if still there a grace later
 
     def stopped_by_us(self, sig: Optional[int]) -> bool:
         """Did it end because the supervisor stopped it?  Not when it died of a

@@ -64,9 +64,10 @@ class RankSet:
             rank.release()
         self.idle = []
 
-    def release_all(self) -> None:
+    def release_all(self, spare_held: bool = False) -> None:
         for r in self.ranks:
-            r.release()
+            if not (spare_held and r.held_until is not None):
+                r.release()
 
     # -- which ---------------------------------------------------------------------
     def alive(self) -> list[RankProcess]:
@@ -76,11 +77,15 @@ class RankSet:
         """Ranks still running the cell: not exited, not finished (parked)."""
         return [r for r in self.ranks if r.status is None and not r.reported]
 
-    def all_gone(self) -> bool:
-        return all(r.status is not None for r in self.ranks)
+    def all_gone(self, spare_held: bool = False) -> bool:
+        return all(r.status is not None or (spare_held and r.held_until is not None) for r in self.ranks)
 
     def all_reported(self) -> bool:
         return all(r.reported for r in self.ranks)
+
+    def held(self) -> list[RankProcess]:
+        """Failed ranks held for a post-mortem, still there (see one_shot.py)."""
+        return [r for r in self.ranks if r.held_until is not None and r.status is None]
 
     # -- pipes -----------------------------------------------------------------------
     def read(self, r: RankProcess, kind: str, fd: int) -> Optional[bytes]:
@@ -131,9 +136,10 @@ class RankSet:
             r.signal_group(signal.SIGKILL)
             yield r, status
 
-    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+    def kill_all(self, sig: int = signal.SIGKILL, spare_held: bool = False) -> None:
         for r in self.alive():
-            r.signal_group(sig)
+            if not (spare_held and r.held_until is not None):
+                r.signal_group(sig)
 
     def terminate(self) -> None:
         """SIGTERM to every rank still running, but those that failed: they end
@@ -144,12 +150,13 @@ class RankSet:
                 r.signal_group(signal.SIGTERM)
 
     def ladder(self, what: str, wait: float, log: logging.Logger, terminate: bool,
-               then_wait: float) -> StopLadder:
+               then_wait: float, spare_held: bool = False) -> StopLadder:
         """The ranks' stop: SIGTERM (``terminate``; else they were told to end
         by themselves: EOF at their go pipe), ``wait`` seconds, SIGKILL to those
         still there, and ``then_wait`` seconds for that (a caller that waits
-        for the end: :meth:`StopLadder.run`)."""
+        for the end: :meth:`StopLadder.run`).  ``spare_held``: a rank held for
+        a post-mortem is not stopped (nor waited for)."""
         first = Rung("SIGTERM to its ranks", self.terminate, wait) if terminate else \
             Rung("its ranks end by themselves", None, wait)
-        return StopLadder(what, [first, Rung("SIGKILL to its ranks still there", self.kill_all, then_wait)],
-                          done=self.all_gone, log=log)
+        kill = Rung("SIGKILL to its ranks still there", lambda: self.kill_all(signal.SIGKILL, spare_held), then_wait)
+        return StopLadder(what, [first, kill], done=lambda: self.all_gone(spare_held), log=log)

@@ -148,12 +148,53 @@ class SessionSupervisor(Supervisor):
                 # cell's (it ended) is not this one's to stop.
                 if self.cell is not None and self.cell["run_id"] == content.get("run_id"):
                     self._recall("interrupt")
+            elif content.get("op") in ("debug", "release"):   # a failed cell's rank, at its prompt (held.py)
+                self._post_mortem_op(content)
             elif content.get("op") == "stop":
                 self.stop_id = content.get("run_id")
                 if self.cell is None:
                     self.ending = "stop"
                 else:   # the kernel stops a running cell first; if not, the stop wins
                     self._lose("the session was stopped while a cell was running")
+
+    def _post_mortem_op(self, content: dict) -> None:
+        """``debug``: a rank at its prompt opens the post-mortem of the cell that
+        failed on it (it kept the cell's frames); ``release``: its post-mortem
+        is stopped; ``release`` of no rank: every rank lets its kept frames go now."""
+        rank = content.get("rank")
+        r = next((r for r in self.ranks if r.rank == rank), None)
+        if content["op"] == "debug":
+            self._open_post_mortem(r, rank)
+        elif rank is None:
+            self._drop_kept()
+        elif r is not None and r.debugging:
+            self._stop_post_mortem(r)
+
+    def _drop_kept(self) -> None:
+        """Every rank at its prompt lets the frames it kept go now (their memory back)."""
+        if self.cell is None:
+            for r in self.ranks:
+                if not r.debugging and r.go is not None:
+                    wire.write_frame(r.go, {"drop": True})
+
+    def _open_post_mortem(self, r: Optional[RankProcess], rank) -> None:
+        if r is None or self.cell is not None or r.debugging or r.go is None:
+            self.send({"kind": "held_end", "rank": rank, "gone": True})   # nothing to open: the kernel stops waiting
+            return
+        wire.write_frame(r.go, {"debug": True})
+        r.debugging = True
+        self.logs.note(r.rank, "--- post-mortem opened (%distributed_debug) ---")
+
+    def _stop_post_mortem(self, r: RankProcess) -> None:
+        """Its questions get end of input; a command typed at its prompt and
+        still running is interrupted (SIGINT), as at a terminal."""
+        asking = r.rank in self.input.waiting
+        self.input.refuse(r, "the post-mortem was stopped")
+        if not asking:
+            try:
+                os.kill(r.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
 
     def _start_cell(self, content: dict) -> None:
         if self.cell is not None or self.ending is not None:
@@ -190,8 +231,8 @@ class SessionSupervisor(Supervisor):
             r.stack, r.native, r.done_time, r.cpu_seen, r.asked_at = bytearray(), "", 0.0, None, None
             r.last_output = time.monotonic()
         self.pump.set_excerpts(content.get("excerpt"))
-        frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"]},
-                             protocol=pickle.HIGHEST_PROTOCOL)
+        frame = pickle.dumps({"run_id": content["run_id"], "payload": content["payload"],
+                              "debug_hold": bool(content.get("debug_hold"))}, protocol=pickle.HIGHEST_PROTOCOL)
         for r in self.ranks:
             try:
                 wire.write_frame(r.go, frame)
@@ -244,7 +285,7 @@ class SessionSupervisor(Supervisor):
     def _on_rank_event(self, r: RankProcess, event: dict) -> None:
         self.pump.catch_up(r)
         kind = event.get("kind")
-        if kind in ("session_ready", "cell_started"):
+        if kind in ("session_ready", "cell_started", "held_end"):
             self._on_prompt_event(r, event)
             return
         if kind not in ("failed", "result"):
@@ -270,10 +311,16 @@ class SessionSupervisor(Supervisor):
             self._recall("failed")
 
     def _on_prompt_event(self, r: RankProcess, event: dict) -> None:
-        """A rank set up (``session_ready``), or began the cell (``cell_started``):
-        one recalled before it began is recalled now."""
+        """A rank set up (``session_ready``), began the cell (``cell_started``:
+        one recalled before it began is recalled now), or ended a post-mortem
+        (``held_end``)."""
         if event.get("kind") == "session_ready":
             r.ready = True
+            return
+        if event.get("kind") == "held_end":   # its post-mortem is over: back at its prompt
+            r.debugging = False
+            self.input.refused.discard(r.rank)
+            self.send({"kind": "held_end", "rank": r.rank, "gone": bool(event.get("gone"))})
             return
         if self.cell is None or event.get("cell") != self.cell["run_id"]:
             return

@@ -155,12 +155,13 @@ class Supervisor:
                 pass
             os._exit(code)
 
-    def _end_ranks(self, wait: float, terminate: bool) -> None:
+    def _end_ranks(self, wait: float, terminate: bool, spare_held: bool = False) -> None:
         """The ranks' end, waited for: SIGTERM first (``terminate``; else they
         were told to end by themselves), up to ``wait`` seconds for every rank
         to exit, then SIGKILL what is left (and its children) and up to
-        REAP_WAIT for that."""
-        ladder = self.rank_set.ladder(self._what(), wait, log, terminate=terminate, then_wait=REAP_WAIT)
+        REAP_WAIT for that.  ``spare_held``: but a rank held for a post-mortem."""
+        ladder = self.rank_set.ladder(self._what(), wait, log, terminate=terminate, then_wait=REAP_WAIT,
+                                      spare_held=spare_held)
         ladder.run(lambda left: self.poll(min(left, RANKS_GONE_POLL)))
 
     def _what(self) -> str:
@@ -409,6 +410,11 @@ class Supervisor:
 
     def _on_policy_time(self, now: float) -> None:
         """Deadlines of a kind of run of its own (none by default)."""
+
+    def on_op(self, content: dict) -> None:
+        """The kernel's word about the run on the input socket (verified):
+        a held rank's post-mortem, one-shot runs only (none by default)."""
+        log.info("%s: %r is not for this kind of run", self._what(), content.get("op"))
 
     def _sources(self) -> dict:
         """The cell's source and the notebook cells' it reaches, by filename (for stacks)."""

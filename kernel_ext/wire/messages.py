@@ -35,6 +35,10 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
 ``session_lost``       ``lost``: why the session's ranks are gone
 ``input_request``      ``rank``, ``prompt``, ``seq``, ``reply_to``: the rank reads its stdin; the answer goes
                        to ``reply_to`` signed with the run's key (supervisor/rank_input.py)
+``held``               ``rank``, ``seconds``, ``reply_to``: a failed rank is held for a post-mortem (its exit
+                       comes as ``held_end``, after ``finished``); the kernel's ``debug``/``release`` go to
+                       ``reply_to`` signed with the run's key (supervisor/one_shot.py)
+``held_end``           ``rank``, ``exitcode``, ``signal`` (or ``gone``: no such rank was held): a held rank exited
 ``finished``           ``reason`` (a :class:`StopReason` or None), ``elapsed``; ``session``
                        ("alive", "lost", "stopped"), ``lost``; ``forced`` (the kernel
                        killed it: why); ``terminated_on`` (nodes whose supervisor got SIGTERM)
@@ -83,6 +87,8 @@ class Kind(_Text):
     SUPERVISOR_ERROR = "supervisor_error"
     SESSION_LOST = "session_lost"
     INPUT_REQUEST = "input_request"  # a rank reads its stdin: the kernel answers (rank_stdin.py)
+    HELD = "held"          # a failed rank held for a post-mortem (%distributed_debug)
+    HELD_END = "held_end"  # a held rank exited (after "finished")
     FINISHED = "finished"
     BATCH = "batch"
 
