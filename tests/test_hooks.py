@@ -284,7 +284,9 @@ for round_ in range(ROUNDS):
     dist.all_reduce(t)
     dist.destroy_process_group()
     seen.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
-print("rounds", seen[4], seen[-1])
+# The least of five rounds, early and late: a socket or thread of the last round may still be
+# closing as it is counted (one fd more at round 5, torch 2.6 beside busy loops); a leak is in every round.
+print("rounds", min(seen[4:9]), min(seen[-5:]))
 """
 
 
@@ -300,7 +302,7 @@ def _rounds(kernel, count: int, flags: str = "-n 2") -> list[tuple]:
 def test_destroy_and_init_rounds_keep_fds_and_threads_flat_in_a_cell_and_a_session(clean_kernel):
     """Kept groups (each holds the sockets and threads of its round) go once the
     next round is set up: 50 rounds in one cell, and two cells of a session,
-    end with the fds and threads of the fifth."""
+    end with the fds and threads of rounds 5 to 9 (the least of five rounds each)."""
     for fifth_fds, fifth_threads, last_fds, last_threads in _rounds(clean_kernel, 50):
         assert (last_fds, last_threads) == (fifth_fds, fifth_threads)
     clean_kernel.ok("%distributed_session start -n 2")
