@@ -272,6 +272,13 @@ def temp_entries(directory: Optional[str] = None) -> set[str]:
     return {e for e in os.listdir(directory) if not e.startswith(_TORCH_CACHES)}
 
 
+def typed(*lines: str) -> Callable[[str], str]:
+    """A frontend that types ``lines`` at the input box, one per prompt, then
+    only Enter ("") (for ``KernelSession.run(stdin=...)``)."""
+    left = list(lines)
+    return lambda prompt: left.pop(0) if left else ""
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll a condition about the outside world (process exit) with a deadline."""
     deadline = time.monotonic() + timeout

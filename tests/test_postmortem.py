@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import LoadedKernel
-from kernel_harness import wait_until
+from kernel_harness import typed, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,10 +56,21 @@ def wait_gone(pid: int, timeout: float = 15) -> None:
     wait_until(lambda: not alive(pid), timeout, f"the failed rank (pid {pid}) to end")
 
 
-def answers(*lines):
-    """A frontend that types ``lines`` one per prompt (then end of input: "")."""
-    left = list(lines)
-    return lambda prompt: left.pop(0) if left else ""
+def debug_pressed_while_busy(k) -> float:
+    """``%distributed_debug`` with a long command of the user's typed at the
+    post-mortem's prompt, and the stop button pressed once rank 1 prints that
+    it is busy: the magic must end with KeyboardInterrupt.  When the press came."""
+    pressed = []
+
+    def press(text):
+        if "[rank 1] busy" in text and not pressed:
+            pressed.append(time.monotonic())
+            k.km.interrupt_kernel()
+
+    res = k.run("%distributed_debug", timeout=60, stdin=typed("print('busy'); import time; time.sleep(120)"),
+                on_output=press)
+    assert pressed and res.status == "error" and res.error["ename"] == "KeyboardInterrupt", res.error_text + res.stdout
+    return pressed[0]
 
 
 def held_ranks(k) -> str:
@@ -76,7 +87,7 @@ def test_post_mortem_of_the_failed_rank_shows_its_frame_and_q_ends_it(clean_kern
         res.error_text
     assert k.ok("print('an ordinary cell between')").stdout == "an ordinary cell between\n"   # it keeps the rank
     assert alive(pid)
-    dbg = k.run("%distributed_debug", timeout=90, stdin=answers("p y", "w", "q"))
+    dbg = k.run("%distributed_debug", timeout=90, stdin=typed("p y", "w", "q"))
     assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
     assert dbg.prompts == ["(Pdb rank 1) "] * 3, dbg.prompts
     lines = dbg.stdout.splitlines()
@@ -188,18 +199,9 @@ def test_the_stop_button_in_a_post_mortem_ends_it_and_the_rank(clean_kernel):
     grace later if it does not end; the kernel goes on."""
     k = clean_kernel
     _, pid = failing_cell(k)
-    pressed = []
-
-    def press(text):
-        if "[rank 1] busy" in text and not pressed:
-            pressed.append(time.monotonic())
-            k.km.interrupt_kernel()
-
-    res = k.run("%distributed_debug", timeout=60, stdin=answers("print('busy'); import time; time.sleep(120)"),
-                on_output=press)
-    assert pressed and res.status == "error" and res.error["ename"] == "KeyboardInterrupt", res.error_text + res.stdout
+    pressed = debug_pressed_while_busy(k)
     wait_gone(pid, 15)
-    assert time.monotonic() - pressed[0] < 15
+    assert time.monotonic() - pressed < 15
     assert "no failed rank is held" in held_ranks(k)
     assert k.ok("print('next')").stdout == "next\n"
 
@@ -233,7 +235,7 @@ def test_a_background_run_s_failed_rank_opens_in_its_handle_s_debug(clean_kernel
         res.error_text
     pid = int(pidfile.read_text())
     assert alive(pid)
-    dbg = k.run("n = h.debug()\nprint('answered', n)", timeout=90, stdin=answers("p y", "q"))
+    dbg = k.run("n = h.debug()\nprint('answered', n)", timeout=90, stdin=typed("p y", "q"))
     assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
     assert "[rank 1] 42" in dbg.stdout.splitlines() and "answered 2" in dbg.stdout, dbg.stdout
     wait_gone(pid)
@@ -306,7 +308,7 @@ def test_a_session_cell_s_failed_rank_opens_its_post_mortem_until_the_next_cell(
         assert res.status == "error" and res.error["ename"] == "DistributedRunError", res.error_text
         assert ("%distributed_debug opens a post-mortem (pdb) in rank 1's failing frame, in this notebook's input "
                 "box, until the session's next cell") in res.error_text, res.error_text
-        dbg = k.run("%distributed_debug", timeout=90, stdin=answers("p y", "q"))
+        dbg = k.run("%distributed_debug", timeout=90, stdin=typed("p y", "q"))
         assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
         assert dbg.prompts == ["(Pdb rank 1) "] * 2, dbg.prompts
         assert "[rank 1] 42" in dbg.stdout.splitlines(), dbg.stdout
@@ -329,18 +331,8 @@ def test_the_stop_button_in_a_session_rank_s_post_mortem_brings_it_back_to_its_p
     k.ok("%distributed_session start -n 2", timeout=90)
     try:
         k.run(SESSION_FAIL, timeout=90)
-        pressed = []
-
-        def press(text):
-            if "[rank 1] busy" in text and not pressed:
-                pressed.append(time.monotonic())
-                k.km.interrupt_kernel()
-
-        res = k.run("%distributed_debug", timeout=60, stdin=answers("print('busy'); import time; time.sleep(120)"),
-                    on_output=press)
-        assert pressed and res.status == "error" and res.error["ename"] == "KeyboardInterrupt", \
-            res.error_text + res.stdout
-        assert time.monotonic() - pressed[0] < 15
+        pressed = debug_pressed_while_busy(k)
+        assert time.monotonic() - pressed < 15
         res = k.ok("%%distributed --session --output text\nprint('alive', os.environ['RANK'])\n", timeout=60)
         assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
     finally:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import LoadedKernel
+from kernel_harness import typed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,15 +32,9 @@ print("done", z)
 STOP_LINE = (5, "breakpoint()") if sys.version_info >= (3, 13) else (6, 'print("done", z)')
 
 
-def answers(*lines):
-    """A frontend that types ``lines`` one per prompt (then end of input: "")."""
-    left = list(lines)
-    return lambda prompt: left.pop(0) if left else ""
-
-
 def test_breakpoint_on_rank_1_prompts_in_the_notebook_and_continues(clean_kernel):
     k = clean_kernel
-    res = k.run(BREAK_ON_RANK_1, timeout=90, stdin=answers("p z", "c"))
+    res = k.run(BREAK_ON_RANK_1, timeout=90, stdin=typed("p z", "c"))
     assert res.status == "ok", res.error_text + res.stdout + res.stderr
     assert res.prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "], res.prompts
     assert "[rank 1] 7" in res.stdout.splitlines(), res.stdout
@@ -64,7 +59,7 @@ def _widget_rows(res) -> list[str]:
 
 def test_the_widget_view_shows_the_paused_rank_and_where_and_the_record_the_session(clean_kernel):
     res = clean_kernel.run(BREAK_ON_RANK_1.replace("--output text", "--output widget"), timeout=90,
-                           stdin=answers("p z", "c"))
+                           stdin=typed("p z", "c"))
     assert res.status == "ok", res.error_text + res.stdout + res.stderr
     assert res.prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "], res.prompts
     # Shown before the kernel waits in the input box (the second time it looks the same: no update).
@@ -83,7 +78,7 @@ def test_the_widget_view_shows_the_paused_rank_and_where_and_the_record_the_sess
 def test_input_on_a_rank_returns_what_was_typed(clean_kernel):
     res = clean_kernel.run("%%distributed -n 2 --output text --timeout 60\nimport os\n"
                            "name = input('name? ') if os.environ['RANK'] == '0' else 'peer'\nprint('got', name)\n",
-                           timeout=90, stdin=answers("Ada"))
+                           timeout=90, stdin=typed("Ada"))
     assert res.status == "ok", res.error_text
     assert res.prompts == ["[rank 0] name? "]
     assert "[rank 0] got Ada" in res.stdout and "[rank 1] got peer" in res.stdout, res.stdout
@@ -92,7 +87,7 @@ def test_input_on_a_rank_returns_what_was_typed(clean_kernel):
 def test_pythonbreakpoint_0_in_the_kernel_disables_it_as_in_python():
     k = LoadedKernel(extra_env={"PYTHONBREAKPOINT": "0"})
     try:
-        res = k.run(BREAK_ON_RANK_1, timeout=90, stdin=answers("c"))
+        res = k.run(BREAK_ON_RANK_1, timeout=90, stdin=typed("c"))
         assert res.status == "ok", res.error_text
         assert res.prompts == [], res.prompts
         assert "[rank 1] done 7" in res.stdout, res.stdout
@@ -106,7 +101,7 @@ def test_q_at_a_breakpoint_ends_every_rank_at_once(clean_kernel):
     started = time.monotonic()
     res = k.run(BREAK_ON_RANK_1.replace("--timeout 60", "--timeout 120")
                 + "import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n",
-                timeout=90, stdin=answers("q"))
+                timeout=90, stdin=typed("q"))
     took = time.monotonic() - started
     assert res.status == "error" and res.prompts == ["(Pdb rank 1) "], res.error_text
     assert "quit" in res.error["evalue"].lower() and "rank 1" in res.error["evalue"], res.error_text
@@ -154,7 +149,7 @@ def test_a_session_cell_breakpoint_keeps_the_session(clean_kernel):
     k.ok("%distributed_session start -n 2")
     try:
         res = k.run("%%distributed --session --output text --timeout 60\nimport os\nz = 7\n"
-                    "if os.environ['RANK'] == '1':\n    breakpoint()\n", timeout=90, stdin=answers("p z", "z = 8", "c"))
+                    "if os.environ['RANK'] == '1':\n    breakpoint()\n", timeout=90, stdin=typed("p z", "z = 8", "c"))
         assert res.status == "ok", res.error_text
         assert "[rank 1] 7" in res.stdout.splitlines(), res.stdout
         res = k.run("%%distributed --session --output text\nprint('z', z)\n", timeout=60)
@@ -227,7 +222,7 @@ def test_a_background_runs_breakpoint_is_answered_by_its_handles_debug(clean_ker
     k.ok("%%distributed -n 2 --background --output text\nimport os\nz = 7\n"
          "if os.environ['RANK'] == '1':\n    breakpoint()\nz * 6")
     k.ok("h = _")
-    res = k.run("h.debug()", timeout=90, stdin=answers("p z", "c"))
+    res = k.run("h.debug()", timeout=90, stdin=typed("p z", "c"))
     assert res.status == "ok" and res.result == "2", res.error_text + res.stdout
     assert res.prompts == ["(Pdb rank 1) "] * 2, res.prompts
     assert k.ok("h.wait()").result == "42"
@@ -250,7 +245,7 @@ def test_pdb_lists_the_cell_and_stops_at_a_line_breakpoint_set_in_it(clean_kerne
     """l shows the notebook cell's lines; b 8 sets a breakpoint on a line of
     the cell, c stops there (the cell is in linecache under pdb's name for it)."""
     res = clean_kernel.run(BREAK_ON_RANK_1 + "w = z + 1\nprint('w', w)\n", timeout=90,
-                           stdin=answers("l", "b 8", "c", "p w", "c"))
+                           stdin=typed("l", "b 8", "c", "p w", "c"))
     assert res.status == "ok", res.error_text + res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rank 1] ")]
     assert any(re.fullmatch(r"\[rank 1\]   5  (->)?\t    breakpoint\(\)", ln) for ln in lines), res.stdout   # l

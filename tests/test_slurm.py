@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cases import STOP_AS_SENT
-from kernel_harness import KernelSession, listening_ports, wait_until
+from kernel_harness import KernelSession, listening_ports, typed, wait_until
 from slurm_cluster import SlurmCluster, alive, missing
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -124,17 +124,12 @@ def test_a_two_node_cell_is_one_world_of_four_in_one_view(kernel):
     assert "n1" in res.stdout and "n2" in res.stdout
 
 
-def _typed(*lines):
-    left = list(lines)
-    return lambda prompt: left.pop(0) if left else ""
-
-
 def test_a_breakpoint_on_node_2_prompts_in_the_notebook_through_its_agent(kernel):
     """Rank 3 (on n2) stops at breakpoint(): its prompt reaches the notebook,
     the answers go back through n2's agent; c lets every rank finish."""
     res = kernel.run("%%distributed --launcher slurm -n 2 --output text --timeout 120\nimport os\nz = 7\n"
                      "if os.environ['RANK'] == '3':\n    breakpoint()\nprint('done', z)\n",
-                     timeout=240, stdin=_typed("p z", "c"))
+                     timeout=240, stdin=typed("p z", "c"))
     assert res.status == "ok", res.error_text + res.stdout
     assert res.prompts == ["(Pdb rank 3) "] * 2, res.prompts
     ranks = by_rank(res.stdout)
@@ -145,7 +140,7 @@ def test_a_breakpoint_in_a_slurm_session_cell_keeps_the_session(kernel):
     kernel.ok("%distributed_session start --launcher slurm -n 1", timeout=240)
     try:
         res = kernel.run("%%distributed --session --output text --timeout 120\nimport os\nz = 7\n"
-                         "if os.environ['RANK'] == '1':\n    breakpoint()\n", timeout=240, stdin=_typed("z = 8", "c"))
+                         "if os.environ['RANK'] == '1':\n    breakpoint()\n", timeout=240, stdin=typed("z = 8", "c"))
         assert res.status == "ok" and res.prompts == ["(Pdb rank 1) "] * 2, res.error_text + str(res.prompts)
         res = kernel.ok("%%distributed --session --output text\nprint('z', z)\n", timeout=120)
         assert by_rank(res.stdout) == {0: ["z 7"], 1: ["z 8"]}, res.stdout

@@ -169,10 +169,6 @@ class Questions:
             self._closed = why
             self._cond.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return bool(self._closed)
-
 
 class RunControl:
     """Stops a run from another thread (a background run's handle): the run

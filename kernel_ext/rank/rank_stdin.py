@@ -43,7 +43,6 @@ class RankStdin(io.TextIOBase):
         self._fd = fd
         self._seq = 0
         self._lock = threading.Lock()   # one question at a time, whichever thread asks
-        self.eof_why = ""
 
     def readable(self) -> bool:
         return True
@@ -84,27 +83,20 @@ class RankStdin(io.TextIOBase):
                 stream.flush()
             except Exception:
                 pass
+        # Not the rank (a process the cell started), or its supervisor cannot be asked: end of file.
         if self._fd is None:
-            self.eof_why = "this process is not the rank (a process the cell started has no input)"
             return ""
         self._seq += 1
         if not self._emit({"kind": "input_request", "seq": self._seq}):
-            self.eof_why = "the rank's supervisor could not be asked"
             return ""
         while True:
             answer = wire.read_frame(self._fd)
             if answer is None:   # the run is ending: end of file, as when a terminal goes away
-                self.eof_why = "the run ended"
                 return ""
             if not isinstance(answer, dict) or answer.get("input") != self._seq:
                 log.debug("an answer to an earlier question dropped: %r", answer)
                 continue
             line = answer.get("line")
-            if line is None:
-                self.eof_why = answer.get("why", "")
+            if line is None:   # end of input (the supervisor's log and the kernel say why)
                 return ""
             return line if line.endswith("\n") else line + "\n"
-
-    def forget_fd(self) -> None:
-        """The go pipe is closed (or belongs to another process): no more questions."""
-        self._fd = None

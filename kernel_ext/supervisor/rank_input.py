@@ -106,14 +106,7 @@ class RankInput:
         return True
 
     def _take_answers(self) -> None:
-        import zmq
-
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            try:
-                content = wire.verified_content(self._verifier, frames)
-            except Exception:
-                continue   # not signed with the run's key: never unpickled
+        for content in wire.verified_waiting(self.sock, self._verifier):   # signed with the run's key
             if "op" in content:   # for the run, not an answer: a held rank's post-mortem (one_shot.py)
                 self.run.on_op(content)
                 continue

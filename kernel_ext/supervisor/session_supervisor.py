@@ -130,16 +130,9 @@ class SessionSupervisor(Supervisor):
 
     # -- cells from the kernel ------------------------------------------------------
     def _take_cells(self) -> None:
-        """Every message waiting on the cells socket (its fd is edge-triggered:
-        drain until none is left), verified before it is unpickled."""
-        import zmq
-
-        while self.cells.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = self.cells.recv_multipart(zmq.NOBLOCK)
-            try:
-                content = wire.verified_content(self.verifier, frames)
-            except Exception:
-                continue   # not signed with the session's key: never unpickled
+        """Every message waiting on the cells socket, verified before it is
+        unpickled (wire.verified_waiting: signed with the session's key)."""
+        for content in wire.verified_waiting(self.cells, self.verifier):
             if content.get("op") == "cell":
                 self._start_cell(content)
             elif content.get("op") == "interrupt":

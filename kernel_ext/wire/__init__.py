@@ -104,6 +104,22 @@ def verified_content(session: Session, frames: list):
     return session.unpack(msg[4])
 
 
+def verified_waiting(sock, session: Session):
+    """The content of every message waiting on ``sock`` now, each verified
+    (:func:`verified_content`) before it is unpickled; one not signed with
+    ``session``'s key is dropped unread.  The socket's fd is edge-triggered:
+    it is drained until nothing is left."""
+    import zmq
+
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+        try:
+            content = verified_content(session, frames)
+        except Exception:
+            continue   # not signed with the key: never unpickled
+        yield content
+
+
 def _remember(session: Session, signature: bytes) -> None:
     """A verified signature into the session's replay history, kept bounded
     (at its size, the oldest tenth goes, as Session does)."""
