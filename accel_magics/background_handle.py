@@ -144,7 +144,7 @@ class BackgroundCell:
             answered.append(rank)
             return rank_prompt.ask(rank, prompt)
 
-        post_mortem.debug(held.launcher, held, rank, ask, rank_prompt.show)
+        post_mortem.debug(held, rank, ask, rank_prompt.show)
         print(f"{self.label}: rank {rank}'s post-mortem ended, and the rank with it.", flush=True)
         return len(answered)
 
@@ -166,7 +166,7 @@ class BackgroundCell:
         if already and held is not None and held.alive():   # it failed, a rank held for .debug(): let it go
             from accel_magics.kernel_ext.kernel import post_mortem
 
-            post_mortem.release(held.launcher, held)
+            post_mortem.release(held)
             print(f"{self.label} had ended already ({self.status}); its failed rank(s) held for .debug() were let go")
         elif already:
             print(f"{self.label} had ended already ({self.status}); nothing to stop")

@@ -53,11 +53,14 @@ class DebugMagics(Magics):
         if rank not in held.ranks:
             raise UsageError(f"rank {rank} is not held; held: {', '.join(map(str, sorted(held.ranks)))}.")
         try:
-            end = post_mortem.debug(self.state.launcher, held, rank, rank_prompt.ask, rank_prompt.show)
+            end = post_mortem.debug(held, rank, rank_prompt.ask, rank_prompt.show)
         finally:
             if not held.ranks:
                 self.state.held = None
-        if not end.get("gone"):
-            print(f"accel_magics: rank {rank}'s post-mortem ended, and the rank with it.", flush=True)
-        else:
+        if end.get("gone"):
             print(f"accel_magics: rank {rank} was no longer held (its hold had ended).", flush=True)
+        elif held.session is not None:   # the rank lives on in the session
+            print(f"accel_magics: rank {rank}'s post-mortem ended; the rank is back at the session's prompt.",
+                  flush=True)
+        else:
+            print(f"accel_magics: rank {rank}'s post-mortem ended, and the rank with it.", flush=True)

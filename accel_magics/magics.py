@@ -361,9 +361,12 @@ class DistributedMagics(LaunchOptionTraits, Magics):
                            ask=control.questions.ask)   # answered by the handle's debug()
         except DistributedRunError as exc:
             if exc.held is not None:   # its socket stays open for the held ranks' post-mortem (h.debug())
-                exc.held.channel = events
+                exc.held.background = True
+                exc.after = exc.held.hint()   # its handle's .debug() opens it
+                if getattr(exc.held.reach, "channel", None) is not None:   # its own socket: the reach closes it
+                    exc.held.reach.channel = events
+                    events = None
                 self.state.keep_held(exc.held)
-                events = None
             raise
         finally:
             payload.release()

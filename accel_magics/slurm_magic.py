@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 
 from accel_magics.kernel_ext import options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, validate
-from accel_magics.kernel_ext.kernel.errors import LauncherError, RunInterrupted
+from accel_magics.kernel_ext.kernel.errors import DistributedRunError, LauncherError, RunInterrupted
 from accel_magics.kernel_ext.kernel.run import execute
 from accel_magics.kernel_ext.kernel.session import DistributedSession
 from accel_magics.kernel_ext.timing import CELL_HEARTBEAT
@@ -31,6 +31,8 @@ def slurm_cell(magics, args, line: str, cell: str, started: float):
     start --launcher slurm``); their cells go to ``session_magic.session_cell``."""
     state = magics.state
     explicit = {**magics.launch_defaults.given(), **flags_of(args)}
+    if not magics.takes_input():   # nobody could type at a post-mortem (nbclient): a failed rank ends at once
+        explicit["debug_hold"] = 0
     alloc, num_nodes = _check_flags(state, explicit)
     slurm_args = explicit.get("slurm_args") or ""
     return_names = return_names_of(args.return_names)
@@ -138,6 +140,9 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
         try:
             try:
                 return _execute(agents, cfg, payload, presenter, control)
+            except DistributedRunError as exc:
+                _keep_held(state, exc, background=control is not None)
+                raise
             except AgentGone:
                 # The check before this cell found every agent connected, but one's
                 # connection was already going (an agent killed just before: the
@@ -156,6 +161,19 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
         payload.release()
 
 
+def _keep_held(state, exc: DistributedRunError, background: bool) -> None:
+    """A failed rank held for a post-mortem (through its node's agent): for
+    ``%distributed_debug``, or the background handle's ``.debug()``."""
+    if exc.held is None:
+        return
+    if background:
+        exc.held.background = True
+        exc.after = exc.held.hint()
+        state.keep_held(exc.held)
+    else:
+        state.held = exc.held
+
+
 def _execute(agents, cfg, payload, presenter, control):
     return execute(SlurmPlacement(agents), cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                    log_dir=presenter.log_dir, excerpt=presenter.excerpt, control=control,
@@ -172,7 +190,7 @@ def _config(agents, explicit: dict, num_nodes: int) -> LaunchConfig:
         mixed_precision=explicit.get("mixed_precision"), timeout=explicit.get("timeout"),
         rendezvous_timeout=options.value(explicit, "rendezvous_timeout"),
         stall_timeout=0,   # each node sees only its ranks; the kernel sees them all (fold.must_stop)
-        debug_hold=0)      # a held rank's post-mortem needs the local launcher's socket (not yet over the agents)
+        debug_hold=options.value(explicit, "debug_hold"))
     validate(cfg, gpu_count=gpus, allow_oversubscribe=bool(explicit.get("oversubscribe")), check_port=False)
     return cfg
 

@@ -40,7 +40,7 @@ class MagicsState:
             held = [self.held, *self.held_background]
             self.held, self.held_background = None, []
         for one in held:
-            post_mortem.release(self.launcher, one)
+            post_mortem.release(one)
 
     def keep_held(self, held) -> None:
         """A background run's held ranks, let go with the others."""

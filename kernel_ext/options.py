@@ -114,7 +114,7 @@ OPTIONS: tuple[Option, ...] = (
            "only waits (a sleep, a subprocess, a socket) is named, not stopped; 0: never look",
            label="stall check (s)", session_fixed=True),
     # No percent sign in a help (argparse formats it): the magics are named without theirs.
-    Option("debug_hold", float, 300.0, "After a rank of a one-node run fails, keep it as it failed (its frames, "
+    Option("debug_hold", float, 300.0, "After a rank fails, keep it as it failed (its frames, "
            "its memory, GPU memory included) for this many seconds, so that the distributed_debug magic can open "
            "a post-mortem (pdb) in its failing frame; the next distributed cell lets it go at once; nothing is "
            "kept where no rank failed; 0: a failed rank ends at once"),

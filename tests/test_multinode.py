@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kernel_harness import KernelSession, descendants, wait_until
+from kernel_harness import KernelSession, descendants, typed, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,8 +62,20 @@ def nodes():
         node.shutdown()
 
 
+def _alive(pid: int) -> bool:
+    """There and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _quiet(node: Node) -> None:
-    """Nothing of the runs left: only the launcher and its spare (idle ranks)."""
+    """Nothing of the runs left: only the launcher and its spare (idle ranks).
+    A rank that failed is held for %distributed_debug: let go first, as a user would."""
+    node.ok("%distributed_debug --release")
+
     def idle():
         kids = descendants(node.pid)
         return len(kids) <= 4
@@ -106,13 +118,36 @@ def test_a_breakpoint_on_node_1_asks_in_node_1s_notebook_while_node_0_waits(node
              "dist.all_reduce(t)\nprint('again', t.item())\n")
     second = nodes[1].submit(CELL.format(node=1, port=port, rdzv=60, extra=pause), allow_stdin=True)
     first = nodes[0].start(CELL.format(node=0, port=port, rdzv=60, extra=pause))
-    typed = iter(["p dist.get_rank()", "c"])
-    out1 = nodes[1].result_of(second, timeout=120, stdin=lambda prompt: next(typed, ""))
+    out1 = nodes[1].result_of(second, timeout=120, stdin=typed("p dist.get_rank()", "c"))
     out0 = nodes[0].collect(first)
     assert out0["error"] is None and out1.status == "ok", (out0, out1.error_text)
     assert out1.prompts == ["(Pdb rank 3) "] * 2, out1.prompts
     assert "[rank 3] 3" in out1.stdout.splitlines(), out1.stdout
     assert out0["stdout"].count("again 40.0") == 2 and out1.stdout.count("again 40.0") == 2, (out0, out1.stdout)
+    for node in nodes:
+        _quiet(node)
+
+
+def test_post_mortem_of_a_rank_that_failed_on_node_1_in_node_1s_notebook(nodes):
+    """Kernel per node: rank 3 fails in f(21) on node 1; both cells end with
+    its error, and node 1's kernel (each kernel debugs its own ranks) opens the
+    post-mortem in its failing frame: p y shows 42, q ends it and the rank."""
+    port = _free_port()
+    extra = ("def f(x):\n    y = x * 2\n    raise ValueError('no good')\n\n"
+             "if dist.get_rank() == 3:\n    print('pid', os.getpid())\n    f(21)\n"
+             "dist.barrier()\n")
+    msgs = [nodes[i].start(CELL.format(node=i, port=port, rdzv=60, extra=extra)) for i in (0, 1)]
+    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    for out in outs:
+        assert out["error"]["ename"] == "DistributedRunError" and "rank 3 failed: ValueError: no good" in \
+            out["error"]["evalue"], out
+    assert "%distributed_debug opens a post-mortem (pdb) in rank 3's failing frame" in \
+        "\n".join(outs[1]["error"]["traceback"]), outs[1]["error"]
+    pid = int(outs[1]["stdout"].split("[rank 3] pid ", 1)[1].split()[0])
+    dbg = nodes[1].run("%distributed_debug", timeout=60, stdin=typed("p y", "q"))
+    assert dbg.status == "ok" and dbg.prompts == ["(Pdb rank 3) "] * 2, dbg.error_text + str(dbg.prompts)
+    assert "[rank 3] 42" in dbg.stdout.splitlines(), dbg.stdout
+    wait_until(lambda: not _alive(pid), 15, "the held rank to end after q")
     for node in nodes:
         _quiet(node)
 

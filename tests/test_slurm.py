@@ -148,6 +148,65 @@ def test_a_breakpoint_in_a_slurm_session_cell_keeps_the_session(kernel):
         kernel.ok("%distributed_session stop", timeout=120)
 
 
+FAIL_ON_RANK_3 = ("%%distributed --launcher slurm -n 2 --output text --timeout 120\nimport os\n\n"
+                  "def f(x):\n    y = x * 2\n    raise ValueError('no good')\n\n"
+                  "if os.environ['RANK'] == '3':\n    print('pid', os.getpid())\n    f(21)\n")
+
+
+def failed_on_node_2(kernel) -> int:
+    """Rank 3 (on n2) fails and is held: its pid."""
+    res = kernel.run(FAIL_ON_RANK_3, timeout=240)
+    assert res.status == "error" and "rank 3 failed: ValueError: no good" in res.error["evalue"], res.error_text
+    assert "%distributed_debug opens a post-mortem (pdb) in rank 3's failing frame" in res.error_text, res.error_text
+    return int(re.search(r"^\[rank 3\] pid (\d+)$", res.stdout, re.M).group(1))
+
+
+def test_post_mortem_of_a_failed_rank_on_node_2_through_its_agent(kernel):
+    """%distributed_debug after a Slurm cell: pdb in rank 3's failing frame (on
+    n2), its prompt and the answers through n2's agent; q ends it and the rank;
+    the next cell runs on both nodes."""
+    pid = failed_on_node_2(kernel)
+    assert alive(pid)
+    dbg = kernel.run("%distributed_debug", timeout=120, stdin=typed("p y", "q"))
+    assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
+    assert dbg.prompts == ["(Pdb rank 3) "] * 2, dbg.prompts
+    assert "[rank 3] 42" in dbg.stdout.splitlines() and "rank 3's post-mortem ended" in dbg.stdout, dbg.stdout
+    wait_until(lambda: not alive(pid), 30, "the held rank to end after q")
+    assert kernel.run("%distributed_debug", timeout=60).status == "error"   # nothing held any more
+    assert kernel.run(WORLD, timeout=240).status == "ok"
+
+
+def test_the_next_slurm_cell_lets_a_held_rank_go(kernel):
+    pid = failed_on_node_2(kernel)
+    res = kernel.run(WORLD, timeout=240)
+    assert res.status == "ok", res.error_text
+    wait_until(lambda: not alive(pid), 30, "the held rank to be let go by the next cell")
+    again = kernel.run("%distributed_debug", timeout=60)
+    assert again.status == "error" and "no failed rank is held" in again.error["evalue"], again.error_text
+
+
+def test_post_mortem_in_a_slurm_session_cell_keeps_the_session(kernel):
+    """A session on both nodes: rank 1 (on n2) fails in a cell and keeps its
+    frames at its prompt; %distributed_debug opens them through n2's agent, q
+    ends the post-mortem (not the rank), and the session's next cell runs."""
+    kernel.ok("%distributed_session start --launcher slurm -n 1", timeout=240)
+    try:
+        res = kernel.run("%%distributed --session --output text --timeout 120\nimport os\n\n"
+                         "def f(x):\n    y = x * 2\n    raise ValueError('no good')\n\n"
+                         "if os.environ['RANK'] == '1':\n    f(21)\n", timeout=240)
+        assert res.status == "error" and "rank 1 failed: ValueError: no good" in res.error["evalue"], res.error_text
+        assert "%distributed_debug opens a post-mortem (pdb) in rank 1's failing frame" in res.error_text
+        dbg = kernel.run("%distributed_debug", timeout=120, stdin=typed("p y", "q"))
+        assert dbg.status == "ok" and dbg.prompts == ["(Pdb rank 1) "] * 2, dbg.error_text + str(dbg.prompts)
+        assert "[rank 1] 42" in dbg.stdout.splitlines(), dbg.stdout
+        assert "rank 1's post-mortem ended; the rank is back at the session's prompt" in dbg.stdout, dbg.stdout
+        res = kernel.ok("%%distributed --session --output text\nimport os\nprint('on', os.environ['SLURMD_NODENAME'])\n",
+                        timeout=120)
+        assert by_rank(res.stdout) == {0: ["on n1"], 1: ["on n2"]}, res.stdout
+    finally:
+        kernel.ok("%distributed_session stop", timeout=120)
+
+
 def test_rank_0s_value_and_return_names_come_back(kernel):
     res = kernel.run("%%distributed --launcher slurm -n 2 --output text --return where\nimport os\n"
                      "where = os.environ['SLURMD_NODENAME']\nint(os.environ['RANK']) * 10", timeout=120)

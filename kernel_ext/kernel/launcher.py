@@ -162,8 +162,8 @@ def run_spec(cfg: LaunchConfig, payload: Optional[Payload], *, run_id: str, port
         "node_rank": cfg.node_rank,
         "rdzv_timeout": cfg.rendezvous_timeout,
         "stall_timeout": cfg.stall_timeout if cfg.num_nodes == 1 else 0,
-        # A failed rank held for %distributed_debug: one node, the last attempt (another would wait for it).
-        "debug_hold": cfg.debug_hold if cfg.num_nodes == 1 and attempt >= cfg.max_restarts else 0,
+        # A failed rank held for %distributed_debug: the last attempt only (another would wait for it).
+        "debug_hold": cfg.debug_hold if attempt >= cfg.max_restarts else 0,
         "rendezvous_key": cfg.rendezvous_key if cfg.num_nodes > 1 else None,   # the supervisor's only
         "grace": grace,
         "attempt": attempt,

@@ -88,6 +88,14 @@ class Attempt(abc.ABC):
         log.warning("run %s: an answer for rank %s has no way to its rank on this placement", self.run_id,
                     request.get("rank"))
 
+    def held_reach(self):
+        """How the kernel reaches this attempt's failed ranks held for a
+        post-mortem after it ended (post_mortem.HeldRun): an object with
+        ``alive(held)``, ``reader(held)`` (the run's messages, ``answer``,
+        ``tell(address, content)``, ``close(linger)``) and ``close()``.  None:
+        this placement holds no rank (its supervisors are told ``debug_hold`` 0)."""
+        return None
+
 
 class SessionAttempt(abc.ABC):
     """A session's ranks on some placement, as the kernel sees them: started

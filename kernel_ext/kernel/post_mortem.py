@@ -10,18 +10,22 @@ on the launcher's socket under the run's id, as during the cell), answering
 its questions as a cell's are (``ask``: the notebook's input box);
 :func:`release` lets every held rank go (the next cell does, so a held rank
 never holds GPU memory that a new run needs).
+
+How the kernel reaches a held rank is its placement's (``Attempt.held_reach``):
+``run_handle.LocalReach`` for a run of this machine's launcher (the supervisor's
+input socket, signed with the run's key); a Slurm run's goes through the
+node's agent (slurm.SlurmReach).  A reach opens a *reader* of the run: its
+verified messages (``messages``), its ranks' answers (``answer``), the
+kernel's word to a supervisor (``tell(address, content)``), ``close``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .. import wire
-from ..process_tree import running
 from ..timing import HELD_SEND_WAIT, SESSION_STOP_WAIT, WAIT_TICK
 from .errors import DistributedRunError, LauncherError, ranks_text
 from .run_handle import RunHandle
@@ -39,10 +43,8 @@ class HeldRun:
     root: Optional[int]    # the root cause's rank
     seconds: float         # how long they are held from ``since`` (the run's --debug_hold)
     since: float = field(default_factory=time.monotonic)
-    launcher: object = field(default=None, repr=False, compare=False)   # the kernel's launcher, its context
-    # A background run's own socket (sock, address), read here, closed (its file removed) with the hold;
-    # None: the launcher's shared socket (a foreground run's).
-    channel: Optional[tuple] = field(default=None, repr=False, compare=False)
+    reach: object = field(default=None, repr=False, compare=False)   # how the kernel reaches them (the module doc)
+    background: bool = False   # a background run's: its handle's .debug() opens the post-mortem
     # A session cell's (kernel.session.DistributedSession): its ranks live on at their prompt, each
     # keeping the cell's frames until the session's next cell; the kernel's word goes on its cells socket.
     session: object = field(default=None, repr=False, compare=False)
@@ -55,7 +57,7 @@ class HeldRun:
     def alive(self) -> bool:
         if self.session is not None:   # until the session's next cell (or its end)
             return bool(self.ranks) and self.session.alive and self.session.cells_run == self.cells_run
-        return bool(self.ranks) and self.left() > 0 and running(self.supervisor_pid)
+        return bool(self.ranks) and self.left() > 0 and self.reach is not None and self.reach.alive(self)
 
     def default_rank(self) -> int:
         """The root cause's rank where it is held, else the first held."""
@@ -65,7 +67,7 @@ class HeldRun:
         """What the cell's error says after its report."""
         first = self.default_rank()
         others = sorted(set(self.ranks) - {first})
-        how, other = ("its handle's .debug()", ".debug(rank=N)") if self.channel is not None else \
+        how, other = ("its handle's .debug()", ".debug(rank=N)") if self.background else \
             ("%distributed_debug", "%distributed_debug --rank N")
         until = "until the session's next cell" if self.session is not None else \
             f"for the next {self.seconds:g} s (--debug_hold)"
@@ -76,28 +78,23 @@ class HeldRun:
         return text + ". The next %%distributed cell lets the failed rank(s) go."
 
     def close(self) -> None:
-        """No rank is held any more: its own socket (if any) is closed, its file removed."""
+        """No rank is held any more: what its reach holds is let go."""
         self.ranks.clear()
-        channel, self.channel = self.channel, None
-        if channel is not None:
-            channel[0].close(linger=0)
-            try:
-                os.unlink(channel[1][len("ipc://"):])
-            except OSError:
-                pass
+        if self.reach is not None:
+            self.reach.close()
 
 
 def held_run(handle, outcome) -> Optional[HeldRun]:
-    """The held ranks of a failed attempt (None: none), from its outcome and its handle."""
-    if not outcome.held or not isinstance(handle, RunHandle):
+    """The held ranks of a failed attempt (None: none), from its outcome and
+    its handle (which says how to reach them: ``held_reach``)."""
+    reach = handle.held_reach() if outcome.held else None
+    if reach is None:
         return None
     root = outcome.finished.root_cause
     seconds = min(float(msg.get("seconds") or 0) for msg in outcome.held.values())
-    own = handle.pull is not handle.launcher.pull   # a background run's socket: kept open with the hold
-    return HeldRun(handle.run_id, handle.session.key, handle.supervisor_pid,
+    return HeldRun(handle.run_id, handle.session.key, getattr(handle, "supervisor_pid", 0),
                    {rank: msg.get("reply_to", "") for rank, msg in outcome.held.items()},
-                   root.rank if root is not None else None, seconds, launcher=handle.launcher,
-                   channel=(handle.pull, "") if own else None)
+                   root.rank if root is not None else None, seconds, reach=reach)
 
 
 @contextlib.contextmanager
@@ -116,7 +113,8 @@ def noted(handle, outcome):
 def held_in_session(session, run_id: str, outcome) -> HeldRun:
     """A session cell's failed ranks, each keeping the cell's frames at its prompt."""
     root = outcome.finished.root_cause
-    return HeldRun(run_id, session.ranks.key, session.ranks.supervisor_pid, {rank: "" for rank in outcome.held},
+    # Reached through the session (its cells socket, its messages): no key or supervisor of the run's own.
+    return HeldRun(run_id, b"", 0, {rank: "" for rank in outcome.held},
                    root.rank if root is not None else None, 0.0, session=session, cells_run=session.cells_run)
 
 
@@ -124,7 +122,7 @@ def held_in_session(session, run_id: str, outcome) -> HeldRun:
 Show = Callable[[int, str], None]
 
 
-def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], show: Show) -> dict:
+def debug(held: HeldRun, rank: int, ask: Callable[[int, str], str], show: Show) -> dict:
     """Open ``rank``'s post-mortem and read it to its end: its output goes to
     ``show``, its questions are asked with ``ask``.  Returns the supervisor's
     ``held_end`` (how the rank ended).  A press (KeyboardInterrupt) lets the
@@ -132,8 +130,7 @@ def debug(launcher, held: HeldRun, rank: int, ask: Callable[[int, str], str], sh
     if held.session is not None:
         return _debug_in_session(held, rank, ask, show)
     address = held.ranks[rank]
-    pull = held.channel[0] if held.channel is not None else None
-    handle = RunHandle(launcher, held.run_id, held.key, held.supervisor_pid, 0, None, pull=pull)
+    handle = held.reach.reader(held)
     linger = 0.0
     try:
         handle.tell(address, {"op": "debug", "rank": rank})
@@ -208,11 +205,11 @@ def _answer(handle: RunHandle, request: dict, ask: Callable[[int, str], str]) ->
     handle.answer(request, line, why)
 
 
-def release(launcher, held: Optional[HeldRun]) -> None:
+def release(held: Optional[HeldRun]) -> None:
     """Let every held rank of ``held`` go (each ends as a script that raised)."""
     if held is None:
         return
-    if not held.ranks or not running(held.supervisor_pid):
+    if not held.ranks or not held.alive():
         held.close()
         return
     if held.session is not None:   # its ranks keep the frames until its next cell, or until told now
@@ -223,17 +220,13 @@ def release(launcher, held: Optional[HeldRun]) -> None:
                 pass
         held.close()
         return
-    import zmq
-
-    signer = wire.signed_session(held.key)
     for address in set(held.ranks.values()):
-        if not address.startswith("ipc://"):
-            continue
-        sock = launcher.ctx.socket(zmq.PUSH)
+        handle = held.reach.reader(held)
         try:
-            sock.connect(address)
-            signer.send(sock, "run_op", {"op": "release", "rank": None})
+            handle.tell(address, {"op": "release", "rank": None})
+        except LauncherError:   # its node is gone: so is the rank
+            pass
         finally:
-            sock.close(linger=int(HELD_SEND_WAIT * 1000))
+            handle.close(HELD_SEND_WAIT)
     held.close()
     log.info("run %s: its held ranks were let go", held.run_id)

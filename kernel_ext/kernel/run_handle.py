@@ -30,6 +30,7 @@ import zmq
 from .. import logs, wire
 from .errors import LauncherError
 from .placement import Attempt
+from ..process_tree import running
 from ..sigint import sigint_deferred
 from ..stop_ladder import Rung, StopLadder
 # The ladders' order: see timing.py.
@@ -285,6 +286,12 @@ class RunHandle(Attempt):
             self._answers = (sock, address)
         self.session.send(self._answers[0], msg_type, content)
 
+    def held_reach(self) -> "LocalReach":
+        """See :meth:`Attempt.held_reach`: a background run's own socket stays
+        open with the hold (its messages come there)."""
+        own = self.pull is not self.launcher.pull
+        return LocalReach(self.launcher, (self.pull, "") if own else None)
+
     def _close_answers(self, linger: float = 0.0) -> None:
         if self._answers is not None:
             self._answers[0].close(linger=int(linger * 1000))
@@ -381,3 +388,30 @@ class RunHandle(Attempt):
             os.kill(self.supervisor_pid, sig)
         except ProcessLookupError:
             pass
+
+
+class LocalReach:
+    """How the kernel reaches the held ranks (post_mortem.HeldRun) of a run of
+    this machine's launcher: its supervisor's input socket, signed with the run's key; its messages on
+    the launcher's shared socket, or a background run's own (``channel``:
+    (socket, address), read here, closed and its file removed with the hold)."""
+
+    def __init__(self, launcher, channel: Optional[tuple] = None) -> None:
+        self.launcher = launcher
+        self.channel = channel
+
+    def alive(self, held) -> bool:
+        return running(held.supervisor_pid)
+
+    def reader(self, held) -> "RunHandle":
+        pull = self.channel[0] if self.channel is not None else None
+        return RunHandle(self.launcher, held.run_id, held.key, held.supervisor_pid, 0, None, pull=pull)
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel[0].close(linger=0)
+            try:
+                os.unlink(channel[1][len("ipc://"):])
+            except OSError:
+                pass

@@ -37,7 +37,6 @@ from ..gpu_memory import GpuMemory
 from ..process_tree import stat_fields
 from ..sigint import sigint_deferred
 from . import post_mortem
-from .local_placement import LocalSession
 from .run import RunControl, RunResult, collect, conclude
 # The ladders' order: see timing.py.
 from ..timing import SESSION_END_WAIT as STOP_WAIT, GONE_DRAIN, FORCE_AFTER
@@ -246,8 +245,7 @@ class DistributedSession:
                       attempt: int = 0, ask=None, hold: bool = False) -> RunResult:
         """run_cell's work, with the session held for this cell.  ``hold``: a
         rank that fails keeps the cell's frames for a post-mortem until the
-        next cell (this machine's sessions: ``%distributed_debug``)."""
-        hold = hold and isinstance(self.ranks, LocalSession)
+        next cell (``%distributed_debug``)."""
         self.check()
         started = time.time()
         run_id = uuid.uuid4().hex[:12]

@@ -430,7 +430,8 @@ class SlurmPlacement(Placement):
 
 
 #: What each node's launcher is given of a run's config (a session's: slurm_session.SESSION_FIELDS).
-RUN_FIELDS = ("num_processes", "max_restarts", "mixed_precision", "timeout", "rendezvous_timeout", "extra_env")
+RUN_FIELDS = ("num_processes", "max_restarts", "mixed_precision", "timeout", "rendezvous_timeout", "extra_env",
+              "debug_hold")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,6 +499,7 @@ class SlurmRun(Attempt):
         self.rendezvous_at = None if part_of else time.monotonic() + cfg.rendezvous_timeout + STOP_WAIT
         self.look_at = time.monotonic() + AGENT_LOOK
         self.unreachable: set[int] = set()   # nodes whose agent the last look could not reach
+        self.held_at: dict[str, int] = {}   # a held rank's supervisor's socket -> its node (see held_reach)
 
     def dispatch(self, payload, log_dir: str, excerpt, attempt: int) -> None:
         """Each node its part of the run (as one kernel per node would), in one
@@ -534,7 +536,7 @@ class SlurmRun(Attempt):
                     node = self.node_ids[msg.get("node_rank", 0)]
                     for one in unbatched(msg):   # a node's messages come as one, verified once
                         one["node"] = node
-                        yield from (self._merge(one) if one.get("run_id") == self.run_id else self._part_lost(one))
+                        yield from (self._merge(one) if self._ours(one) else self._part_lost(one))
                         if self.finished:
                             return
             if self.agents.sock in ready:
@@ -546,6 +548,13 @@ class SlurmRun(Attempt):
                         yield from self._agent_message(msg)
             if not self.finished and self._check(time.monotonic()):
                 yield {"kind": "finished", "reason": "interrupt", "forced": self.forced}
+
+    def _ours(self, msg: dict) -> bool:
+        """This attempt's message; a session cell's also: what its ranks say
+        between cells, under the session's id (a failed cell's post-mortem),
+        but not that the part is gone (``_part_lost``)."""
+        return msg.get("run_id") == self.run_id or (
+            self.part_id is not None and msg.get("run_id") == self.part_id and msg.get("kind") != Kind.SESSION_LOST)
 
     def _ends_part(self, msg: dict) -> bool:
         """An agent's word that this node's part ended, under the part's id
@@ -628,11 +637,17 @@ class SlurmRun(Attempt):
     def _merge_as_is(self, msg: dict) -> list[dict]:
         return [msg]
 
+    def _merge_held(self, msg: dict) -> list[dict]:
+        """A failed rank held for a post-mortem: where its supervisor takes the kernel's word."""
+        self.held_at[msg.get("reply_to") or ""] = msg.get("node")
+        return [msg]
+
     _MERGE = {Kind.OUTPUT: "_merge_rank", Kind.RANK_EVENT: "_merge_rank", Kind.STACKS: "_merge_rank",
               Kind.EXIT: "_merge_rank", Kind.RELEASED: "_merge_rank", Kind.STARTED: "_merge_started",
               Kind.FINISHED: "_merge_finished", Kind.SUPERVISOR_ERROR: "_merge_as_is",
               Kind.WAITING: "_merge_as_is", Kind.RENDEZVOUS_FAILED: "_merge_as_is", Kind.STALLED: "_merge_as_is",
-              Kind.QUIET: "_merge_as_is", Kind.INPUT_REQUEST: "_merge_rank"}
+              Kind.QUIET: "_merge_as_is", Kind.INPUT_REQUEST: "_merge_rank", Kind.HELD: "_merge_held",
+              Kind.HELD_END: "_merge_as_is"}
 
     def _session_state(self) -> dict:
         """A session cell on every node: lost if it is lost on any node (why, there),
@@ -736,7 +751,7 @@ class SlurmRun(Attempt):
         if not self.policy.ends_parts:
             return
         try:
-            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id, "closed": True})
+            self.agents.send_all(self.pending, {"op": "peers_ended", "run_id": self.run_id})
         except Exception:
             pass
 
@@ -753,6 +768,10 @@ class SlurmRun(Attempt):
                                                            "line": line, "why": why}})
         except LauncherError:
             pass   # the node is gone: its ranks with it
+
+    def held_reach(self) -> Optional["SlurmReach"]:
+        """See :meth:`Attempt.held_reach` (a session cell's ranks are not held on Slurm)."""
+        return SlurmReach(self.agents, self.session, dict(self.held_at)) if not self.session_cell else None
 
     def interrupt(self) -> None:
         """The stop button, from any thread (a background run's ``h.stop()``):
@@ -774,3 +793,88 @@ class SlurmRun(Attempt):
 
     def kill(self) -> None:
         self._each({"op": "kill", "run_id": self.run_id})
+
+
+class SlurmReach:
+    """How the kernel reaches the failed ranks of a Slurm run held for a
+    post-mortem (post_mortem.HeldRun), after the run: its word goes to the
+    rank's node agent (op ``run_op``) over the allocation's authenticated
+    channel, which passes it to that node's supervisor signed with the run's
+    key, as it passes an answer; the held rank's output, questions and end
+    still come from its supervisor on the agents' events socket, under the
+    run's id and key.  ``held_at``: a held rank's supervisor socket -> its node."""
+
+    def __init__(self, agents: SlurmAgents, session, held_at: dict) -> None:
+        self.agents = agents
+        self.session = session
+        self.held_at = held_at
+
+    def alive(self, held) -> bool:
+        return self.agents.alive   # srun's step, every agent connected
+
+    def reader(self, held) -> "SlurmHeldReader":
+        return SlurmHeldReader(self.agents, held.run_id, self.session, self.held_at)
+
+    def close(self) -> None:
+        """Nothing of its own: the agents serve the next cells."""
+
+
+class SlurmHeldReader:
+    """A held Slurm run as the post-mortem reads it (see SlurmReach): its
+    messages until its supervisors are gone, the ranks' answers, the kernel's word."""
+
+    def __init__(self, agents: SlurmAgents, run_id: str, session, held_at: dict) -> None:
+        self.agents = agents
+        self.run_id = run_id
+        self.session = session
+        self.held_at = held_at
+        self.node_ids = sorted(agents.nodes)   # node_rank -> SLURM_NODEID
+
+    def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
+        """The run's messages; raises LauncherError once a held rank's
+        supervisor exited (its last words drained) or its agent is gone."""
+        poller = zmq.Poller()
+        poller.register(self.agents.events, zmq.POLLIN)
+        poller.register(self.agents.sock, zmq.POLLIN)
+        gone_at: Optional[float] = None
+        while True:
+            ready = dict(poller.poll(int((heartbeat or SLURM_BEAT) * 1000)))
+            if not ready and heartbeat is not None:
+                yield {"kind": "heartbeat"}
+            if self.agents.events in ready:
+                while True:
+                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id, ())
+                    if msg is None:
+                        break
+                    node = self.node_ids[msg.get("node_rank", 0)]
+                    for one in unbatched(msg):
+                        one["node"] = node
+                        yield one
+            if self.agents.sock in ready:
+                while True:
+                    msg = self.agents.receive(0)
+                    if msg is None:
+                        break
+                    if msg.get("kind") == "supervisor_exit" and msg.get("run_id") == self.run_id \
+                            and gone_at is None:   # its last words may still be on their way
+                        gone_at = time.monotonic() + GONE_DRAIN
+            now = time.monotonic()
+            if gone_at is not None and now >= gone_at:
+                raise LauncherError(f"the supervisor of run {self.run_id} exited")
+            if not ready and not self.agents.alive:
+                raise LauncherError("a node agent of the allocation is gone, and the held rank with it")
+
+    def answer(self, request: dict, line: Optional[str], why: str = "", paused: float = 0.0) -> None:
+        self.tell(request.get("reply_to") or "", {"rank": request.get("rank"), "seq": request.get("seq"),
+                                                  "line": line, "why": why}, "input_reply")
+
+    def tell(self, address: str, content: dict, msg_type: str = "run_op") -> None:
+        """``content`` to the supervisor's socket at ``address``, through its node's agent."""
+        node = self.held_at.get(address)
+        if node is None:
+            return
+        self.agents.send(node, {"op": "answer" if msg_type == "input_reply" else "run_op", "run_id": self.run_id,
+                                "reply_to": address, "content": content})
+
+    def close(self, linger: float = 0.0) -> None:
+        """Nothing of its own (the agents' sockets serve the next cells)."""

@@ -112,15 +112,16 @@ class SessionPart:
 
 class Answers:
     """The kernel's answers to ranks of this node that read their stdin
-    (supervisor/rank_input.py): each to the socket its supervisor named, which
-    must be one of this node's launcher's (``in-<pid>`` in its private
-    directory), signed with the run's (or the session's) key."""
+    (supervisor/rank_input.py), and its word about a failed rank held for a
+    post-mortem (``run_op``: debug, release): each to the socket its supervisor
+    named, which must be one of this node's launcher's (``in-<pid>`` in its
+    private directory), signed with the run's (or the session's) key."""
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         self.socks: dict = {}
 
-    def forward(self, private_dir: str, signer, msg: dict) -> None:
+    def forward(self, private_dir: str, signer, msg: dict, msg_type: str = "input_reply") -> None:
         address = msg.get("reply_to") or ""
         prefix = f"ipc://{private_dir}/in-"
         if not address.startswith(prefix) or not address[len(prefix):].isdigit():
@@ -133,7 +134,7 @@ class Answers:
             sock.setsockopt(zmq.SNDTIMEO, int(AGENT_SEND_WAIT * 1000))
             sock.connect(address)
         try:
-            signer.send(sock, "input_reply", msg.get("content") or {})
+            signer.send(sock, msg_type, msg.get("content") or {})
         except zmq.Again:   # its supervisor is gone: so is the question
             pass
 
@@ -169,7 +170,6 @@ class Agent:
         self.answers = Answers(self.ctx)   # to ranks that read their stdin
         self.handle = None          # the run in progress on this node
         self.run_id = None
-        self.run_closed = False     # the kernel closed that run (it has every node's "finished", or gave up)
         self.part: Optional[SessionPart] = None   # this node's part of a session
         self.stopping = False
 
@@ -266,8 +266,9 @@ class Agent:
         getattr(self, self._OPS.get(op, "_ignore"))(msg)
 
     _OPS = {"run": "_start_run", "port": "_port", "interrupt": "_interrupt", "peers_ended": "_peers_ended",
-            "kill": "_kill", "shutdown": "_shutdown", "answer": "_answer"}
-    _RUN_OPS = ("interrupt", "peers_ended", "kill", "answer")   # the run in progress: to it, by its id
+            "kill": "_kill", "shutdown": "_shutdown", "answer": "_answer", "run_op": "_run_op"}
+    # The run of this node (in progress, or its failed rank held for a post-mortem): to it, by its id.
+    _RUN_OPS = ("interrupt", "peers_ended", "kill", "answer", "run_op")
 
     def _ignore(self, msg: dict) -> None:
         """``ping`` (the kernel looks whether this agent is connected), an unknown op."""
@@ -279,8 +280,6 @@ class Agent:
         self.handle.interrupt()
 
     def _peers_ended(self, msg: dict) -> None:
-        if msg.get("closed"):   # the kernel is done with the run: it needs no word of its supervisor's exit
-            self.run_closed = True
         self.handle.peers_ended()
 
     def _kill(self, msg: dict) -> None:
@@ -293,11 +292,16 @@ class Agent:
     def _answer(self, msg: dict) -> None:
         self.answers.forward(self.launcher.dir, wire.signed_session(wire.derive_key(self.key, self.run_id)), msg)
 
+    def _run_op(self, msg: dict) -> None:
+        """The kernel's word about the run's held rank (``debug``, ``release``: supervisor/one_shot.py)."""
+        self.answers.forward(self.launcher.dir, wire.signed_session(wire.derive_key(self.key, self.run_id)), msg,
+                             "run_op")
+
     def _start_run(self, msg: dict) -> None:
         if self.handle is not None:   # the kernel starts a run only after the last one finished
             self.handle.kill()
             self.handle.close()
-        self.handle, self.run_id, self.run_closed = None, msg["run_id"], False
+        self.handle, self.run_id = None, msg["run_id"]
         self.answers.close()   # the last run's supervisors are gone
         try:
             cfg = LaunchConfig(**msg["cfgs"][self.node])   # one message for every node: this node's part
@@ -313,8 +317,9 @@ class Agent:
 
     # -- a session's part on this node --------------------------------------------------
     def _on_session_command(self, op: str, msg: dict) -> None:
-        """``session_start``: this node's part of the session; ``cell`` and
-        ``stop``: passed to its supervisor, signed with the session's key;
+        """``session_start``: this node's part of the session; ``cell``,
+        ``stop``, and ``debug`` and ``release`` (a failed cell's rank's
+        post-mortem): passed to its supervisor, signed with the session's key;
         ``interrupt`` (recall the cell's ranks to their prompt) and ``kill``:
         as for a run."""
         if op == "session_start":
@@ -328,6 +333,8 @@ class Agent:
         if op in ("cell", "stop"):
             if not part.forward(op, msg["content"]):
                 self.send({"kind": "supervisor_exit", "run_id": msg["content"]["run_id"]})
+        elif op in ("debug", "release"):   # a failed cell's rank at its prompt (session_supervisor)
+            part.forward(op, msg["content"])
         elif op == "interrupt" and msg.get("run_id") == part.cell_id:
             part.recall()
         elif op == "answer" and msg.get("run_id") == part.cell_id:
@@ -357,9 +364,8 @@ class Agent:
 
     def _end_run(self) -> None:
         """The run's supervisor exited: the kernel decides whether it had
-        finished, unless it closed the run already (then nobody reads it)."""
-        if not self.run_closed:
-            self.send({"kind": "supervisor_exit", "run_id": self.run_id})
+        finished (after the run: a held rank's post-mortem reads it)."""
+        self.send({"kind": "supervisor_exit", "run_id": self.run_id})
         self.handle.close()
         self.handle = None
 

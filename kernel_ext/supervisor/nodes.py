@@ -193,7 +193,8 @@ class Nodes:
         """
         if self.spec["num_nodes"] == 1 or self.rdzv is None or self.rdzv.store is None:
             return
-        self.run.rank_set.release_all()   # waiting for other nodes can take long: no parked ranks meanwhile
+        # Waiting for other nodes can take long: no parked ranks meanwhile (a held one stays held).
+        self.run.rank_set.release_all(spare_held=True)
         first = self.run.first_failure
         if self.run.stopping == "failed" and first is not None and first[0]:
             self._wait_for_cause()
@@ -251,7 +252,8 @@ class Nodes:
         """Node 0, after its "finished": ranks of other nodes may still be
         starting or use the store it hosts; keep listening until the kernel
         says every node is done (or the launcher ends this run)."""
-        self.run.rank_set.release_all()   # done here: no parked ranks meanwhile (their memory, their GPUs)
+        # Done here: no parked ranks meanwhile (their memory, their GPUs); a held one stays held.
+        self.run.rank_set.release_all(spare_held=True)
         while not self.peers_done and self.run.stopping not in ("interrupt", "terminated"):
             self.run.poll(None)
 

@@ -171,7 +171,9 @@ class SessionSupervisor(Supervisor):
                     wire.write_frame(r.go, {"drop": True})
 
     def _open_post_mortem(self, r: Optional[RankProcess], rank) -> None:
-        if r is None or self.cell is not None or r.debugging or r.go is None:
+        if r is None:   # another node's rank (a session on several nodes: each node is told)
+            return
+        if self.cell is not None or r.debugging or r.go is None:
             self.send({"kind": "held_end", "rank": rank, "gone": True})   # nothing to open: the kernel stops waiting
             return
         wire.write_frame(r.go, {"debug": True})
