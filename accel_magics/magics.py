@@ -272,7 +272,7 @@ class DistributedMagics(LaunchOptionTraits, Magics):
                 result = execute(placement, cfg, payload, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                  log_dir=presenter.log_dir, excerpt=presenter.excerpt, ask=rank_prompt.ask)
             except DistributedRunError as exc:
-                self.state.held = exc.held   # for %distributed_debug
+                self.state.keep_failed(exc.held)   # for %distributed_debug
                 raise
             finally:
                 presenter.finish()
@@ -361,12 +361,10 @@ class DistributedMagics(LaunchOptionTraits, Magics):
                            ask=control.questions.ask)   # answered by the handle's debug()
         except DistributedRunError as exc:
             if exc.held is not None:   # its socket stays open for the held ranks' post-mortem (h.debug())
-                exc.held.background = True
-                exc.after = exc.held.hint()   # its handle's .debug() opens it
                 if getattr(exc.held.reach, "channel", None) is not None:   # its own socket: the reach closes it
                     exc.held.reach.channel = events
                     events = None
-                self.state.keep_held(exc.held)
+                self.state.keep_failed(exc.held)
             raise
         finally:
             payload.release()

@@ -58,7 +58,7 @@ def session_cell(magics, args, line: str, cell: str, started: float):
     presenter, payload, owned = _in_turn(magics, args, started, session, busy, lambda owned: magics.make_payload(
         source, return_names, defined=owned, share=not on_slurm))
     _say_which_names(magics, source, owned, session)
-    run = _runner(session, payload, label, presenter, timeout, hold=not args.background and magics.takes_input())
+    run = _runner(magics.state, session, payload, label, presenter, timeout, hold=magics.takes_input())
     if args.background:
         handle = magics.start_background(presenter, run, label=label, where="in the session", owner=session,
                                          release=payload.release)
@@ -131,15 +131,19 @@ def _in_turn(magics, args, started: float, session, busy, payload_of):
         raise
 
 
-def _runner(session, payload, label: str, presenter, timeout, hold: bool = False):
+def _runner(state, session, payload, label: str, presenter, timeout, hold: bool = False):
     """The cell's run on the session (``run(control)``; in a background run's thread too).
-    ``hold``: a rank that fails keeps the cell's frames for ``%distributed_debug``."""
+    ``hold``: a rank that fails keeps the cell's frames for ``%distributed_debug``
+    (a background cell's: for its handle's ``.debug()``)."""
     def run(control=None):
         try:
             return session.run_cell(payload, label, on_event=presenter, heartbeat=CELL_HEARTBEAT,
                                     log_dir=presenter.log_dir, excerpt=presenter.excerpt, timeout=timeout, control=control,
                                     on_restart=lambda line: print(f"accel_magics: {line}", flush=True),
                                     ask=rank_prompt.ask if control is None else control.questions.ask, hold=hold)
+        except DistributedRunError as exc:
+            state.keep_failed(exc.held)
+            raise
         except SessionGone as exc:
             raise UsageError(f"{exc}. Start a new one: `%distributed_session restart`. Nothing was run.") from None
         finally:
@@ -151,9 +155,6 @@ def _in_foreground(magics, session, run):
     """Run it now; the notebook gets its result (and ``--return`` names)."""
     try:
         result = run()
-    except DistributedRunError as exc:
-        magics.state.held = exc.held   # a failed rank's frames, for %distributed_debug until the next cell
-        raise
     except KeyboardInterrupt as exc:   # a press as its view was finished: after the cell, if it completed
         if isinstance(exc, ReportedError) or session.completed is None:
             raise

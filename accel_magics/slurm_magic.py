@@ -141,7 +141,7 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
             try:
                 return _execute(agents, cfg, payload, presenter, control)
             except DistributedRunError as exc:
-                _keep_held(state, exc, background=control is not None)
+                state.keep_failed(exc.held)   # %distributed_debug, or the background handle's .debug()
                 raise
             except AgentGone:
                 # The check before this cell found every agent connected, but one's
@@ -159,19 +159,6 @@ def _run(state, explicit: dict, payload, presenter, num_nodes: int, slurm_args: 
             presenter.finish()
     finally:
         payload.release()
-
-
-def _keep_held(state, exc: DistributedRunError, background: bool) -> None:
-    """A failed rank held for a post-mortem (through its node's agent): for
-    ``%distributed_debug``, or the background handle's ``.debug()``."""
-    if exc.held is None:
-        return
-    if background:
-        exc.held.background = True
-        exc.after = exc.held.hint()
-        state.keep_held(exc.held)
-    else:
-        state.held = exc.held
 
 
 def _execute(agents, cfg, payload, presenter, control):

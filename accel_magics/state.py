@@ -47,6 +47,15 @@ class MagicsState:
         with self._held_lock:
             self.held_background.append(held)
 
+    def keep_failed(self, held) -> None:
+        """The ranks a failed cell's run holds (post_mortem.HeldRun; None:
+        none): a foreground cell's for ``%distributed_debug``, a background
+        run's for its handle's ``.debug()`` (both let go by the next cell)."""
+        if held is not None and held.background:
+            self.keep_held(held)
+        elif held is not None:
+            self.held = held
+
     # -- the Slurm allocation's node agents ------------------------------------
     def keep_agents(self, agents) -> None:
         """``agents`` serve the next Slurm cells."""

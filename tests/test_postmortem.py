@@ -323,6 +323,33 @@ def test_a_session_cell_s_failed_rank_opens_its_post_mortem_until_the_next_cell(
         k.ok("%distributed_session stop", timeout=60)
 
 
+def test_a_background_session_cell_s_failed_rank_opens_in_its_handle_s_debug(clean_kernel):
+    """A --background session cell that failed: its error names the handle's
+    .debug(), which opens the rank's kept frames in the calling cell's input
+    box; q brings the rank back to its prompt and the session goes on."""
+    k = clean_kernel
+    k.ok("%distributed_session start -n 2", timeout=90)
+    try:
+        k.ok(SESSION_FAIL.replace("--session", "--session --background", 1), timeout=90)
+        k.ok("h = _")
+        res = k.run("h.wait()", timeout=90)
+        assert res.status == "error" and res.error["ename"] == "DistributedRunError", res.error_text
+        assert ("its handle's .debug() opens a post-mortem (pdb) in rank 1's failing frame, in this notebook's "
+                "input box, until the session's next cell") in res.error_text, res.error_text
+        dbg = k.run("n = h.debug()\nprint('answered', n)", timeout=90, stdin=typed("p y", "q"))
+        assert dbg.status == "ok", dbg.error_text + dbg.stdout + dbg.stderr
+        assert dbg.prompts == ["(Pdb rank 1) "] * 2, dbg.prompts
+        assert "[rank 1] 42" in dbg.stdout.splitlines() and "answered 2" in dbg.stdout, dbg.stdout
+        assert "the rank is back at the session's prompt" in dbg.stdout, dbg.stdout
+        assert k.ok("h.debug()").stdout.endswith("no rank waits at a prompt\n")
+        # (rank 0 may have been recalled before the failed cell's import: its own import here)
+        res = k.ok("%%distributed --session --output text\nimport os\nprint('alive', os.environ['RANK'])\n",
+                   timeout=60)
+        assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
+    finally:
+        k.ok("%distributed_session stop", timeout=60)
+
+
 def test_the_stop_button_in_a_session_rank_s_post_mortem_brings_it_back_to_its_prompt(clean_kernel):
     """A press while a session rank's post-mortem runs a long command: the
     command is interrupted (SIGINT, as at a terminal), the post-mortem reads

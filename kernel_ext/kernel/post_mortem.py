@@ -84,7 +84,7 @@ class HeldRun:
             self.reach.close()
 
 
-def held_run(handle, outcome) -> Optional[HeldRun]:
+def held_run(handle, outcome, background: bool = False) -> Optional[HeldRun]:
     """The held ranks of a failed attempt (None: none), from its outcome and
     its handle (which says how to reach them: ``held_reach``)."""
     reach = handle.held_reach() if outcome.held else None
@@ -94,28 +94,29 @@ def held_run(handle, outcome) -> Optional[HeldRun]:
     seconds = min(float(msg.get("seconds") or 0) for msg in outcome.held.values())
     return HeldRun(handle.run_id, handle.session.key, getattr(handle, "supervisor_pid", 0),
                    {rank: msg.get("reply_to", "") for rank, msg in outcome.held.items()},
-                   root.rank if root is not None else None, seconds, reach=reach)
+                   root.rank if root is not None else None, seconds, reach=reach, background=background)
 
 
 @contextlib.contextmanager
-def noted(handle, outcome):
+def noted(handle, outcome, background: bool = False):
     """A :class:`DistributedRunError` raised inside says how to reach the held
     ranks (``held``) and, after its report, that they can be inspected."""
     try:
         yield
     except DistributedRunError as exc:
-        exc.held = held_run(handle, outcome)
+        exc.held = held_run(handle, outcome, background)
         if exc.held is not None:
             exc.after = exc.held.hint()
         raise
 
 
-def held_in_session(session, run_id: str, outcome) -> HeldRun:
+def held_in_session(session, run_id: str, outcome, background: bool = False) -> HeldRun:
     """A session cell's failed ranks, each keeping the cell's frames at its prompt."""
     root = outcome.finished.root_cause
     # Reached through the session (its cells socket, its messages): no key or supervisor of the run's own.
     return HeldRun(run_id, b"", 0, {rank: "" for rank in outcome.held},
-                   root.rank if root is not None else None, 0.0, session=session, cells_run=session.cells_run)
+                   root.rank if root is not None else None, 0.0, session=session, cells_run=session.cells_run,
+                   background=background)
 
 
 #: How a post-mortem's output is shown: ``show(rank, text)``; ``ask(rank, prompt)``: see run.Ask.

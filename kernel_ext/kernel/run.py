@@ -267,7 +267,8 @@ def _attempts(placement: Placement, cfg, payload, emit, heartbeat, log_dir, exce
                 if control is not None:
                     control.detach(handle)
                 placement.done(handle)
-        with post_mortem.noted(handle, outcome):   # a failed rank may be held for %distributed_debug
+        # A failed rank may be held for %distributed_debug (a background run's: its handle's .debug()).
+        with post_mortem.noted(handle, outcome, background=control is not None):
             res = conclude(outcome, cfg, attempt, started, last=attempt >= cfg.max_restarts)
         if res is not None:
             placement.learn_modules(res.new_modules)

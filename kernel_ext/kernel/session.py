@@ -292,7 +292,7 @@ class DistributedSession:
                 stopped = isinstance(exc, (RunInterrupted, DistributedTimeoutError))
                 exc.after = ALIVE_NOTE + (apart_note(outcome, len(self.pids)) if stopped else "")
                 if isinstance(exc, DistributedRunError) and outcome.held:
-                    exc.held = post_mortem.held_in_session(self, run_id, outcome)
+                    exc.held = post_mortem.held_in_session(self, run_id, outcome, background=control is not None)
                     exc.after += "\n" + exc.held.hint()
                 raise
             self.ranks.learn_modules(result.new_modules)
