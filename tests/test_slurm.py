@@ -744,6 +744,24 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         k.end_now()
 
 
+def test_a_rank_held_for_a_post_mortem_on_node_2_never_outlives_the_kernel(cluster):
+    """kill -9 of the kernel while rank 3 (on n2) is held for %distributed_debug:
+    its agent sees the kernel gone and ends its launcher with every run of its
+    node, the held one too; nothing is left on any node, in squeue or on disk."""
+    k = AllocKernel(cluster)
+    try:
+        pid = failed_on_node_2(k)
+        assert alive(pid)
+        k.kc.stop_channels()
+        os.kill(k.pid, signal.SIGKILL)
+        wait_until(lambda: not alive(pid), 20, "the held rank to end with its kernel")
+        wait_until(lambda: not k.processes(), 20, "every process of the job on both nodes to end")
+        wait_until(lambda: not cluster.steps(k.job), 15, "the agents' step to leave squeue")
+        wait_until(lambda: not os.listdir(k.tmpdir), 10, f"the kernel's temp dir to be empty: {os.listdir(k.tmpdir)}")
+    finally:
+        k.end_now()
+
+
 def test_a_slurm_session_whose_rank_dies_between_cells_is_lost_and_nothing_outlives_the_kernel(cluster):
     """kill -9 of a session rank on n2 between cells: the next session cell says the
     session was lost (where, and why), a new session starts; a kernel killed with
