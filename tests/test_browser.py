@@ -974,6 +974,8 @@ def test_a_breakpoint_asks_in_the_input_box_and_the_view_shows_the_paused_rank(a
                             r"in the input box",
                             rows[1]["line"]), rows
         assert rows[0]["line"] == "done 7" and rows[0]["height"] == rows[1]["height"] < 40, rows
+        head = cell.locator(".accel-magics-run .accel-magics-header").first.inner_text()
+        assert head.startswith("paused") and "rank 1 waits at its prompt: type in the input box" in head, head
         cell.screenshot(path=str(ARTIFACTS / f"23-paused-rank-{name}.png"))
 
         _answer(cell, 1, "p z")

@@ -55,10 +55,14 @@ def test_the_paused_rank_s_row_says_so_and_where_at_once_and_runs_again_when_ans
     assert ">paused</b>" in row and PAUSED_AT in row and "type in the input box" in row, row
     assert ">running</b>" in other and "paused" not in other, other
     assert view.ranks[1].state == "paused"
+    head = view.header.value   # the run is paused: the header says so, and who waits
+    assert ">paused</b>" in head and "rank 1 waits at its prompt: type in the input box" in head, head
     assert "-&gt; print(&#x27;done&#x27;, z)" in view._pane_widgets[1].value   # its pane shows pdb's lines now
 
     view(SESSION[4])   # "p z": it runs again, the exchange a line of its output
     assert view.ranks[1].state == "running" and view.ranks[1].paused == ""
+    view.refresh(force=True)
+    assert ">running</b>" in view.header.value and "prompt" not in view.header.value, view.header.value
     assert list(view.ranks[1].lines)[-1] == "(Pdb) p z"
     view(SESSION[5])
     view(SESSION[6])   # asked again after printing 7: still where pdb said last

@@ -283,12 +283,19 @@ class RunView:
     # -- rendering -------------------------------------------------------------
     def _header_html(self, final: bool = False) -> str:
         elapsed = self.elapsed if final else time.monotonic() - self.started
-        color = STATE_COLORS.get({"ok": "done"}.get(self.status, self.status), "#d62728")
+        # A rank at its prompt pauses the run (the others wait for it): the header says so, and who.
+        paused = [] if final or self.status != "running" else sorted(
+            rank for rank, state in self.ranks.items() if state.state == "paused")
+        status = "paused" if paused else self.status
+        color = STATE_COLORS.get({"ok": "done"}.get(status, status), "#d62728")
         world = html.escape(self.world or self.note or "starting the ranks")
         if self.status == "waiting":
             world += " &middot; " + html.escape(self.world_note)
-        parts = [f"<b style='color:{color}'>{html.escape(self.status)}</b>", world,
+        parts = [f"<b style='color:{color}'>{html.escape(status)}</b>", world,
                  f"{elapsed:.1f} s"]
+        if paused:
+            parts.append((f"rank {paused[0]} waits at its prompt" if len(paused) == 1 else
+                          f"ranks {', '.join(map(str, paused))} wait at their prompts") + ": type in the input box")
         if self.context:
             parts.append(html.escape(self.context))
         if self.attempt:
