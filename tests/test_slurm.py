@@ -744,6 +744,24 @@ def test_nothing_outlives_the_kernel_on_any_node_nor_in_squeue(cluster, how):
         k.end_now()
 
 
+def test_a_background_slurm_run_s_failed_rank_opens_in_its_handle_s_debug(kernel):
+    """A --background Slurm run in which rank 3 (on n2) fails: h.wait() raises
+    its error, which names h.debug(); h.debug() opens the post-mortem through
+    n2's agent in the calling cell's input box; q ends it (and the rank: see
+    the foreground test)."""
+    res = kernel.run(FAIL_ON_RANK_3.replace("--output text", "--output text --background", 1), timeout=240)
+    assert res.status == "ok", res.error_text
+    kernel.ok("h = _")
+    res = kernel.run("h.wait()", timeout=240)
+    assert res.status == "error" and "rank 3 failed: ValueError: no good" in res.error["evalue"], res.error_text
+    assert "its handle's .debug() opens a post-mortem (pdb) in rank 3's failing frame" in res.error_text, \
+        res.error_text
+    dbg = kernel.run("n = h.debug()\nprint('answered', n)", timeout=120, stdin=typed("p y", "q"))
+    assert dbg.status == "ok" and dbg.prompts == ["(Pdb rank 3) "] * 2, dbg.error_text + str(dbg.prompts)
+    assert "[rank 3] 42" in dbg.stdout.splitlines() and "answered 2" in dbg.stdout, dbg.stdout
+    assert kernel.run(WORLD, timeout=240).status == "ok"   # the agents are free for the next cell
+
+
 def test_a_rank_held_for_a_post_mortem_on_node_2_never_outlives_the_kernel(cluster):
     """kill -9 of the kernel while rank 3 (on n2) is held for %distributed_debug:
     its agent sees the kernel gone and ends its launcher with every run of its
