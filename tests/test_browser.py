@@ -995,3 +995,49 @@ def test_a_breakpoint_asks_in_the_input_box_and_the_view_shows_the_paused_rank(a
         assert "(Pdb) p z\n7\n(Pdb) c\ndone 7" in text and "paused" not in text, text
         assert cell.locator(".accel-magics-run").count() == 0
         cell.screenshot(path=str(ARTIFACTS / f"25-paused-rank-record-{name}.png"))
+
+
+# -- issue 47, item 1: %distributed_debug after a failed cell ----------------------------
+
+POST_MORTEM_CELL = (
+    "%%distributed -n 2 --timeout 120\n"
+    "import os\n\n"
+    "def f(x):\n"
+    "    y = x * 2\n"
+    "    raise ValueError('no good')\n\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    f(21)\n"
+)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("app", ["jupyterlab", "notebook"])
+def test_distributed_debug_asks_in_the_input_box_after_a_failed_cell(app):
+    """The failed cell's error says %distributed_debug can open the rank; the
+    magic's pdb prompt comes in its cell's input box ("(Pdb rank 1)"); p y
+    shows 42 in the cell; q ends it and says so."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    lab = Lab(app)
+    name = "lab" if app == "jupyterlab" else "nb7"
+    _write_notebook(lab, "postmortem.ipynb", ("%load_ext accel_magics", POST_MORTEM_CELL, "%distributed_debug"))
+    with _lab_page(lab, {"width": 1200, "height": 1000}, f"failure-postmortem-{name}.png") as page:
+        page.goto(lab.url("postmortem.ipynb"))
+        _wait_kernel(page, lab)
+        _run_cell(page, 0)
+        _wait_done(page, 0)
+        _run_cell(page, 1)
+        _wait_done(page, 1)
+        failed = page.locator(CELL).nth(1)
+        failed.get_by_text("opens a post-mortem (pdb) in rank 1's failing frame", exact=False).first.wait_for()
+        _run_cell(page, 2)
+        cell = page.locator(CELL).nth(2)
+        assert _asked(page, cell, 1) == "(Pdb rank 1)"
+        cell.get_by_text("raise ValueError('no good')", exact=False).first.wait_for()   # pdb's "->" line
+        _answer(cell, 1, "p y")
+        assert _asked(page, cell, 2) == "(Pdb rank 1)"
+        cell.get_by_text("[rank 1] 42", exact=True).first.wait_for()
+        cell.screenshot(path=str(ARTIFACTS / f"26-post-mortem-{name}.png"))
+        _answer(cell, 2, "q")
+        _wait_done(page, 2)
+        cell.get_by_text("rank 1's post-mortem ended, and the rank with it.", exact=False).first.wait_for()
+        cell.screenshot(path=str(ARTIFACTS / f"27-post-mortem-ended-{name}.png"))
