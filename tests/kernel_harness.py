@@ -279,6 +279,15 @@ def typed(*lines: str) -> Callable[[str], str]:
     return lambda prompt: left.pop(0) if left else ""
 
 
+def alive(pid: int) -> bool:
+    """The process is there and not a zombie (its parent may not have reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll a condition about the outside world (process exit) with a deadline."""
     deadline = time.monotonic() + timeout

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 import containers
-from kernel_harness import KernelSession, descendants, temp_entries, wait_until
+from kernel_harness import KernelSession, alive, descendants, temp_entries, wait_until
 
 # Each test first tries its wrapper and skips, saying why, where this machine does not permit it.
 pytestmark = pytest.mark.timeout(300)
@@ -54,20 +54,12 @@ class ContainerKernel(KernelSession):
         pid = self.pid
         tree = descendants(pid)
         super().shutdown()
-        wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in tree | {pid}), 20,
+        wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and alive(p) for p in tree | {pid}), 20,
                    "the kernel and everything it started to exit")
         left = {e for e in temp_entries(self.tmpdir) if not e.startswith(self.not_ours or ("\0",))}
         if self.own_tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
         assert not left, f"left in the kernel's temp directory: {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kernel_harness import KernelSession, descendants, typed, wait_until
+from kernel_harness import KernelSession, alive, descendants, typed, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,15 +62,6 @@ def nodes():
         node.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    """There and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _quiet(node: Node) -> None:
     """Nothing of the runs left: only the launcher and its spare (idle ranks).
     A rank that failed is held for %distributed_debug: let go first, as a user would."""
@@ -80,6 +71,12 @@ def _quiet(node: Node) -> None:
         kids = descendants(node.pid)
         return len(kids) <= 4
     wait_until(idle, 15, "the runs' processes to exit")
+
+
+def _both(nodes, port: int, extra: str) -> list:
+    """The cell (with ``extra``) on both nodes at once: each node's collected result."""
+    msgs = [nodes[i].start(CELL.format(node=i, port=port, rdzv=60, extra=extra)) for i in (0, 1)]
+    return [nodes[i].collect(msgs[i]) for i in (0, 1)]
 
 
 CELL = (
@@ -136,8 +133,7 @@ def test_post_mortem_of_a_rank_that_failed_on_node_1_in_node_1s_notebook(nodes):
     extra = ("def f(x):\n    y = x * 2\n    raise ValueError('no good')\n\n"
              "if dist.get_rank() == 3:\n    print('pid', os.getpid())\n    f(21)\n"
              "dist.barrier()\n")
-    msgs = [nodes[i].start(CELL.format(node=i, port=port, rdzv=60, extra=extra)) for i in (0, 1)]
-    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    outs = _both(nodes, port, extra)
     for out in outs:
         assert out["error"]["ename"] == "DistributedRunError" and "rank 3 failed: ValueError: no good" in \
             out["error"]["evalue"], out
@@ -147,7 +143,7 @@ def test_post_mortem_of_a_rank_that_failed_on_node_1_in_node_1s_notebook(nodes):
     dbg = nodes[1].run("%distributed_debug", timeout=60, stdin=typed("p y", "q"))
     assert dbg.status == "ok" and dbg.prompts == ["(Pdb rank 3) "] * 2, dbg.error_text + str(dbg.prompts)
     assert "[rank 3] 42" in dbg.stdout.splitlines(), dbg.stdout
-    wait_until(lambda: not _alive(pid), 15, "the held rank to end after q")
+    wait_until(lambda: not alive(pid), 15, "the held rank to end after q")
     for node in nodes:
         _quiet(node)
 
@@ -171,8 +167,7 @@ def test_a_failing_rank_on_one_node_ends_both_cells(nodes):
     extra = ("if dist.get_rank() == 3:\n"
              "    raise RuntimeError('rank 3 ran out of data')\n"
              "dist.barrier()\n")
-    msgs = [nodes[i].start(CELL.format(node=i, port=port, rdzv=60, extra=extra)) for i in (0, 1)]
-    outs = [nodes[i].collect(msgs[i]) for i in (0, 1)]
+    outs = _both(nodes, port, extra)
     for out in outs:
         assert out["error"]["ename"] == "DistributedRunError", out
         assert "rank 3" in out["error"]["evalue"] and "rank 3 ran out of data" in out["error"]["evalue"]

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import LoadedKernel
-from kernel_harness import typed, wait_until
+from kernel_harness import alive, typed, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,15 +41,6 @@ def failing_cell(k, flags: str = "") -> tuple:
     found = re.search(r"^\[rank 1\] pid (\d+)$", res.stdout, re.M)
     assert found, res.stdout
     return res, int(found.group(1))
-
-
-def alive(pid: int) -> bool:
-    """The process is there and not a zombie (its supervisor reaps it at once)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_gone(pid: int, timeout: float = 15) -> None:
