@@ -176,6 +176,24 @@ def test_post_mortem_of_a_failed_rank_on_node_2_through_its_agent(kernel):
     assert kernel.run(WORLD, timeout=240).status == "ok"
 
 
+def test_a_slurm_post_mortem_whose_supervisor_is_killed_ends_saying_so(kernel):
+    """The held rank's supervisor on n2 killed (-9) while its post-mortem waits
+    at a prompt: its agent says the supervisor exited, and %distributed_debug
+    ends with that error instead of waiting; the next cell runs."""
+    pid = failed_on_node_2(kernel)
+    with open(f"/proc/{pid}/stat") as f:
+        supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
+
+    def kill_then_answer(prompt: str) -> str:
+        os.kill(supervisor, signal.SIGKILL)
+        return "p y"
+
+    dbg = kernel.run("%distributed_debug", timeout=120, stdin=kill_then_answer)
+    assert dbg.status == "error" and "its supervisor is gone" in dbg.error["evalue"], dbg.error_text + dbg.stdout
+    wait_until(lambda: not alive(pid), 30, "the held rank to end with its supervisor")
+    assert kernel.run(WORLD, timeout=240).status == "ok"
+
+
 def test_the_next_slurm_cell_lets_a_held_rank_go(kernel):
     pid = failed_on_node_2(kernel)
     res = kernel.run(WORLD, timeout=240)
