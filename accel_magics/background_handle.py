@@ -145,9 +145,7 @@ class BackgroundCell:
             return rank_prompt.ask(rank, prompt)
 
         post_mortem.debug(held, rank, ask, rank_prompt.show)
-        rest = "the rank is back at the session's prompt" if held.session is not None else "and the rank with it"
-        print(f"{self.label}: rank {rank}'s post-mortem ended{';' if held.session is not None else ','} {rest}.",
-              flush=True)
+        print(f"{self.label}: {held.ended(rank)}", flush=True)
         return len(answered)
 
     def stop(self) -> None:

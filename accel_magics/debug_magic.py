@@ -59,8 +59,5 @@ class DebugMagics(Magics):
                 self.state.held = None
         if end.get("gone"):
             print(f"accel_magics: rank {rank} was no longer held (its hold had ended).", flush=True)
-        elif held.session is not None:   # the rank lives on in the session
-            print(f"accel_magics: rank {rank}'s post-mortem ended; the rank is back at the session's prompt.",
-                  flush=True)
         else:
-            print(f"accel_magics: rank {rank}'s post-mortem ended, and the rank with it.", flush=True)
+            print(f"accel_magics: {held.ended(rank)}", flush=True)

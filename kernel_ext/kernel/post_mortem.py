@@ -77,6 +77,12 @@ class HeldRun:
             text += f"; {other} for {ranks_text(others, '')}"
         return text + ". The next %%distributed cell lets the failed rank(s) go."
 
+    def ended(self, rank: int) -> str:
+        """What is said once ``rank``'s post-mortem ended (a session's rank lives on)."""
+        if self.session is not None:
+            return f"rank {rank}'s post-mortem ended; the rank is back at the session's prompt."
+        return f"rank {rank}'s post-mortem ended, and the rank with it."
+
     def close(self) -> None:
         """No rank is held any more: what its reach holds is let go."""
         self.ranks.clear()

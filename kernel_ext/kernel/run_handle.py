@@ -30,6 +30,7 @@ import zmq
 from .. import logs, wire
 from .errors import LauncherError
 from .placement import Attempt
+from ..wire.messages import answer_content
 from ..process_tree import running
 from ..sigint import sigint_deferred
 from ..stop_ladder import Rung, StopLadder
@@ -270,8 +271,7 @@ class RunHandle(Attempt):
         socket the supervisor named (in the launcher's private directory)."""
         if self.timeout_at is not None:
             self.timeout_at += paused
-        self.tell(request.get("reply_to") or "", {"rank": request.get("rank"), "seq": request.get("seq"),
-                                                  "line": line, "why": why}, "input_reply")
+        self.tell(request.get("reply_to") or "", answer_content(request, line, why), "input_reply")
 
     def tell(self, address: str, content: dict, msg_type: str = "run_op") -> None:
         """Send ``content`` signed with the run's key to the supervisor's input

@@ -54,7 +54,7 @@ from ..stop_ladder import Rung, StopLadder
 from .placement import Attempt, Placement
 from .slurm_session import SlurmSessionRanks
 from .run_handle import receive_verified
-from ..wire.messages import Kind, RankEvent, StopReason, unbatched
+from ..wire.messages import Kind, RankEvent, StopReason, answer_content, unbatched
 # The ladders' order: see timing.py.
 from ..timing import (
     SLURM_START_WAIT as START_WAIT, SLURM_STOP_WAIT as STOP_WAIT, SLURM_KILL_WAIT as KILL_WAIT,
@@ -327,6 +327,21 @@ class SlurmAgents:
         except Exception:
             return {}   # not signed with the allocation's key: dropped unread
 
+    def node_messages(self, session, run_id: str, also: tuple = ()) -> Iterator[dict]:
+        """What the nodes' supervisors sent under ``run_id`` (or ``also``) and
+        is waiting now, verified with ``session``'s key once per node's message,
+        one message per item of its batch, each stamped with its ``node``
+        (SLURM_NODEID)."""
+        node_ids = sorted(self.nodes)   # node_rank -> SLURM_NODEID
+        while True:
+            msg, _ = receive_verified(self.events, session, run_id, also)
+            if msg is None:
+                return
+            node = node_ids[msg.get("node_rank", 0)]
+            for one in unbatched(msg):
+                one["node"] = node
+                yield one
+
     def ended_under(self, exc: BaseException) -> None:
         """The allocation ended under a cell (scancel, its time limit), or srun
         did: the agents are gone for good, so their two ports on the cluster
@@ -527,18 +542,12 @@ class SlurmRun(Attempt):
             ready = dict(poller.poll(beat))
             if not ready and heartbeat is not None:
                 yield {"kind": "heartbeat"}
-            if self.agents.events in ready:
-                while True:   # what the supervisors said, verified with the run's key
-                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id,
-                                              (self.part_id,) if self.part_id else ())
-                    if msg is None:
-                        break
-                    node = self.node_ids[msg.get("node_rank", 0)]
-                    for one in unbatched(msg):   # a node's messages come as one, verified once
-                        one["node"] = node
-                        yield from (self._merge(one) if self._ours(one) else self._part_lost(one))
-                        if self.finished:
-                            return
+            if self.agents.events in ready:   # what the supervisors said, verified with the run's key
+                for one in self.agents.node_messages(self.session, self.run_id,
+                                                     (self.part_id,) if self.part_id else ()):
+                    yield from (self._merge(one) if self._ours(one) else self._part_lost(one))
+                    if self.finished:
+                        return
             if self.agents.sock in ready:
                 while True:
                     msg = self.agents.receive(0)
@@ -764,8 +773,7 @@ class SlurmRun(Attempt):
         try:
             self.agents.send(request["node"], {"op": "answer", "run_id": self.run_id, **self.route,
                                                "reply_to": request.get("reply_to"),
-                                               "content": {"rank": request.get("rank"), "seq": request.get("seq"),
-                                                           "line": line, "why": why}})
+                                               "content": answer_content(request, line, why)})
         except LauncherError:
             pass   # the node is gone: its ranks with it
 
@@ -828,7 +836,6 @@ class SlurmHeldReader:
         self.run_id = run_id
         self.session = session
         self.held_at = held_at
-        self.node_ids = sorted(agents.nodes)   # node_rank -> SLURM_NODEID
 
     def messages(self, heartbeat: Optional[float] = None) -> Iterator[dict]:
         """The run's messages; raises LauncherError once a held rank's
@@ -842,14 +849,7 @@ class SlurmHeldReader:
             if not ready and heartbeat is not None:
                 yield {"kind": "heartbeat"}
             if self.agents.events in ready:
-                while True:
-                    msg, _ = receive_verified(self.agents.events, self.session, self.run_id, ())
-                    if msg is None:
-                        break
-                    node = self.node_ids[msg.get("node_rank", 0)]
-                    for one in unbatched(msg):
-                        one["node"] = node
-                        yield one
+                yield from self.agents.node_messages(self.session, self.run_id)
             if self.agents.sock in ready:
                 while True:
                     msg = self.agents.receive(0)
@@ -865,16 +865,17 @@ class SlurmHeldReader:
                 raise LauncherError("a node agent of the allocation is gone, and the held rank with it")
 
     def answer(self, request: dict, line: Optional[str], why: str = "", paused: float = 0.0) -> None:
-        self.tell(request.get("reply_to") or "", {"rank": request.get("rank"), "seq": request.get("seq"),
-                                                  "line": line, "why": why}, "input_reply")
+        self._send("answer", request.get("reply_to") or "", answer_content(request, line, why))
 
-    def tell(self, address: str, content: dict, msg_type: str = "run_op") -> None:
-        """``content`` to the supervisor's socket at ``address``, through its node's agent."""
+    def tell(self, address: str, content: dict) -> None:
+        """``content`` (``debug``, ``release``) to the supervisor's socket at ``address``."""
+        self._send("run_op", address, content)
+
+    def _send(self, op: str, address: str, content: dict) -> None:
+        """To the supervisor's socket at ``address``, through its node's agent."""
         node = self.held_at.get(address)
-        if node is None:
-            return
-        self.agents.send(node, {"op": "answer" if msg_type == "input_reply" else "run_op", "run_id": self.run_id,
-                                "reply_to": address, "content": content})
+        if node is not None:
+            self.agents.send(node, {"op": op, "run_id": self.run_id, "reply_to": address, "content": content})
 
     def close(self, linger: float = 0.0) -> None:
         """Nothing of its own (the agents' sockets serve the next cells)."""

@@ -23,8 +23,6 @@ from typing import Optional
 from .. import wire
 from .errors import LauncherError, SessionGone
 from .placement import Attempt, SessionAttempt
-from .run_handle import receive_verified
-from ..wire.messages import unbatched
 from ..timing import SESSION_START_WAIT as START_WAIT, SLURM_RECEIVE_SLICE
 
 log = logging.getLogger("accel_magics.kernel.slurm_session")
@@ -91,14 +89,7 @@ class SlurmSessionRanks(SessionAttempt):
         said about it since the last look."""
         out = []
         if self.agents.events.poll(timeout_ms):
-            while True:
-                msg, _ = receive_verified(self.agents.events, self.verifier, self.id)
-                if msg is None:
-                    break
-                node = self._nodes[msg.get("node_rank", 0)]
-                for one in unbatched(msg):
-                    one["node"] = node
-                    out.append(one)
+            out.extend(self.agents.node_messages(self.verifier, self.id))
         while True:
             msg = self.agents.receive(0)
             if msg is None:

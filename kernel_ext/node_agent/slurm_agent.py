@@ -121,7 +121,10 @@ class Answers:
         self.ctx = ctx
         self.socks: dict = {}
 
-    def forward(self, private_dir: str, signer, msg: dict, msg_type: str = "input_reply") -> None:
+    def forward(self, private_dir: str, signer, msg: dict) -> None:
+        """``msg``'s content to the supervisor's socket it names: an answer
+        (op ``answer``) or the kernel's word about a held rank (op ``run_op``)."""
+        msg_type = "run_op" if msg.get("op") == "run_op" else "input_reply"
         address = msg.get("reply_to") or ""
         prefix = f"ipc://{private_dir}/in-"
         if not address.startswith(prefix) or not address[len(prefix):].isdigit():
@@ -266,7 +269,7 @@ class Agent:
         getattr(self, self._OPS.get(op, "_ignore"))(msg)
 
     _OPS = {"run": "_start_run", "port": "_port", "interrupt": "_interrupt", "peers_ended": "_peers_ended",
-            "kill": "_kill", "shutdown": "_shutdown", "answer": "_answer", "run_op": "_run_op"}
+            "kill": "_kill", "shutdown": "_shutdown", "answer": "_to_supervisor", "run_op": "_to_supervisor"}
     # The run of this node (in progress, or its failed rank held for a post-mortem): to it, by its id.
     _RUN_OPS = ("interrupt", "peers_ended", "kill", "answer", "run_op")
 
@@ -289,13 +292,10 @@ class Agent:
     def _shutdown(self, msg: dict) -> None:
         self.stopping = True
 
-    def _answer(self, msg: dict) -> None:
+    def _to_supervisor(self, msg: dict) -> None:
+        """An answer to a rank's question, or the kernel's word about the run's
+        held rank (``debug``, ``release``: supervisor/one_shot.py), signed with the run's key."""
         self.answers.forward(self.launcher.dir, wire.signed_session(wire.derive_key(self.key, self.run_id)), msg)
-
-    def _run_op(self, msg: dict) -> None:
-        """The kernel's word about the run's held rank (``debug``, ``release``: supervisor/one_shot.py)."""
-        self.answers.forward(self.launcher.dir, wire.signed_session(wire.derive_key(self.key, self.run_id)), msg,
-                             "run_op")
 
     def _start_run(self, msg: dict) -> None:
         if self.handle is not None:   # the kernel starts a run only after the last one finished

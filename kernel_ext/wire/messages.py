@@ -112,6 +112,12 @@ def batch(messages: list) -> dict:
             "messages": messages}
 
 
+def answer_content(request: dict, line, why: str = "") -> dict:
+    """The kernel's answer to a rank's ``input_request``, as its supervisor
+    takes it (supervisor/rank_input.py): ``line`` (None: end of input, ``why``)."""
+    return {"rank": request.get("rank"), "seq": request.get("seq"), "line": line, "why": why}
+
+
 def unbatched(msg: dict) -> list:
     """The messages a received (verified) message stands for, in order: a
     batch's, else itself."""
