@@ -293,6 +293,56 @@ def test_an_error_file_of_each_attempt(env_kernel):
         assert re.search(r"/torchelastic_[0-9a-f]+/attempt_1/[01]/error\.json$", path), path
 
 
+def _spec_of(private: str, run_id: str, attempt: int = 0, ranks: int = 2) -> dict:
+    from accel_magics.kernel_ext.environment import error_dir, error_file as error_path
+
+    return {"error_dir": error_dir(private, run_id), "attempt": attempt,
+            "rank_env": [{"TORCHELASTIC_ERROR_FILE": error_path(private, run_id, attempt, i)} for i in range(ranks)]}
+
+
+def _folders_made(spec: dict) -> bool:
+    return all(os.path.isdir(os.path.dirname(env["TORCHELASTIC_ERROR_FILE"])) for env in spec["rank_env"])
+
+
+def test_an_idle_supervisors_error_folders_become_its_runs(tmp_path):
+    """A spare makes its next run's folders ahead; the run takes them by a
+    rename, and makes only what they lack (a restart's attempt, more ranks);
+    a run whose folder is elsewhere makes its own and the spare's go."""
+    from accel_magics.kernel_ext.supervisor import error_file
+
+    private = str(tmp_path)
+    ahead = error_file.make_ahead(private, 2)
+    assert ahead is not None and os.path.isdir(os.path.join(ahead, "attempt_0", "1"))
+    spec = _spec_of(private, "a1")
+    error_file.prepare(spec, ahead)
+    assert _folders_made(spec) and not os.path.exists(ahead)
+    for run_id, attempt, ranks in (("a2", 1, 2), ("a3", 0, 3)):
+        spec = _spec_of(private, run_id, attempt, ranks)
+        error_file.prepare(spec, error_file.make_ahead(private, 2))
+        assert _folders_made(spec), (run_id, os.listdir(private))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    spec = _spec_of(str(elsewhere), "b1")
+    error_file.prepare(spec, error_file.make_ahead(private, 2))
+    assert _folders_made(spec)
+    assert sorted(os.listdir(private)) == ["elsewhere", "torchelastic_a1", "torchelastic_a2", "torchelastic_a3"]
+
+
+def test_a_killed_spares_error_folders_are_removed(env_kernel):
+    """The launcher removes what an idle supervisor made ahead when it is
+    killed before any run took it."""
+    import signal
+
+    k = env_kernel
+    k.ok("%%distributed -n 2 --output text\npass\n", timeout=120)
+    private = next(os.path.join(k.tmpdir, e) for e in os.listdir(k.tmpdir) if e.startswith("accel_magics-"))
+    wait_until(lambda: [e for e in os.listdir(private) if e.startswith("errors-ahead-")], 30,
+               "the spare's folders made ahead")
+    (ahead,) = [e for e in os.listdir(private) if e.startswith("errors-ahead-")]
+    os.kill(int(ahead.rsplit("-", 1)[1]), signal.SIGKILL)
+    wait_until(lambda: not os.path.exists(os.path.join(private, ahead)), 30, "the killed spare's folders removed")
+
+
 # -- the fold of a recorded failure (the environment's own parts: test_environment.py) ----
 
 def test_a_recorded_exit_folds_into_the_recorded_exception():

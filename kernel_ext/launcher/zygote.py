@@ -45,6 +45,7 @@ from .. import hooks  # noqa: E402
 from ..supervisor import native_stacks, rendezvous  # noqa: E402
 from ..wire import payload, transport  # noqa: E402,F401
 from ..process_tree import children, kill_orphans, running  # noqa: E402
+from ..supervisor.error_file import ahead_dir  # noqa: E402
 from ..supervisor.run_state import RunState  # noqa: E402
 # The ladders' order: see timing.py.
 from ..timing import (COLLAPSE_AT_START, COLLAPSE_IDLE, END_WAIT, SHUTDOWN_ORPHAN_POLL, SHUTDOWN_ORPHAN_WAIT,  # noqa: E402
@@ -436,7 +437,7 @@ class Zygote:
                 for fd in {self.control_fd, self.reply_fd, self.wakeup_r, self._wakeup_w, control_w, status_r,
                            *self.extra_fds, *self.status_fds.values()}:
                     os.close(fd)
-                serve_spare(control_r, status_w, ranks, self.events_addr, self.events_keys)
+                serve_spare(control_r, status_w, ranks, self.events_addr, self.events_keys, self.private_dir)
             finally:
                 os._exit(70)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -462,17 +463,24 @@ class Zygote:
                 return
             if pid == 0:
                 break
-            run_id = self.supervisors.pop(pid, None)
-            if run_id not in (None, "spare"):   # a supervisor removes it as it ends; not one that was killed
-                shutil.rmtree(error_dir(self.private_dir, run_id), ignore_errors=True)
-            self.forget_status(pid)
-            self.ranks_gone.discard(pid)
-            self.finished.discard(pid)
-            if self.spare is not None and self.spare[0] == pid:
-                os.close(self.spare[1])
-                self.spare = None
+            self.forget_supervisor(pid)
         keep = set(self.supervisors) | ({self.spare[0]} if self.spare is not None else set())
         kill_orphans(keep)
+
+    def forget_supervisor(self, pid: int) -> None:
+        """A reaped child: what it left of its run (its folders of error files) goes."""
+        run_id = self.supervisors.pop(pid, None)
+        was_spare = self.spare is not None and self.spare[0] == pid
+        if run_id not in (None, "spare"):   # a supervisor removes it as it ends; not one that was killed
+            shutil.rmtree(error_dir(self.private_dir, run_id), ignore_errors=True)
+        if run_id is not None or was_spare:   # what a spare made ahead, if no run took it before it died
+            shutil.rmtree(ahead_dir(self.private_dir, pid), ignore_errors=True)
+        self.forget_status(pid)
+        self.ranks_gone.discard(pid)
+        self.finished.discard(pid)
+        if was_spare:
+            os.close(self.spare[1])
+            self.spare = None
 
     def shutdown(self) -> None:
         """Stop every run (supervisors kill their ranks on SIGTERM), then leave."""

@@ -31,12 +31,62 @@ MAX_BYTES = 4 << 20
 VARIABLE = "TORCHELASTIC_ERROR_FILE"
 
 
-def prepare(spec: dict) -> None:
-    """Make the folder of each of this node's ranks' files (before they start)."""
+def prepare(spec: dict, ahead: Optional[str] = None) -> None:
+    """Make the folder of each of this node's ranks' files (before they start).
+
+    ``ahead``: folders an idle supervisor made for its next run
+    (:func:`make_ahead`), taken by one rename where they fit; only the ones
+    they lack are made here."""
+    made = _take_ahead(spec, ahead) if ahead is not None else set()
     for env in spec.get("rank_env", ()):
         path = env.get(VARIABLE)
-        if path and spec.get("error_dir"):   # below the launcher's private directory, never that itself
+        if path and spec.get("error_dir") and os.path.dirname(path) not in made:
+            # below the launcher's private directory, never that itself
             make_dirs_below(os.path.dirname(spec["error_dir"]), os.path.dirname(path))
+
+
+def ahead_dir(private_dir: str, pid: int) -> str:
+    """Where the idle supervisor ``pid`` keeps its next run's folders (see :func:`make_ahead`)."""
+    return os.path.join(private_dir, f"errors-ahead-{pid}")
+
+
+def make_ahead(private_dir: str, ranks: int) -> Optional[str]:
+    """In an idle supervisor: its next run's folders of error files
+    (``attempt_0/<local rank>`` for ``ranks`` ranks) under a name of its own,
+    so that the run's start renames one folder instead of making one per
+    rank and level (four mkdirs for two ranks took ~0.4 ms of the run's
+    start).  None where they could not be made (the run makes its own)."""
+    if not private_dir:
+        return None
+    folder = ahead_dir(private_dir, os.getpid())
+    for local_rank in range(ranks):
+        if not make_dirs_below(private_dir, os.path.join(folder, "attempt_0", str(local_rank))):
+            remove_ahead(folder)
+            return None
+    return folder
+
+
+def remove_ahead(folder: Optional[str]) -> None:
+    """The folders :func:`make_ahead` made, no run took them (the spare was dropped)."""
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _take_ahead(spec: dict, ahead: str) -> set[str]:
+    """``ahead`` renamed to the run's folder when both are in the same
+    directory: the rank folders that now exist (none if not taken; then
+    ``ahead`` is removed)."""
+    folder = spec.get("error_dir")
+    if not folder or os.path.dirname(folder) != os.path.dirname(ahead):
+        remove_ahead(ahead)
+        return set()
+    try:
+        ranks = os.listdir(os.path.join(ahead, "attempt_0"))
+        os.rename(ahead, folder)
+    except OSError:
+        remove_ahead(ahead)
+        return set()
+    return {os.path.join(folder, "attempt_0", rank) for rank in ranks}
 
 
 def remove(spec: dict) -> None:

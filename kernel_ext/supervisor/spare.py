@@ -23,6 +23,7 @@ from typing import NoReturn, Optional
 from .. import wire
 from ..wire import transport
 from ..rank import worker
+from . import error_file
 from .rendezvous import NodeRendezvous
 from .one_shot import OneShotSupervisor
 from .rank_process import set_nonblocking
@@ -58,6 +59,7 @@ class Spare:
         self.ctx = self.sock = self.session = None
         self.events_addr = ""
         self.events_keys = None   # CURVE keys of the kernel's events socket (a Slurm node: over TCP)
+        self.errors_ahead: Optional[str] = None   # the next run's folders of error files (error_file.make_ahead)
 
     def install_signals(self) -> None:
         worker.set_parent_death_signal(signal.SIGKILL)
@@ -123,15 +125,20 @@ class Spare:
     def abandon(self) -> None:
         """No run: every idle rank sees EOF on its go pipe and exits by itself."""
         self.rank_set.abandon()
+        error_file.remove_ahead(self.errors_ahead)
 
 
-def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str, events_keys=None) -> NoReturn:
-    """Entry point in a supervisor forked ahead by the zygote. Never returns."""
+def serve_spare(control_fd: int, status_fd: int, prefork: int, events_addr: str, events_keys=None,
+                private_dir: str = "") -> NoReturn:
+    """Entry point in a supervisor forked ahead by the zygote. Never returns.
+    ``private_dir``: the launcher's directory, where the runs' folders of
+    error files go (one is made ahead here)."""
     spare = Spare(control_fd, status_fd)
     try:
         spare.install_signals()
         spare.prefork(prefork)
         spare.connect(events_addr, events_keys)   # after the last fork: ZMQ starts a thread
+        spare.errors_ahead = error_file.make_ahead(private_dir, prefork)
         ahead = OneShotSupervisor(spare)    # the usual kind, built while idle (its first use costs page faults)
         handed = spare.wait_for_spec()
         if handed is None:           # the zygote is gone or dropped the spare

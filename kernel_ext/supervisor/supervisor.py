@@ -82,6 +82,7 @@ class Supervisor:
         self.ctx, self.sock, self.session, self.events_addr = spare.ctx, spare.sock, spare.session, spare.events_addr
         self.events_keys = spare.events_keys
         self.status_fd = spare.status_fd   # to the launcher (run_state)
+        self.errors_ahead = spare.errors_ahead
         self.stopping: Optional[str] = None   # None, "failed", "interrupt", "timeout"
         self.stack_deadline: Optional[float] = None
         self.rank_ladder: Optional[StopLadder] = None   # the ranks' stop: SIGTERM, the grace, SIGKILL
@@ -192,7 +193,7 @@ class Supervisor:
         self.session.key = key
         self.rank_set.take(spec["num_processes"])
         self.pump.open_logs(spec.get("log_dir", ""))
-        error_file.prepare(spec)   # as torchrun's agent, before the ranks start
+        error_file.prepare(spec, self.errors_ahead)   # as torchrun's agent, before the ranks start
         self.pump.set_excerpts(spec.get("excerpt"))
         for rank in self.ranks:
             rank.rank = spec["ranks"][rank.local]
