@@ -275,11 +275,14 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         _setup_stdio(out_fd)
         _warm_up()
         _become_ready()
+        # The heartbeat thread starts while idle, off the run's start; it
+        # says nothing until the run's event pipe is this rank's (emit_now).
+        beating = liveness.install(beat, ask_fd, stack_fd)
         spec_bytes = wire.read_frame(go_fd)
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
         spec = pickle.loads(spec_bytes)
-        if liveness.install(beat, ask_fd, stack_fd):
+        if beating:
             liveness.on_beat = startup.Watcher(emit_now, threading.get_ident())
     except BaseException:
         os._exit(1)
