@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 import types
+from typing import Optional
 
 from IPython.core.error import UsageError
-from traitlets import Bool, Enum, Float, HasTraits, Int, TraitError, Unicode, validate
+from traitlets import All, Bool, Enum, Float, HasTraits, Int, TraitError, Unicode, validate
 
 from accel_magics.kernel_ext import hooks, options
 from accel_magics.kernel_ext.environment import ConfigError, LaunchConfig, cpu_count, visible_gpus
@@ -138,10 +139,23 @@ class LaunchDefaults:
     def __init__(self, owner: HasTraits, state: MagicsState) -> None:
         self.owner = owner
         self.state = state
+        self._configured: Optional[dict] = None   # configured(owner), until a trait or the config changes
+        owner.observe(self.forget, names=All)
+
+    def forget(self, change=None) -> None:
+        """The traits or the config changed: layer 2 is read again (see :meth:`configured`)."""
+        self._configured = None
+
+    def configured(self) -> dict:
+        """Layer 2 (:func:`configured`), read once per change of the owner's
+        traits or config rather than several times a cell."""
+        if self._configured is None:
+            self._configured = configured(self.owner)
+        return dict(self._configured)
 
     def given(self) -> dict:
         """The defaults chosen (layers 2 and 3): those that count as given."""
-        return {**configured(self.owner), **self.state.defaults}
+        return {**self.configured(), **self.state.defaults}
 
     def placement_name(self, given) -> str:
         """The placement a cell runs on: ``--launcher``, else the default set, else the built-in one."""
@@ -171,7 +185,7 @@ class LaunchDefaults:
         if count:   # one rank per GPU the ranks would see, else a CPU quota of 1 core: 1 rank
             gpus = visible_gpus(self._gpu_count(), LaunchConfig(num_processes=1), os.environ)
             values["num_processes"] = gpus or min(2, cpu_count())
-        values.update(configured(self.owner))
+        values.update(self.configured())
         if with_set:
             values.update(self.state.defaults)
         return values

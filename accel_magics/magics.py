@@ -159,6 +159,10 @@ class DistributedMagics(LaunchOptionTraits, Magics):
             super().update_config(config)
         except TraitError as exc:
             print(f"accel_magics: {exc} Nothing was changed.", file=sys.stderr)
+        finally:   # a config that names a trait with the value it has changes no trait, yet counts as given
+            defaults = getattr(self, "launch_defaults", None)
+            if defaults is not None:
+                defaults.forget()
 
     # -- GPU-runtime pre-flight -------------------------------------------
     def post_run_cell(self, result) -> None:

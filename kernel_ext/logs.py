@@ -55,12 +55,13 @@ class RunLog(logging.Handler):
         super().__init__(level)
         self.log_dir = log_dir
         self.thread = threading.get_ident()
-        self.records: list[str] = []
+        self.records: list[logging.LogRecord] = []   # formatted only if saved (most runs leave no log)
         self.setFormatter(logging.Formatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.thread == self.thread and len(self.records) < 10_000:
-            self.records.append(self.format(record))
+            record.msg, record.args = record.getMessage(), None   # its arguments as they are now
+            self.records.append(record)
 
     def __enter__(self) -> "RunLog":
         logger = logging.getLogger(ROOT)
@@ -92,7 +93,7 @@ class RunLog(logging.Handler):
                 return None
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "a", encoding="utf-8") as f:
-                f.write("\n".join(self.records) + "\n")
+                f.write("\n".join(self.format(record) for record in self.records) + "\n")
         except OSError:
             return None
         return path

@@ -2,6 +2,7 @@
 kernel, nothing stale runs, nothing leaks.  Each test failed before its fix."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -1089,15 +1090,15 @@ def test_the_kernels_run_log_goes_only_into_a_run_directory_a_supervisor_made(tm
     os.mkfifo(tmp_path / "fifo-run")
     for where in (tmp_path / "linked", planted, ours):
         log = RunLog(str(where))
-        log.records.append("a record")
+        log.records.append(logging.makeLogRecord({"name": "accel_magics.test", "msg": "a record", "levelname": "INFO"}))
         log.save()
     assert os.listdir(victim) == [] and os.listdir(planted) == []
-    assert (ours / "kernel.log").read_text() == "a record\n"
+    assert (ours / "kernel.log").read_text().endswith(" accel_magics.test INFO: a record\n")
     assert os.stat(ours / "kernel.log").st_mode & 0o777 == 0o600
     os.remove(ours / "kernel.log")
     os.mkfifo(ours / "kernel.log")            # a FIFO in its place: skipped, never waited on
     log = RunLog(str(ours))
-    log.records.append("again")
+    log.records.append(logging.makeLogRecord({"msg": "again"}))
     assert log.save() is None
 
 

@@ -123,3 +123,29 @@ def test_values_set_together_are_checked_together_whatever_their_order():
     assert configured(owner) == {"node_rank": 1, "num_nodes": 2, "master_addr": "127.0.0.1"}
     with pytest.raises(TraitError, match=r"Owner.node_rank = 1: --node_rank must be between 0 and --num_nodes - 1"):
         Owner(config=Config({"Owner": {"node_rank": 1}}))
+
+
+def test_layer_two_is_read_again_after_a_trait_or_the_config_changes():
+    """LaunchDefaults reads the traits once per change, not several times a
+    cell: a trait set later, and a config that names a trait with the value it
+    already has (it changes no trait, yet counts as given), are both seen."""
+    from traitlets.config import Config, Configurable
+
+    from accel_magics.defaults import LaunchDefaults, LaunchOptionTraits
+    from accel_magics.state import MagicsState
+
+    class Owner(Configurable, LaunchOptionTraits):
+        pass
+
+    state = MagicsState(launcher=object())
+    owner = Owner()
+    defaults = LaunchDefaults(owner, state)
+    assert "num_processes" not in defaults.given()
+    owner.num_processes = 3
+    assert defaults.given()["num_processes"] == 3
+    given = defaults.given()
+    given["num_nodes"] = 9            # a caller's copy: the cache is not changed through it
+    assert "num_nodes" not in defaults.given()
+    owner.config.merge(Config({"Owner": {"num_nodes": 1}}))   # in place, as update_config merges: the
+    defaults.forget()                                         # built-in value, named (DistributedMagics does this)
+    assert defaults.given()["num_nodes"] == 1

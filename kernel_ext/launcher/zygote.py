@@ -362,8 +362,11 @@ class Zygote:
 
         Its ranks are what holds memory, ports and GPUs; the supervisor's own
         exit (tearing down a torch-sized process) may overlap the next run.
+        Nothing to wait for (the earlier supervisors were reaped between
+        cells, their orphans killed then): it returns at once, without a
+        look through /proc on the run's start.
         """
-        while True:
+        while ending:
             self.reap()
             for pid in ending & set(self.status_fds):
                 self.on_status(pid)
