@@ -291,9 +291,9 @@ def build_payload(
     shipped = {n: namespace[n] for n in wanted}
     arena = SharedArena()
     arena.threshold = share_threshold()
-    arena.enabled = share and hooks.install("shared_globals", lambda: f"buffers of {arena.threshold} bytes and more",
-                                            guard=shared_globals_unsupported)
-    if arena.enabled:
+    arena.enabled = bool(share and shipped) and hooks.install(   # nothing shipped: nothing to share
+        "shared_globals", lambda: f"buffers of {arena.threshold} bytes and more", guard=shared_globals_unsupported)
+    if arena.enabled or (share and not shipped):   # a payload that ships nothing still ages the kept buffers
         arena.cache.next_payload()
     with _noting_interrupts() as interrupts:
         try:
