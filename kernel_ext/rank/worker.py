@@ -21,6 +21,7 @@ import os
 import pickle
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -395,9 +396,9 @@ def _holds_sockets() -> bool:
         return True
     for fd in fds:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            if stat.S_ISSOCK(os.fstat(int(fd)).st_mode):   # the listing's own descriptor: closed, skipped
                 return True
-        except OSError:
+        except (OSError, ValueError):
             continue
     return False
 
