@@ -459,12 +459,21 @@ def stat_cpu(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
-def ab_kernel(site: str, cwd: str, nproc: int) -> KernelSession:
+def ab_kernel(site: str, cwd: str, nproc: int, history: bool = True) -> KernelSession:
     """A kernel that imports the package from ``site`` only, checked: in the
     kernel and in the ranks its launcher starts.  Its cwd is ``cwd``, not the
     repository (the kernel puts its cwd first on sys.path, and the
-    repository's accel_magics/ has no kernel_ext)."""
-    k = KernelSession(extra_env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": site}, cwd=cwd)
+    repository's accel_magics/ has no kernel_ext).  ``history=False``: an
+    IPython profile of its own with ``HistoryManager.enabled = False`` (no
+    history thread writing the cell to SQLite while the cell starts)."""
+    env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": site}
+    if not history:
+        profile = os.path.join(cwd, f"ipython-{os.path.basename(site)}", "profile_default")
+        os.makedirs(profile, exist_ok=True)
+        with open(os.path.join(profile, "ipython_config.py"), "w") as f:
+            f.write("c.HistoryManager.enabled = False\n")
+        env["IPYTHONDIR"] = os.path.dirname(profile)
+    k = KernelSession(extra_env=env, cwd=cwd)
     try:
         k.ok("%load_ext accel_magics")
         where = k.ok("import accel_magics, accel_magics.kernel_ext as _ke\n"
@@ -485,7 +494,8 @@ def ab_kernel(site: str, cwd: str, nproc: int) -> KernelSession:
 AB_PAUSE = 0.5
 
 
-def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str | None = None) -> None:
+def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str | None = None,
+           history: bool = True) -> None:
     """The warm empty 2-rank cell of the package at ``base`` (A) against the
     working tree's (B): both installed (not editable) into directories of
     their own, one kernel each in the same venv, cells alternating A B A B.
@@ -508,8 +518,8 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str 
         os.mkdir(cwd)
         kernels: list[KernelSession] = []
         try:
-            kernels.append(ab_kernel(site_a, cwd, 2))
-            kernels.append(ab_kernel(site_b, cwd, 2))
+            kernels.append(ab_kernel(site_a, cwd, 2, history))
+            kernels.append(ab_kernel(site_b, cwd, 2, history))
             code = dist(2) + "pass\n"
             for _ in range(3):
                 for k in kernels:
@@ -530,6 +540,7 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str 
                     f"{parts['launcher'] * 1000:.1f} ms, supervisor and ranks {parts['runs'] * 1000:.1f} ms a cell)")
 
         how = f"each {pause:g} s after the last" if pause else "back to back"
+        how += "" if history else ", IPython's history off"
         row(f"empty cell, 2 ranks, warm, {how}: A/B against {short}",
             f"this tree ({tree}) {median_ms(times[b])}, {cpu_ms(b)}",
             f"{short} {median_ms(times[a])}, {cpu_ms(a)}",
@@ -598,6 +609,9 @@ def _main() -> None:
                                                         f"back to back)")
     parser.add_argument("--ab_cells", type=int, default=0, help="cells per side in the ab section "
                                                                 "(default 60, 10 with --quick)")
+    parser.add_argument("--ab_no_history", action="store_true", help="the ab section's kernels without IPython's "
+                        "history (HistoryManager.enabled = False): its thread writes each cell to SQLite as the "
+                        "cell starts and takes the GIL wherever the magic first waits on a system call")
     args = parser.parse_args()
     reps = 5 if args.quick else 15
     chosen = set(filter(None, args.only.split(",")))
@@ -665,7 +679,8 @@ def _main() -> None:
             print(f"ab: skipped ({args.ab_base} is not a commit of this checkout: a shallow clone?)", flush=True)
         else:
             pauses = tuple(float(p) for p in args.ab_pauses.split(",")) if args.ab_pauses else (AB_PAUSE, 0.0)
-            ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60), pauses, args.ab_tree or None)
+            ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60), pauses, args.ab_tree or None,
+                   history=not args.ab_no_history)
 
     if not any(want(s) for s in SECTIONS[SECTIONS.index("empty"):]):
         write_table(rows, args, out_path)
@@ -971,7 +986,8 @@ def write_table(rows: list, args, out_path) -> None:
         f"{' --quick' if args.quick else ''}{f' --only {args.only}' if args.only else ''}"
         f"{f' --ab_base {args.ab_base}' if args.ab_base != AB_BASE else ''}"
         f"{f' --ab_tree {args.ab_tree}' if args.ab_tree else ''}"
-        f"{f' --ab_pauses {args.ab_pauses}' if args.ab_pauses else ''}`.",
+        f"{f' --ab_pauses {args.ab_pauses}' if args.ab_pauses else ''}"
+        f"{f' --ab_cells {args.ab_cells}' if args.ab_cells else ''}{' --ab_no_history' if args.ab_no_history else ''}`.",
         "Real kernels over the Jupyter protocol; A/B rows alternate cell by cell; medians.",
         "Ratio < 1: accel_magics is faster (for throughput, > 1 is better).",
         "",
