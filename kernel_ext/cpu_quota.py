@@ -93,8 +93,13 @@ def quota_from(proc_cgroup: str, mountinfo: str, root: str = "") -> Optional[Cpu
     None where there is none.  ``proc_cgroup``: /proc/self/cgroup's text,
     ``mountinfo``: /proc/self/mountinfo's, ``root``: a prefix for the paths
     read (a recorded tree in tests)."""
+    return _tightest(_limit_dirs(proc_cgroup, mountinfo, root), root)
+
+
+def _tightest(limit_dirs: tuple, root: str = "") -> Optional[CpuQuota]:
+    """The tightest quota the files in ``limit_dirs`` (see :func:`_limit_dirs`) set now; None: none."""
     best: Optional[CpuQuota] = None
-    for v2, directories in _limit_dirs(proc_cgroup, mountinfo, root):
+    for v2, directories in limit_dirs:
         limit = _v2_limit if v2 else _v1_limit
         for directory in directories:
             cores = limit(directory)
@@ -138,12 +143,24 @@ def _limit_dirs(proc_cgroup: str, mountinfo: str, root: str) -> tuple[tuple[bool
     return tuple(found)
 
 
+_found_dirs: tuple = ("", ())   # (/proc/self/cgroup's text, the limit directories it gave)
+
+
 def cpu_quota() -> Optional[CpuQuota]:
-    """This process's CPU quota, or None (no limit, or not Linux)."""
-    cgroup, mountinfo = _read("/proc/self/cgroup"), _read("/proc/self/mountinfo")
-    if not cgroup or not mountinfo:
+    """This process's CPU quota, or None (no limit, or not Linux).  The quota
+    files are read each time (``docker update`` changes them); the mount
+    table only when the process's cgroups differ from the last read (it
+    moved), since the directories come from both."""
+    global _found_dirs
+    cgroup = _read("/proc/self/cgroup")
+    if not cgroup:
         return None
-    return quota_from(cgroup, mountinfo)
+    if cgroup != _found_dirs[0]:
+        mountinfo = _read("/proc/self/mountinfo")
+        if not mountinfo:
+            return None
+        _found_dirs = (cgroup, _limit_dirs(cgroup, mountinfo, ""))
+    return _tightest(_found_dirs[1])
 
 
 def affinity_count() -> int:

@@ -96,6 +96,24 @@ def cpu_quota(cores: float) -> Iterator[list[str]]:
     """A cgroup limited to ``cores`` CPUs' time; yields the wrapper that moves
     the kernel into it.  Removed at the end (its processes must be gone: a
     process left in it is a leak the test reports)."""
+    with cpu_cgroup(cores) as (wrapper, _):
+        yield wrapper
+
+
+def set_cpu_quota(path: str, cores: float) -> None:
+    """Change the quota of a cgroup :func:`cpu_cgroup` made (as ``docker update --cpus`` does)."""
+    period = 100_000
+    if os.path.exists(os.path.join(path, "cpu.max")):
+        with open(os.path.join(path, "cpu.max"), "w") as f:
+            f.write(f"{int(cores * period)} {period}")
+    else:
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(int(cores * period)))
+
+
+@contextlib.contextmanager
+def cpu_cgroup(cores: float) -> Iterator[tuple[list[str], str]]:
+    """:func:`cpu_quota`'s cgroup: (the wrapper, the cgroup's directory)."""
     found = _cpu_cgroup_root()
     if found is None:
         raise PermissionError("no cgroup cpu controller is mounted")
@@ -112,7 +130,7 @@ def cpu_quota(cores: float) -> Iterator[list[str]]:
                 f.write(str(period))
             with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
                 f.write(str(int(cores * period)))
-        yield ["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh"]
+        yield ["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh"], path
     finally:
         left = _procs(path)
         for pid in left:   # a leak: out of the group, so the group can go; the test fails on it

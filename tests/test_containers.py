@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -176,6 +177,31 @@ def test_under_a_cpu_quota_of_one_core_the_defaults_follow_it():
         assert "[rank 1] world 2 threads 1" in two.stdout, two.stdout
         row = doctor_row(k, "CPU quota")
         assert row["level"] == "warn" and row["state"].startswith("1 core(s)"), row
+
+
+def test_a_quota_changed_while_the_process_runs_is_read_again():
+    """The limit directories are found once per cgroup membership (the mount
+    table is not read again), but the quota files are read each time: a
+    quota raised as ``docker update --cpus`` raises it is seen."""
+    reason = containers.cpu_quota_unsupported()
+    if reason:
+        pytest.skip(reason)
+    code = ("import sys\nfrom accel_magics.kernel_ext.cpu_quota import cpu_quota\n"
+            "print(cpu_quota().cores, flush=True)\nsys.stdin.readline()\nprint(cpu_quota().cores, flush=True)\n")
+    with containers.cpu_cgroup(1.0) as (wrapper, path):
+        proc = subprocess.Popen([*wrapper, sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert float(proc.stdout.readline()) == 1.0
+            containers.set_cpu_quota(path, 2.0)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert float(proc.stdout.readline()) == 2.0
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # -- a low ulimit -n -------------------------------------------------------------------------------
