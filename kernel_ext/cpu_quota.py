@@ -12,7 +12,6 @@ no process started; the roots are parameters so tests feed recorded trees.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -109,11 +108,10 @@ def _tightest(limit_dirs: tuple, root: str = "") -> Optional[CpuQuota]:
     return best
 
 
-@functools.lru_cache(maxsize=8)
 def _limit_dirs(proc_cgroup: str, mountinfo: str, root: str) -> tuple[tuple[bool, tuple[str, ...]], ...]:
     """Where the limits are: (cgroup v2?, the cgroup's directory and its
-    ancestors up to the mount point) for each CPU hierarchy.  The same
-    texts give the same directories, so each cell parses them once."""
+    ancestors up to the mount point) for each CPU hierarchy (:func:`cpu_quota`
+    keeps this process's until its cgroups change)."""
     found = []
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)

@@ -366,7 +366,9 @@ class Zygote:
         cells, their orphans killed then): it returns at once, without a
         look through /proc on the run's start.
         """
-        while ending:
+        if not ending:
+            return
+        while True:
             self.reap()
             for pid in ending & set(self.status_fds):
                 self.on_status(pid)

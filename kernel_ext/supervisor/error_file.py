@@ -54,8 +54,7 @@ def make_ahead(private_dir: str, ranks: int) -> Optional[str]:
     """In an idle supervisor: its next run's folders of error files
     (``attempt_0/<local rank>`` for ``ranks`` ranks) under a name of its own,
     so that the run's start renames one folder instead of making one per
-    rank and level (four mkdirs for two ranks took ~0.4 ms of the run's
-    start).  None where they could not be made (the run makes its own)."""
+    rank and level.  None where they could not be made (the run makes its own)."""
     if not private_dir:
         return None
     folder = ahead_dir(private_dir, os.getpid())

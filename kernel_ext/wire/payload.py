@@ -293,7 +293,7 @@ def build_payload(
     arena.threshold = share_threshold()
     arena.enabled = bool(share and shipped) and hooks.install(   # nothing shipped: nothing to share
         "shared_globals", lambda: f"buffers of {arena.threshold} bytes and more", guard=shared_globals_unsupported)
-    if arena.enabled or (share and not shipped):   # a payload that ships nothing still ages the kept buffers
+    if share and (arena.enabled or not shipped):   # a payload that ships nothing still ages the kept buffers
         arena.cache.next_payload()
     with _noting_interrupts() as interrupts:
         try:
