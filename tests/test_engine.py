@@ -191,6 +191,20 @@ def test_forged_and_replayed_messages_are_dropped_unpickled(launcher, tmp_path):
     assert launcher.dropped - before == 3
 
 
+def test_an_empty_cell_reaches_the_kernel_in_fewer_messages_than_it_says(launcher):
+    """The supervisor sends what one turn of its loop says as one signed
+    message (supervisor/outbox.py): an empty 2-rank cell says six things
+    (started, each rank's result and exit, finished), which the kernel
+    verifies and unpickles in at most four messages, whatever the timing."""
+    run(launcher, "pass")   # warm: the launcher is up
+    before = launcher.received
+    result, events = run(launcher, "pass")
+    assert result.finished.status == "ok"
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("RankExited") == 2 and kinds[0] == "RunStarted" and kinds[-1] == "RunFinished", kinds
+    assert 1 <= launcher.received - before <= 4, launcher.received - before
+
+
 def test_replayed_message_is_dropped():
     key = wire.new_key()
     sender, receiver = wire.signed_session(key), wire.signed_session(key)

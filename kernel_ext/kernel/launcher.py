@@ -192,6 +192,7 @@ class Launcher:
         self._tick: Optional[Callable[..., None]] = None   # see waiting()
         self.phase = "starting Python"   # what the launcher does until it is ready
         self.dropped = 0          # messages that failed verification (forged, stale)
+        self.received = 0         # signed messages of runs taken in (a supervisor's batch is one)
         self.runs_started = 0     # runs handed to a supervisor (what "nothing was launched" counts)
         self._lock = threading.RLock()   # a background run's thread launches too
         self.escapes = EscapeWatch()

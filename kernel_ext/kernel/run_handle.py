@@ -30,7 +30,7 @@ import zmq
 from .. import logs, wire
 from .errors import LauncherError
 from .placement import Attempt
-from ..wire.messages import answer_content
+from ..wire.messages import answer_content, unbatched
 from ..process_tree import running
 from ..sigint import sigint_deferred
 from ..stop_ladder import Rung, StopLadder
@@ -163,15 +163,16 @@ class RunHandle(Attempt):
         return timeout_ms
 
     def _received(self) -> Iterator[dict]:
-        """Every message waiting now, in order, until the run's last."""
+        """Every message waiting now, in order (a batch's one by one), until the run's last."""
         while True:
             msg = self._recv()
             if msg is None:
                 return
-            self._note(msg)
-            yield msg
-            if self.finished:
-                return
+            for one in unbatched(msg):
+                self._note(one)
+                yield one
+                if self.finished:
+                    return
 
     def _look_gone(self, now: float, gone_deadline: Optional[float], poller) -> tuple[Optional[float], Optional[dict]]:
         """Has the supervisor exited?  Then its last messages get a moment to
@@ -309,6 +310,7 @@ class RunHandle(Attempt):
     def _recv(self) -> Optional[dict]:
         content, dropped = receive_verified(self.pull, self.session, self.run_id, self.also)
         self.launcher.dropped += dropped
+        self.launcher.received += content is not None
         return content
 
     def _supervisor_gone(self) -> bool:

@@ -90,7 +90,7 @@ class Supervisor:
         self.spec: dict = {}
         self.said_started = False
         self.started_due: Optional[float] = None
-        self.outbox: Optional[Outbox] = None   # a Slurm node's: its messages go as one (outbox.py)
+        self.outbox = Outbox(self._send_packed)   # what the loop says, sent as one when it waits (outbox.py)
         self.recorded: dict[int, Optional[dict]] = {}   # rank -> what @record wrote (error_file), once read
         self.first_failure: Optional[tuple] = None   # (secondary, time, rank, summary)
         self.pump = OutputPump(self.rank_set, self.send)
@@ -145,8 +145,7 @@ class Supervisor:
             self.input.close()
             error_file.remove(self.spec)
             try:
-                if self.outbox is not None:
-                    self.outbox.flush()
+                self.outbox.flush()
             except BaseException:
                 pass
             try:
@@ -205,6 +204,7 @@ class Supervisor:
         # first message (see send).
         if spec["num_nodes"] > 1:
             self._say_started()
+            self.outbox.flush()   # the rendezvous may wait before its loop does
         self.nodes.rendezvous(spec)
         if spec["num_nodes"] > 1 and self.stopping is None:
             self.send({"kind": "released"})   # the kernel's rendezvous backstop ends here
@@ -239,13 +239,10 @@ class Supervisor:
             self._say_started()
         content["run_id"] = self.spec["run_id"]
         content["node_rank"] = self.spec["node_rank"]   # several nodes may report to one reader
-        if self.outbox is None:
-            self.session.send(self.sock, "run_event", content)
-        else:
-            self.outbox.add(content)
+        self.outbox.add(content)
 
     def _send_packed(self, content: dict) -> None:
-        """The outbox's message, its frames in one when small (wire.packed)."""
+        """The outbox's message (one, or a batch), its frames in one when small (wire.packed)."""
         frames = self.session.serialize(self.session.msg("run_event", content))
         self.sock.send_multipart(wire.packed(frames), copy=False)
 
@@ -270,7 +267,7 @@ class Supervisor:
 
     # -- event loop -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> None:
-        held = self.outbox.wait() if self.outbox is not None else None
+        held = self.outbox.wait()
         if held is not None and (timeout is None or held < timeout):
             timeout = held
         for key, _ in self.sel.select(timeout):
@@ -280,8 +277,7 @@ class Supervisor:
                 source(key)
             elif rank.fds.get(kind) == key.fd:   # not closed earlier in this same batch
                 self._on_readable(kind, rank, key.fd)
-        if self.outbox is not None:
-            self.outbox.wait()
+        self.outbox.turn_ended()
 
     def _serve_until(self, done) -> None:
         """The one event loop of every supervisor: wait for what comes or is due,

@@ -43,7 +43,7 @@ What each kind carries (the fields besides ``kind`` and ``run_id``):
                        ("alive", "lost", "stopped"), ``lost``; ``forced`` (the kernel
                        killed it: why); ``terminated_on`` (nodes whose supervisor got SIGTERM)
 ``heartbeat``          (kernel side only) nothing arrived for a while
-``batch``              ``messages``: several of the above from one node's supervisor, in order, all
+``batch``              ``messages``: several of the above from one supervisor, in order, all
                        of this ``run_id``, signed once (see :func:`batch`); a reader unpacks
                        it with :func:`unbatched` and never passes the batch itself on
 =====================  ===========================================================
@@ -101,10 +101,10 @@ SEND_NOW = frozenset(k.value for k in (Kind.FINISHED, Kind.SUPERVISOR_ERROR, Kin
 
 def batch(messages: list) -> dict:
     """One message for ``messages`` (each with the same ``run_id`` and
-    ``node_rank``): a node of a Slurm run sends what it has when its loop is
-    about to wait, so the kernel, which reads every node, verifies and
-    unpickles one frame per node and wakeup instead of one per message.
-    A single message goes as it is."""
+    ``node_rank``): a supervisor sends what it has when its loop is about
+    to wait (supervisor/outbox.py), so the kernel verifies and unpickles one
+    frame per turn (on Slurm, per node and wakeup) instead of one per
+    message.  A single message goes as it is."""
     if len(messages) == 1:
         return messages[0]
     first = messages[0]
