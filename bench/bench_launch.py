@@ -495,7 +495,7 @@ AB_PAUSE = 0.5
 
 
 def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str | None = None,
-           history: bool = True) -> None:
+           history: bool = True, rounds: int = 1) -> None:
     """The warm empty 2-rank cell of the package at ``base`` (A) against the
     working tree's (B): both installed (not editable) into directories of
     their own, one kernel each in the same venv, cells alternating A B A B.
@@ -507,45 +507,69 @@ def ab_row(row, base: str, cells: int, pauses=(AB_PAUSE, 0.0), tree_commit: str 
     and back to back (each cell sent as the other kernel's ended, so one
     version's work after a run overlaps the other's cell).  With
     ``tree_commit``, B is the package at that commit instead of the working
-    tree (bisecting between two commits)."""
+    tree (bisecting between two commits).
+
+    ``rounds``: the cells are split over that many pairs of fresh kernels,
+    started and run in turn A first, then B first.  Where the scheduler puts
+    a kernel's processes stays with them for the pair's life, and one pair's
+    ratio can sit a few percent off another's; the row gives the median of
+    every round's cells and each round's ratio."""
     full = resolve_commit(base)
     short = full[:7]
+    per_round = [cells // rounds + (i < cells % rounds) for i in range(rounds)]
+    # side -> pause -> round trips, cell CPU; side -> pause -> whole-loop CPU by part (summed over rounds)
+    times = {side: {p: [] for p in pauses} for side in "ab"}
+    cpu = {side: {p: [] for p in pauses} for side in "ab"}
+    whole = {side: {p: {"kernel": 0.0, "launcher": 0.0, "runs": 0.0} for p in pauses} for side in "ab"}
+    ratios = {p: [] for p in pauses}
     with tempfile.TemporaryDirectory(prefix="ab-", dir=os.environ.get("TMPDIR")) as tmp:
         t0 = time.perf_counter()
         site_a, site_b, tree = build_ab(full, tmp, tree_commit and resolve_commit(tree_commit))
         print(f"ab: built {short} and {'commit' if tree_commit else 'the working tree'} ({tree}) in {time.perf_counter() - t0:.1f} s", flush=True)
         cwd = os.path.join(tmp, "cwd")
         os.mkdir(cwd)
-        kernels: list[KernelSession] = []
-        try:
-            kernels.append(ab_kernel(site_a, cwd, 2, history))
-            kernels.append(ab_kernel(site_b, cwd, 2, history))
-            code = dist(2) + "pass\n"
-            for _ in range(3):
-                for k in kernels:
-                    timed(k, code)
-            settle(8)
-            results = [(pause, *ab_cells(kernels, code, cells, pause)) for pause in pauses]
-        finally:
-            for k in kernels:
-                k.shutdown()
-    a, b = (k.pid for k in kernels)
-    for pause, times, cpu, whole in results:
-        ma, mb = statistics.median(times[a]), statistics.median(times[b])
+        for rnd, n in enumerate(per_round):
+            order = ("a", "b") if rnd % 2 == 0 else ("b", "a")
+            kernels: dict[str, KernelSession] = {}
+            try:
+                for side in order:
+                    kernels[side] = ab_kernel(site_a if side == "a" else site_b, cwd, 2, history)
+                code = dist(2) + "pass\n"
+                for _ in range(3):
+                    for side in order:
+                        timed(kernels[side], code)
+                settle(8)
+                for pause in pauses:
+                    t, c, w = ab_cells([kernels[side] for side in order], code, n, pause)
+                    for side in order:
+                        pid = kernels[side].pid
+                        times[side][pause] += t[pid]
+                        cpu[side][pause] += c[pid]
+                        for part, value in w[pid].items():
+                            whole[side][pause][part] += value * n
+                    ratios[pause].append(statistics.median(t[kernels["b"].pid]) / statistics.median(t[kernels["a"].pid]))
+            finally:
+                for k in kernels.values():
+                    k.shutdown()
+    for pause in pauses:
+        ta, tb = times["a"][pause], times["b"][pause]
+        ma, mb = statistics.median(ta), statistics.median(tb)
 
-        def cpu_ms(pid: int) -> str:
-            parts = whole[pid]
-            return (f"kernel CPU {statistics.mean(cpu[pid]) * 1000:.1f} ms a cell "
+        def cpu_ms(side: str) -> str:
+            parts = {part: value / cells for part, value in whole[side][pause].items()}
+            return (f"kernel CPU {statistics.mean(cpu[side][pause]) * 1000:.1f} ms a cell "
                     f"({parts['kernel'] * 1000:.1f} ms counting between cells; launcher "
                     f"{parts['launcher'] * 1000:.1f} ms, supervisor and ranks {parts['runs'] * 1000:.1f} ms a cell)")
 
         how = f"each {pause:g} s after the last" if pause else "back to back"
         how += "" if history else ", IPython's history off"
+        each = (f"; {rounds} pairs of kernels ({'/'.join(map(str, per_round))} cells), each pair's ratio "
+                + ", ".join(f"{r:.2f}x" for r in ratios[pause])) if rounds > 1 else ""
         row(f"empty cell, 2 ranks, warm, {how}: A/B against {short}",
-            f"this tree ({tree}) {median_ms(times[b])}, {cpu_ms(b)}",
-            f"{short} {median_ms(times[a])}, {cpu_ms(a)}",
-            f"{mb / ma:.2f}x; {cells} cells each, alternating (spread: this tree {min(times[b]) * 1000:.1f}-"
-            f"{max(times[b]) * 1000:.1f} ms, {short} {min(times[a]) * 1000:.1f}-{max(times[a]) * 1000:.1f} ms); "
+            f"this tree ({tree}) {median_ms(tb)}, {cpu_ms('b')}",
+            f"{short} {median_ms(ta)}, {cpu_ms('a')}",
+            f"{mb / ma:.2f}x; {cells} cells each, alternating (spread: this tree {min(tb) * 1000:.1f}-"
+            f"{max(tb) * 1000:.1f} ms, {short} {min(ta) * 1000:.1f}-{max(ta) * 1000:.1f} ms){each}; "
             "both installed, same venv", f"<= 1.0x {short}", mb <= ma)
 
 
@@ -609,6 +633,8 @@ def _main() -> None:
                                                         f"back to back)")
     parser.add_argument("--ab_cells", type=int, default=0, help="cells per side in the ab section "
                                                                 "(default 60, 10 with --quick)")
+    parser.add_argument("--ab_rounds", type=int, default=1, help="pairs of fresh kernels the ab section's cells "
+                        "are split over, A first then B first in turn (default 1)")
     parser.add_argument("--ab_no_history", action="store_true", help="the ab section's kernels without IPython's "
                         "history (HistoryManager.enabled = False): its thread writes each cell to SQLite as the "
                         "cell starts and takes the GIL wherever the magic first waits on a system call")
@@ -680,7 +706,7 @@ def _main() -> None:
         else:
             pauses = tuple(float(p) for p in args.ab_pauses.split(",")) if args.ab_pauses else (AB_PAUSE, 0.0)
             ab_row(row, args.ab_base, args.ab_cells or (10 if args.quick else 60), pauses, args.ab_tree or None,
-                   history=not args.ab_no_history)
+                   history=not args.ab_no_history, rounds=max(1, args.ab_rounds))
 
     if not any(want(s) for s in SECTIONS[SECTIONS.index("empty"):]):
         write_table(rows, args, out_path)
@@ -987,7 +1013,8 @@ def write_table(rows: list, args, out_path) -> None:
         f"{f' --ab_base {args.ab_base}' if args.ab_base != AB_BASE else ''}"
         f"{f' --ab_tree {args.ab_tree}' if args.ab_tree else ''}"
         f"{f' --ab_pauses {args.ab_pauses}' if args.ab_pauses else ''}"
-        f"{f' --ab_cells {args.ab_cells}' if args.ab_cells else ''}{' --ab_no_history' if args.ab_no_history else ''}`.",
+        f"{f' --ab_cells {args.ab_cells}' if args.ab_cells else ''}{' --ab_no_history' if args.ab_no_history else ''}"
+        f"{f' --ab_rounds {args.ab_rounds}' if args.ab_rounds > 1 else ''}`.",
         "Real kernels over the Jupyter protocol; A/B rows alternate cell by cell; medians.",
         "Ratio < 1: accel_magics is faster (for throughput, > 1 is better).",
         "",
