@@ -920,11 +920,16 @@ def test_a_background_cells_out_shows_the_final_state():
 
 # -- issue 47, item 3: a rank paused at its breakpoint ---------------------------------
 
+# Rank 1 stops only once rank 0 has reported (a rank closes its output right
+# after its result): while rank 1 waits in the input box, the kernel reads
+# nothing more, so a result still on its way would show only after the answer.
 PAUSE_CELL = (
     "%%distributed -n 2 --timeout 120\n"
-    "import os\n"
+    "import os, time\n"
     "z = 7\n"
     "if os.environ['RANK'] == '1':\n"
+    "    peer = next(p for p in open(f'/proc/{os.getppid()}/task/{os.getppid()}/children').read().split() if int(p) != os.getpid())\n"
+    "    while os.path.exists(f'/proc/{peer}/fd/1'): time.sleep(0.01)\n"
     "    breakpoint()\n"
     "print('done', z)\n"
 )
@@ -970,7 +975,7 @@ def test_a_breakpoint_asks_in_the_input_box_and_the_view_shows_the_paused_rank(a
                                arg=cell.element_handle())
         rows = cell.evaluate(ROWS_JS)
         assert [r["label"] for r in rows] == ["rank 0 done", "rank 1 paused"], rows
-        assert re.fullmatch(r"waits at its prompt \(Pdb\) in <module> \(Cell In\[2\]:6\): print\('done', z\) · type "
+        assert re.fullmatch(r"waits at its prompt \(Pdb\) in <module> \(Cell In\[2\]:8\): print\('done', z\) · type "
                             r"in the input box",
                             rows[1]["line"]), rows
         assert rows[0]["line"] == "done 7" and rows[0]["height"] == rows[1]["height"] < 40, rows
