@@ -276,6 +276,8 @@ def test_a_held_rank_never_outlives_its_kernel():
         k.shutdown()
 
 
+# Rank 1 fails at once; rank 0 may be stopped before its first line runs
+# (under load it starts later), so a later cell imports what it uses.
 SESSION_FAIL = """%%distributed --session --output text --timeout 60
 import os
 
@@ -304,7 +306,7 @@ def test_a_session_cell_s_failed_rank_opens_its_post_mortem_until_the_next_cell(
         assert dbg.prompts == ["(Pdb rank 1) "] * 2, dbg.prompts
         assert "[rank 1] 42" in dbg.stdout.splitlines(), dbg.stdout
         assert "no failed rank is held" in held_ranks(k)   # it was the only one
-        res = k.ok("%%distributed --session --output text\nprint('alive', os.environ['RANK'])\n", timeout=60)
+        res = k.ok("%%distributed --session --output text\nimport os\nprint('alive', os.environ['RANK'])\n", timeout=60)
         assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
         k.run(SESSION_FAIL, timeout=90)
         assert "held: 1." in held_ranks(k)
@@ -351,7 +353,7 @@ def test_the_stop_button_in_a_session_rank_s_post_mortem_brings_it_back_to_its_p
         k.run(SESSION_FAIL, timeout=90)
         pressed = debug_pressed_while_busy(k)
         assert time.monotonic() - pressed < 15
-        res = k.ok("%%distributed --session --output text\nprint('alive', os.environ['RANK'])\n", timeout=60)
+        res = k.ok("%%distributed --session --output text\nimport os\nprint('alive', os.environ['RANK'])\n", timeout=60)
         assert "[rank 0] alive 0" in res.stdout and "[rank 1] alive 1" in res.stdout, res.stdout
     finally:
         k.ok("%distributed_session stop", timeout=60)
