@@ -31,10 +31,24 @@ class CpuQuota:
         return max(1, math.ceil(self.cores - 1e-9))
 
 
-def _read(path: str) -> Optional[str]:
+#: This process's open quota files (see :func:`_read`): path -> fd, or None
+#: where it could not be opened; ``_kept_pid``: the process they belong to
+#: (a forked child opens its own: /proc/self was its parent's).
+_kept: dict = {}
+_kept_pid = 0
+
+
+def _read(path: str, keep: bool = False) -> Optional[str]:
     """The file's text, stripped; None where it cannot be read.  Plain
     os.open/os.read: a cell reads up to five of these files, and Python's
-    text files cost ~0.1 ms more for them when cold (between paced cells)."""
+    text files cost ~0.1 ms more for them when cold (between paced cells).
+
+    ``keep``: the file stays open, and each later read is one ``pread`` at
+    offset 0 (a cgroup or /proc file is generated afresh by each read from
+    its start), not an open, two reads and a close; a file that could not
+    be opened is not tried again until :func:`_forget_kept`."""
+    if keep:
+        return _read_kept(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -50,8 +64,42 @@ def _read(path: str) -> Optional[str]:
     return os.fsdecode(b"".join(chunks)).strip()
 
 
-def _v2_limit(directory: str) -> Optional[float]:
-    text = _read(os.path.join(directory, "cpu.max"))
+def _read_kept(path: str) -> Optional[str]:
+    global _kept_pid
+    if _kept_pid != os.getpid():   # a forked child: its copies of the parent's files are closed (/proc/self differs)
+        _forget_kept()
+        _kept_pid = os.getpid()
+    if path not in _kept:
+        try:
+            _kept[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            _kept[path] = None
+    fd = _kept[path]
+    if fd is None:
+        return None
+    try:
+        data = os.pread(fd, 65536, 0)
+    except OSError:
+        data = None
+    if data is None or len(data) == 65536:   # gone (its cgroup was removed), or too long for one read
+        _forget_kept()
+        return _read(path)
+    return os.fsdecode(data).strip()
+
+
+def _forget_kept(but: str = "") -> None:
+    """Close the kept files, all but ``but`` (its cgroups changed: other files, or the same ones made again)."""
+    for path in [p for p in _kept if p != but]:
+        fd = _kept.pop(path)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _v2_limit(directory: str, keep: bool = False) -> Optional[float]:
+    text = _read(os.path.join(directory, "cpu.max"), keep)
     if not text:
         return None
     parts = text.split()
@@ -64,8 +112,9 @@ def _v2_limit(directory: str) -> Optional[float]:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def _v1_limit(directory: str) -> Optional[float]:
-    quota, period = _read(os.path.join(directory, "cpu.cfs_quota_us")), _read(os.path.join(directory, "cpu.cfs_period_us"))
+def _v1_limit(directory: str, keep: bool = False) -> Optional[float]:
+    quota = _read(os.path.join(directory, "cpu.cfs_quota_us"), keep)
+    period = _read(os.path.join(directory, "cpu.cfs_period_us"), keep)
     try:
         q, p = int(quota or -1), int(period or 0)
     except ValueError:
@@ -95,13 +144,14 @@ def quota_from(proc_cgroup: str, mountinfo: str, root: str = "") -> Optional[Cpu
     return _tightest(_limit_dirs(proc_cgroup, mountinfo, root), root)
 
 
-def _tightest(limit_dirs: tuple, root: str = "") -> Optional[CpuQuota]:
-    """The tightest quota the files in ``limit_dirs`` (see :func:`_limit_dirs`) set now; None: none."""
+def _tightest(limit_dirs: tuple, root: str = "", keep: bool = False) -> Optional[CpuQuota]:
+    """The tightest quota the files in ``limit_dirs`` (see :func:`_limit_dirs`) set now; None: none.
+    ``keep``: the files stay open for the next read (see :func:`_read`)."""
     best: Optional[CpuQuota] = None
     for v2, directories in limit_dirs:
         limit = _v2_limit if v2 else _v1_limit
         for directory in directories:
-            cores = limit(directory)
+            cores = limit(directory, keep)
             if cores is not None and (best is None or cores < best.cores):
                 best = CpuQuota(cores, os.path.join(directory[len(root):] or "/",
                                                     "cpu.max" if v2 else "cpu.cfs_quota_us"))
@@ -148,17 +198,20 @@ def cpu_quota() -> Optional[CpuQuota]:
     """This process's CPU quota, or None (no limit, or not Linux).  The quota
     files are read each time (``docker update`` changes them); the mount
     table only when the process's cgroups differ from the last read (it
-    moved), since the directories come from both."""
+    moved), since the directories come from both.  The files read each time
+    stay open (one ``pread`` each: a cell reads them once, on its way to
+    its ranks' start)."""
     global _found_dirs
-    cgroup = _read("/proc/self/cgroup")
+    cgroup = _read("/proc/self/cgroup", keep=True)
     if not cgroup:
         return None
     if cgroup != _found_dirs[0]:
+        _forget_kept(but="/proc/self/cgroup")
         mountinfo = _read("/proc/self/mountinfo")
         if not mountinfo:
             return None
         _found_dirs = (cgroup, _limit_dirs(cgroup, mountinfo, ""))
-    return _tightest(_found_dirs[1])
+    return _tightest(_found_dirs[1], keep=True)
 
 
 def affinity_count() -> int:

@@ -339,7 +339,8 @@ class Launcher:
     def _ensure_running(self) -> dict:
         if self.preloads.pending:
             self._settle_preload()
-        if self.alive and self.preloads.stale():
+        alive = self.alive   # one look (a waitpid) for the checks below: each cell comes here twice
+        if alive and self.preloads.stale():
             # A module it keeps imported changed on disk (pip upgraded it): a
             # run must never see old code, so a fresh launcher imports it anew.
             # Not while a session or a background run lives on it: they would die.
@@ -353,11 +354,12 @@ class Launcher:
                               "or a background run is alive, so this run still uses the version loaded before. "
                               "Stop them (%distributed_session stop) to get the new one.", RuntimeWarning,
                               stacklevel=3)
-        if self.alive and not self.info and not self.live and self.env.outdated(self.live, self.proc.pid, reads=()):
+        if alive and self.proc is not None and not self.info and not self.live \
+                and self.env.outdated(self.live, self.proc.pid, reads=()):
             # Still importing (a cell right after %load_ext and an %env): what
             # native code reads has changed already; no need to wait for it.
             self.close(kill=True)
-        if self.proc is not None and not self.alive:
+        if self.proc is not None and not alive:
             warnings.warn(f"the launcher process had exited (code {self.proc.returncode}); starting a new one. "
                           f"Its log:\n{self.launch_log_tail()}", RuntimeWarning, stacklevel=2)
             self.close()

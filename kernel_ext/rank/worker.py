@@ -39,7 +39,7 @@ from .. import wire
 from ..timing import PEERS_JOIN_WAIT
 from .rank_stdio import RankStderr, RankStdout
 from .rank_stdin import RankStdin
-from ..wire.payload import cache_source
+from ..wire.payload import Payload, cache_source
 
 #: The event pipe of this rank while a rank runs in this process (None elsewhere).
 _event_fd: Optional[int] = None
@@ -48,6 +48,7 @@ _local_rank: Optional[int] = None
 #: event pipe; if it runs on through the cell it is not the rank: it reports
 #: nothing (its prints still reach the rank's output, as in plain Python).
 _rank_pid: Optional[int] = None
+_idle_environ: Optional[dict] = None   # os.environ as the rank forked ahead had it, just before its spec came
 
 PR_SET_PDEATHSIG = 1
 
@@ -247,8 +248,11 @@ def _warm_up() -> None:
         exec(body, ns)
         ns.pop(VALUE_NAME, None)
         pickle.loads(pickle.dumps({"kind": "result", "value": _pack_value(1), "returns": {}}))
+        pickle.loads(pickle.dumps({"env": {"X": "1"}, "payload": Payload("", "<warm-up>", b"", [])}))   # a spec's shape
         dict(os.environ)
         _new_modules(_modules_mark())
+        _in_world()           # what a result reports (torch.distributed's state, the world's rounds)
+        pg_guard.rounds()
         traceback.format_exception(ValueError, ValueError("warm-up"), None)
     except Exception:
         pass
@@ -261,6 +265,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
     Until the spec arrives nothing of the run exists here: the environment,
     the payload and the rank's number all come with it.
     """
+    global _idle_environ
     try:
         set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
         native_stacks.allow_supervisor_to_trace(parent)
@@ -279,6 +284,7 @@ def wait_and_run(go_fd: int, local_rank: int, out_fd: int, event_fd: int, stack_
         # The heartbeat thread starts while idle, off the run's start; it
         # says nothing until the run's event pipe is this rank's (emit_now).
         beating = liveness.install(beat, ask_fd, stack_fd)
+        _idle_environ = dict(os.environ)   # decoded now, not in the run (see _enter_rank)
         spec_bytes = wire.read_frame(go_fd)
         if spec_bytes is None:   # the run needed fewer ranks, or the supervisor is gone
             os._exit(0)
@@ -542,11 +548,16 @@ def _enter_rank(spec: dict, local_rank: int) -> types.ModuleType:
     if marker:   # kept, so processes the cell starts can be found and stopped with the run
         env[process_tree.MARKER] = marker
     # The kernel's environment, as a diff: it is mostly what this process
-    # inherited already, and each change is a putenv.
-    for name in [n for n in os.environ if n not in env]:
+    # inherited already, and each change is a putenv.  A rank forked ahead
+    # compares with the copy it decoded while idle (os.environ's own lookups
+    # encode and decode every name).
+    global _idle_environ
+    current = _idle_environ if _idle_environ is not None else dict(os.environ)
+    _idle_environ = None
+    for name in [n for n in current if n not in env]:
         del os.environ[name]
     for name, value in env.items():
-        if os.environ.get(name) != value:
+        if current.get(name) != value:
             os.environ[name] = value
     sys.argv = list(spec.get("argv") or [""])
     main = types.ModuleType("__main__")
