@@ -9,8 +9,9 @@ written, by the run's supervisor, to a file per rank in the run's directory
 from __future__ import annotations
 
 import os
-import secrets
 import time
+
+from .kernel_ext.wire import new_id
 
 
 def log_root() -> str:
@@ -25,4 +26,4 @@ def run_log_dir(label: str) -> str:
     """The directory for a run started now (made at its first line: quiet runs
     leave none).  The random part keeps two kernels' runs of the same second
     and cell number apart."""
-    return os.path.join(log_root(), time.strftime("%Y%m%d-%H%M%S-") + label + "-" + secrets.token_hex(4))
+    return os.path.join(log_root(), time.strftime("%Y%m%d-%H%M%S-") + label + "-" + new_id(8))

@@ -354,8 +354,7 @@ class Launcher:
                               "or a background run is alive, so this run still uses the version loaded before. "
                               "Stop them (%distributed_session stop) to get the new one.", RuntimeWarning,
                               stacklevel=3)
-        if alive and self.proc is not None and not self.info and not self.live \
-                and self.env.outdated(self.live, self.proc.pid, reads=()):
+        if alive and self.proc and not self.info and not self.live and self.env.outdated(self.live, self.proc.pid, reads=()):
             # Still importing (a cell right after %load_ext and an %env): what
             # native code reads has changed already; no need to wait for it.
             self.close(kill=True)
@@ -389,9 +388,8 @@ class Launcher:
         next run starts a fresh one.
         """
         with sigint_deferred():
-            try:
-                for obj in frames:
-                    wire.write_frame(self.proc.stdin.fileno(), obj)
+            try:   # in one write: the launcher wakes once for a run and its key
+                wire.write_all(self.proc.stdin.fileno(), b"".join(wire.frame(obj) for obj in frames))
             except (BrokenPipeError, OSError) as exc:
                 tail = self.launch_log_tail()
                 self.close()
@@ -545,7 +543,7 @@ class Launcher:
                 run_id=None, key=None) -> "RunHandle":
         info = self.ensure_running()
         gpus = visible_gpus(info.get("gpu_count", 0), cfg, os.environ)   # what these ranks see of them
-        run_id = run_id or uuid.uuid4().hex[:12]
+        run_id = run_id or wire.new_id()
         port = cfg.master_port or free_port(cfg.master_addr if cfg.num_nodes == 1 else "0.0.0.0")
         key = key or wire.new_key()
         spec = run_spec(cfg, payload, run_id=run_id, port=port, attempt=attempt, gpus=gpus, private_dir=self.dir,
