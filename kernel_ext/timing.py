@@ -140,7 +140,7 @@ STORE_THREADS_POLL = 0.005  # ... seconds between looks
 COLLAPSE_AT_START = 0.1   # at start, how long the launcher moves its heap into huge pages (hugepages.py)
 COLLAPSE_IDLE = 0.5       # ... the rest a huge page at a time, once nothing happened for this long
 COLLAPSE_SLOW = 0.1       # ... and no more once one page took this much CPU (a cell waits for one step)
-SPARE_FORK_DEFER = 0.003  # a run finished: how long the next run's spare waits, so the kernel's reply goes first
+SPARE_FORK_DEFER = 0.020  # a run finished: its next spare waits this long (the kernel's reply, then the frontend's read of it)
 
 # -- Slurm: the kernel over every node, the agents ---------------------------------------
 SLURM_START_WAIT = 180.0  # srun and every agent to start (each imports torch)
