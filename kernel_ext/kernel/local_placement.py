@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Optional
 
 import zmq
@@ -88,7 +87,7 @@ class LocalSession(SessionAttempt):
         self._sending = threading.Lock()      # the cells socket: a background cell's stop comes from another thread
 
     def open(self) -> None:
-        name = uuid.uuid4().hex[:12]
+        name = wire.new_id()
         self.events = self.launcher.channel(zmq.PULL, f"s{name}-ev")
         self.cells = self.launcher.channel(zmq.PUSH, f"s{name}-in")
         limit_sends(self.cells[0])

@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Optional
 
 from ..environment import LaunchConfig
@@ -32,6 +31,7 @@ from .errors import (CompletedBeforeTheStop, DistributedRunError, DistributedSta
                      LauncherError, ReportedError, RunInterrupted, SessionGone, SessionLostError)
 from .placement import Attempt, Placement, SessionAttempt, session_lost_why
 from ..logs import RunLog
+from ..wire import new_id
 from ..wire.payload import Payload
 from ..gpu_memory import GpuMemory
 from ..process_tree import stat_fields
@@ -248,7 +248,7 @@ class DistributedSession:
         next cell (``%distributed_debug``)."""
         self.check()
         started = time.time()
-        run_id = uuid.uuid4().hex[:12]
+        run_id = new_id()
         # The cell's own --timeout (its error says it); its attempt of max_restarts + 1 (the views say it).
         cfg = dataclasses.replace(self.cfg, timeout=timeout, max_restarts=self.max_restarts)
         handle = self.ranks.cell(run_id, timeout)

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import weakref
 from typing import Iterator, Optional
 
@@ -367,7 +366,7 @@ class SlurmAgents:
 
     def free_port(self) -> int:
         """A free port on node 0 (its supervisor hosts the rendezvous there)."""
-        request = uuid.uuid4().hex[:8]
+        request = wire.new_id(8)
         self.send(0, {"op": "port", "request": request})
         deadline = time.monotonic() + SLURM_PORT_WAIT
         while time.monotonic() < deadline:
@@ -479,7 +478,7 @@ class SlurmRun(Attempt):
     def __init__(self, agents: SlurmAgents, cfg: LaunchConfig, run_id: Optional[str] = None,
                  part_of: Optional[str] = None, policy: PartPolicy = RUN) -> None:
         self.agents = agents
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.run_id = run_id or wire.new_id()
         # Its supervisors sign with a key both ends derive from the allocation's
         # (for the run's id; a session cell's: the session's).
         self.session = wire.signed_session(wire.derive_key(agents.key, part_of or self.run_id))

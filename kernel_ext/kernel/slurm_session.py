@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import uuid
 from typing import Optional
 
 from .. import wire
@@ -51,7 +50,7 @@ class SlurmSessionRanks(SessionAttempt):
         agents, cfg = self.agents, self.cfg
         if agents.proc is None:   # closed: the allocation or srun ended (a restart after it finds that)
             raise SessionGone("the node agents are gone (srun ended, or the allocation)")
-        self.id = uuid.uuid4().hex[:12]
+        self.id = wire.new_id()
         self.verifier = wire.signed_session(wire.derive_key(agents.key, self.id))
         self.master_port = cfg.master_port or agents.free_port()
         for node_rank, node in enumerate(self._nodes):
@@ -103,7 +102,7 @@ class SlurmSessionRanks(SessionAttempt):
 
     def stop_id(self) -> str:
         """A fresh id: each node's part answers the stop under it (its "lost" comes apart, see lost_since)."""
-        return uuid.uuid4().hex[:12]
+        return wire.new_id()
 
     def send(self, op: str, content: dict) -> None:
         for node in self._nodes:

@@ -249,7 +249,6 @@ def _warm_up() -> None:
         ns.pop(VALUE_NAME, None)
         pickle.loads(pickle.dumps({"kind": "result", "value": _pack_value(1), "returns": {}}))
         pickle.loads(pickle.dumps({"env": {"X": "1"}, "payload": Payload("", "<warm-up>", b"", [])}))   # a spec's shape
-        dict(os.environ)
         _new_modules(_modules_mark())
         _in_world()           # what a result reports (torch.distributed's state, the world's rounds)
         pg_guard.rounds()

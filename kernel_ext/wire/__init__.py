@@ -28,30 +28,18 @@ from jupyter_client.session import Session
 _LEN = struct.Struct("<Q")
 
 
-#: Random bytes from the OS not handed out yet, and the process they were drawn in.
-_pool: tuple = (0, b"")
-
-
 def new_key() -> bytes:
-    """A fresh random HMAC key (hex, as Jupyter's connection files use).
-
-    Drawn from the OS 16 keys at a time: a cell's way to its ranks makes
-    one syscall fewer (each lets the kernel's other threads take the GIL).
-    A forked child draws its own, never its parent's next keys."""
-    global _pool
-    pid, left = _pool
-    if pid != os.getpid() or len(left) < 32:
-        pid, left = os.getpid(), secrets.token_bytes(32 * 16)
-    _pool = (pid, left[32:])
-    return left[:32].hex().encode()
+    """A fresh random HMAC key (hex, as Jupyter's connection files use)."""
+    return secrets.token_hex(32).encode()
 
 
 _ids = random.Random()   # seeded from the OS once: a notebook's random.seed() never repeats an id
 
 
 def new_id(chars: int = 12) -> str:
-    """A random hex id (a run's, a log folder's), unique among a kernel's runs;
-    not a secret, so no syscall (see :func:`new_key`)."""
+    """A random hex id the kernel gives a run, a session or a log folder:
+    unique among its runs, not a secret, so no syscall (``os.urandom`` lets
+    the kernel's other threads take the GIL on a cell's way to its ranks)."""
     return f"{_ids.getrandbits(4 * chars):0{chars}x}"
 
 
